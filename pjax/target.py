@@ -1,0 +1,87 @@
+"""The target model as a value: `Target(config, graphdef, params)` and pure functions over it.
+
+A `Target` is a pytree (params are leaves, config and graphdef are static), so it can be passed
+straight into `jax.jit` / `jax.vmap`d functions.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from pjax.config import ModelConfig
+from pjax.models.transformer import ForwardOutput, Transformer
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    config: ModelConfig
+    graphdef: Any
+    params: Any  # pure dict matching nnx.split(Transformer)[1]
+
+    @property
+    def module(self) -> Transformer:
+        """The NNX module view (cheap inside jit; outside jit prefer the pure functions)."""
+        return nnx.merge(self.graphdef, self.params)
+
+    @property
+    def dtype(self):
+        return self.params["embed_tokens"]["embedding"].dtype
+
+
+jax.tree_util.register_dataclass(Target, data_fields=["params"], meta_fields=["config", "graphdef"])
+
+
+def abstract_target(config: ModelConfig, dtype=jnp.float32) -> Target:
+    """A Target whose params are ShapeDtypeStructs (no memory): the loader fills and checks them."""
+    model = nnx.eval_shape(lambda: Transformer(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(model)
+    return Target(config, graphdef, nnx.to_pure_dict(state))
+
+
+def init_target(config: ModelConfig, key, dtype=jnp.float32, scale: float = 0.02) -> Target:
+    """Random target (benchmarks, tests): normal(0, scale) matrices, ones for norms, zeros for biases."""
+    abstract = abstract_target(config.validate(), dtype)
+    leaves, treedef = jax.tree.flatten_with_path(abstract.params)
+    keys = jax.random.split(key, len(leaves))
+
+    def fill(path, leaf, k):
+        name = str(path[-1].key) if hasattr(path[-1], "key") else str(path[-1])
+        if name == "weight" or name == "layer_scalar":
+            return jnp.ones(leaf.shape, leaf.dtype)
+        if "bias" in name or name == "sinks":
+            return jnp.zeros(leaf.shape, leaf.dtype)
+        return (scale * jax.random.normal(k, leaf.shape, jnp.float32)).astype(leaf.dtype)
+
+    params = jax.tree.unflatten(treedef, [fill(p, l, k) for (p, l), k in zip(leaves, keys)])
+    return Target(config, abstract.graphdef, params)
+
+
+def forward(target: Target, tokens, positions, cache=None, *, valid=None, aux_layer_ids=(),
+            return_final=False) -> ForwardOutput:
+    """Run the target over tokens [B, T] at absolute positions [B, T].
+
+    With `cache` (list of LayerKV, see `pjax.cache.init_cache`) this is the cached extend: the new
+    K/V are written at their positions and each query attends to every cached position <= its own
+    (sliding windows and sinks honoured). Rows may have different positions (ragged batches).
+    `valid` [B, T] marks real tokens (padding writes no KV and is hidden from other tokens).
+    """
+    return target.module(tokens, positions, cache, valid=valid, aux_layer_ids=tuple(aux_layer_ids),
+                         return_final=return_final)
+
+
+def logits_from_hidden(target: Target, hidden):
+    """hidden [..., H] after the final norm -> float32 logits [..., V]."""
+    return target.module.logits(hidden)
+
+
+@jax.jit
+def target_logits(target: Target, input_ids):
+    """Float32 logits [B, T, V] of a plain causal forward over input_ids [B, T]."""
+    input_ids = jnp.asarray(input_ids, jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1], dtype=jnp.int32), input_ids.shape)
+    out = forward(target, input_ids, positions)
+    return logits_from_hidden(target, out.hidden)
