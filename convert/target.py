@@ -7,11 +7,13 @@ Names are derived from the parameter tree: `layers.{i}.self_attn.q_proj.kernel` 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from convert.errors import CheckpointError
@@ -24,19 +26,40 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 NATIVE_MARKER = "pjax_target.json"
 
 
+FP4_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                    np.float32)
+_NATIVE_FLOATS = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+
+
+def should_convert_module(module: str, patterns) -> bool:
+    """transformers' rule for `modules_to_not_convert`: a pattern excludes a module when it matches as a
+    prefix (regex `re.match`, with or without a following '.') or is a suffix of the module name."""
+    return not any(re.match(f"{p}\\.", module) or re.match(p, module) or module.endswith(p) for p in patterns or ())
+
+
 class TensorSource:
-    """Reads HF tensors as float32/int numpy, dequantising FP8 block-scaled weights transparently."""
+    """Reads HF tensors, dequantising FP8 block-scaled weights and MXFP4 experts transparently.
+
+    Unquantised float tensors keep their stored dtype (float32 / float16 / bfloat16); dequantised ones
+    come back as float32. `consumed` records every tensor name read, for the strict unused-key check.
+    """
 
     def __init__(self, ckpt: Checkpoint, quant: Optional[dict]):
-        self.ckpt, self.quant, self.consumed = ckpt, quant or {}, set()
-        method = self.quant.get("quant_method")
-        if method not in (None, "fp8", "mxfp4"):
-            raise CheckpointError(f"{ckpt.dir / 'config.json'}: quantization_config.quant_method {method!r} "
+        self.ckpt, self.quant, self.consumed = ckpt, dict(quant or {}), set()
+        self.where = ckpt.dir / "config.json"
+        self.method = self.quant.get("quant_method")
+        if self.method not in (None, "fp8", "mxfp4"):
+            raise CheckpointError(f"{self.where}: quantization_config.quant_method {self.method!r} "
                                   "is not supported (supported: fp8 block-scaled, mxfp4)")
-        self.block = tuple(self.quant.get("weight_block_size") or (128, 128))
-        if method == "fp8" and self.quant.get("activation_scheme", "dynamic") != "dynamic":
-            raise CheckpointError(f"{ckpt.dir / 'config.json'}: fp8 activation_scheme "
+        block = self.quant.get("weight_block_size", (128, 128) if self.method == "fp8" else None)
+        if block is not None and (len(block) != 2 or min(block) < 1):
+            raise CheckpointError(f"{self.where}: quantization_config.weight_block_size {block!r} must be two "
+                                  "positive integers")
+        self.block = None if block is None else tuple(int(x) for x in block)
+        if self.method == "fp8" and self.quant.get("activation_scheme", "dynamic") != "dynamic":
+            raise CheckpointError(f"{self.where}: fp8 activation_scheme "
                                   f"{self.quant.get('activation_scheme')!r} is not supported (expected 'dynamic')")
+        self.not_convert = list(self.quant.get("modules_to_not_convert") or [])
 
     def has(self, name) -> bool:
         return name in self.ckpt
@@ -50,8 +73,7 @@ class TensorSource:
         self.consumed.add(name)
         return self.ckpt.get(name)
 
-    def read(self, name, expected_shape: tuple[int, ...]) -> np.ndarray:
-        """Tensor `name` as float32 (dequantised if it has an FP8 `weight_scale_inv`), shape-checked."""
+    def _check(self, name, expected_shape):
         if name not in self.ckpt:
             raise CheckpointError(f"{self.ckpt.dir}: tensor {name!r} is missing (expected shape "
                                   f"{list(expected_shape)})")
@@ -59,24 +81,89 @@ class TensorSource:
         if tuple(found) != tuple(expected_shape):
             raise CheckpointError(f"{self.ckpt.file_of(name)}: tensor {name!r} has shape {list(found)}, "
                                   f"expected {list(expected_shape)}")
+
+    def read(self, name, expected_shape: tuple[int, ...]) -> np.ndarray:
+        """Tensor `name`, shape-checked; FP8 weights with a `<name>_scale_inv` sibling are dequantised to
+        float32 (block size from quantization_config.weight_block_size, per-tensor when it is null)."""
+        self._check(name, expected_shape)
         arr = self.raw(name)
         scale_name = name + "_scale_inv"
+        module = name[:-len(".weight")] if name.endswith(".weight") else name
         if scale_name in self.ckpt:
-            arr = dequant_fp8_block(arr, self.raw(scale_name), self.block, name)
-        elif arr.dtype.itemsize == 1 and arr.dtype.kind not in "iub":
+            if self.method != "fp8":
+                raise CheckpointError(f"{self.ckpt.file_of(name)}: tensor {name!r} has a block scale "
+                                      f"{scale_name!r} but {self.where} quant_method is {self.method!r} "
+                                      "(expected 'fp8')")
+            if not should_convert_module(module, self.not_convert):
+                raise CheckpointError(f"{self.ckpt.file_of(name)}: {module!r} is listed in "
+                                      "quantization_config.modules_to_not_convert but is stored FP8-quantised")
+            block = self.block or tuple(arr.shape[-2:])
+            try:
+                return dequant_fp8_block(arr, self.raw(scale_name), block, name)
+            except CheckpointError as e:
+                raise CheckpointError(f"{self.ckpt.file_of(scale_name)}: {e}") from None
+        if arr.dtype.itemsize == 1 and arr.dtype.kind not in "iub":
             raise CheckpointError(f"{self.ckpt.file_of(name)}: FP8 tensor {name!r} has no {scale_name!r}")
-        return arr if arr.dtype.kind in "iub" else np.asarray(arr, np.float32)
+        if arr.dtype.kind in "iub" or arr.dtype in _NATIVE_FLOATS:
+            return arr
+        return np.asarray(arr, np.float32)
+
+    def read_mxfp4(self, name, runtime_shape: tuple[int, int, int], out_dtype=np.float32) -> np.ndarray:
+        """MXFP4 experts `<name>_blocks` uint8 [E, out, in/32, 16] + `<name>_scales` uint8 [E, out, in/32]
+        -> runtime layout [E, in, out] (transformers' `x @ W` layout) in `out_dtype`."""
+        if self.method != "mxfp4":
+            raise CheckpointError(f"{self.ckpt.file_of(name + '_blocks')}: tensor {name + '_blocks'!r} is MXFP4 but "
+                                  f"{self.where} quant_method is {self.method!r} (expected 'mxfp4')")
+        e, din, dout = runtime_shape
+        if din % 32:
+            raise CheckpointError(f"{self.ckpt.file_of(name + '_blocks')}: {name!r} input dim {din} is not a "
+                                  "multiple of the MXFP4 block (32)")
+        self._check(name + "_blocks", (e, dout, din // 32, 16))
+        self._check(name + "_scales", (e, dout, din // 32))
+        blocks, scales = self.raw(name + "_blocks"), self.raw(name + "_scales")
+        for tname, t in ((name + "_blocks", blocks), (name + "_scales", scales)):
+            if t.dtype != np.uint8:
+                raise CheckpointError(f"{self.ckpt.file_of(tname)}: tensor {tname!r} has dtype {t.dtype}, "
+                                      "expected uint8")
+        out = np.empty((e, din, dout), out_dtype)
+        for x in range(e):  # one expert at a time bounds the float32 temporary
+            out[x] = dequant_mxfp4(blocks[x], scales[x]).T
+        return out
+
+
+def dequant_mxfp4(blocks, scales) -> np.ndarray:
+    """blocks uint8 [..., G, 16] (low nibble = even element), scales uint8 [..., G] (E8M0, bias 127)
+    -> float32 [..., G * 32]: FP4-E2M1 value * 2 ** (scale - 127)."""
+    blocks = np.asarray(blocks, np.uint8)
+    vals = np.stack([FP4_E2M1[blocks & 0x0F], FP4_E2M1[blocks >> 4]], axis=-1)  # [..., G, 16, 2]
+    vals = vals.reshape(*blocks.shape[:-1], 32)
+    vals = np.ldexp(vals, np.asarray(scales, np.int32)[..., None] - 127)
+    return vals.reshape(*blocks.shape[:-2], -1).astype(np.float32)
+
+
+def _scale_values(scale_inv) -> np.ndarray:
+    """Block scales as float32: float tensors as-is, uint8 as E8M0 exponents (2 ** (b - 127))."""
+    s = np.asarray(scale_inv)
+    if s.dtype == np.uint8:
+        return np.ldexp(np.float32(1), s.astype(np.int32) - 127).astype(np.float32)
+    return s.astype(np.float32)
 
 
 def dequant_fp8_block(w, scale_inv, block, name=""):
-    """FP8 weight [out, in] x per-block scale [ceil(out/bo), ceil(in/bi)] -> float32 [out, in]."""
+    """FP8 weight [..., out, in] x per-block scale [..., ceil(out/bo), ceil(in/bi)] -> float32 [..., out, in].
+
+    Element (r, c) is multiplied by scale[r // bo, c // bi] (the FP8 kernels' convention; equals
+    transformers' dequantisation whenever the block divides the weight)."""
     bo, bi = block
-    out_dim, in_dim = w.shape
-    want = (-(-out_dim // bo), -(-in_dim // bi))
-    if tuple(scale_inv.shape) != want:
-        raise CheckpointError(f"tensor {name + '_scale_inv'!r} has shape {list(scale_inv.shape)}, expected "
+    *lead, out_dim, in_dim = w.shape
+    want = (*lead, -(-out_dim // bo), -(-in_dim // bi))
+    s = _scale_values(scale_inv)
+    if s.size == 1 and want[-2:] == (1, 1):
+        s = s.reshape(want)
+    if tuple(s.shape) != want:
+        raise CheckpointError(f"tensor {name + '_scale_inv'!r} has shape {list(s.shape)}, expected "
                               f"{list(want)} for a {list(w.shape)} weight with {bo}x{bi} blocks")
-    s = np.repeat(np.repeat(np.asarray(scale_inv, np.float32), bo, 0), bi, 1)[:out_dim, :in_dim]
+    s = np.repeat(np.repeat(s, bo, -2), bi, -1)[..., :out_dim, :in_dim]
     return np.asarray(w, np.float32) * s
 
 
@@ -85,22 +172,65 @@ Hook = Callable[[tuple, tuple, TensorSource, str, ModelConfig], Optional[np.ndar
 HOOKS: dict[str, Hook] = {}
 
 
+def _moe_param(path):
+    """('layers', i, 'mlp', name) -> (i, name) for stacked-expert params, else None."""
+    if len(path) == 4 and path[0] == "layers" and path[2] == "mlp":
+        return path[1], path[3]
+    return None
+
+
 def _qwen3_moe_hook(path, shape, src: TensorSource, prefix, cfg):
-    if len(path) != 4 or path[0] != "layers" or path[2] != "mlp":
+    """Experts from per-expert `experts.{e}.{gate,up,down}_proj.weight` (what save_pretrained writes) or
+    the fused runtime layout `experts.gate_up_proj [E, 2I, H]` / `experts.down_proj [E, H, I]`."""
+    hit = _moe_param(path)
+    if hit is None or hit[1] not in ("gate_up", "down"):
         return None
-    layer, name = path[1], path[3]
-    base = f"{prefix}layers.{layer}.mlp"
+    base = f"{prefix}layers.{hit[0]}.mlp.experts"
     e, h, i = cfg.moe.num_experts, cfg.hidden_size, cfg.moe.intermediate_size
-    if name == "gate_up":  # per expert gate/up [I, H] -> stacked [E, H, 2I]
-        return np.stack([np.concatenate([src.read(f"{base}.experts.{x}.gate_proj.weight", (i, h)).T,
-                                         src.read(f"{base}.experts.{x}.up_proj.weight", (i, h)).T], axis=1)
+    if hit[1] == "gate_up":  # pjax [E, H, 2I]: gate half, then up half
+        if src.has(f"{base}.gate_up_proj"):
+            return src.read(f"{base}.gate_up_proj", (e, 2 * i, h)).transpose(0, 2, 1)
+        return np.stack([np.concatenate([src.read(f"{base}.{x}.gate_proj.weight", (i, h)).T,
+                                         src.read(f"{base}.{x}.up_proj.weight", (i, h)).T], axis=1)
                          for x in range(e)])
-    if name == "down":
-        return np.stack([src.read(f"{base}.experts.{x}.down_proj.weight", (h, i)).T for x in range(e)])
+    if src.has(f"{base}.down_proj"):
+        return src.read(f"{base}.down_proj", (e, h, i)).transpose(0, 2, 1)
+    return np.stack([src.read(f"{base}.{x}.down_proj.weight", (h, i)).T for x in range(e)])
+
+
+def _deinterleave(x):
+    """[..., 2I] with gate at even and up at odd columns -> [..., 2I] = [gate | up]."""
+    return np.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+
+
+def _gpt_oss_hook(path, shape, src: TensorSource, prefix, cfg):
+    """Experts in the runtime layout `experts.gate_up_proj [E, H, 2I]` (interleaved gate/up),
+    `experts.down_proj [E, I, H]`, or MXFP4 `*_blocks`/`*_scales`; biases `*_proj_bias`. The router
+    (`mlp.router.{weight,bias}`) follows the default rules."""
+    hit = _moe_param(path)
+    if hit is None:
+        return None
+    base = f"{prefix}layers.{hit[0]}.mlp.experts"
+    e, h, i = cfg.moe.num_experts, cfg.hidden_size, cfg.moe.intermediate_size
+
+    def experts(name, rshape):
+        if src.has(name + "_blocks") or src.has(name + "_scales"):
+            return src.read_mxfp4(name, rshape, np.float32)
+        return src.read(name, rshape)
+
+    if hit[1] == "gate_up":
+        return _deinterleave(experts(f"{base}.gate_up_proj", (e, h, 2 * i)))
+    if hit[1] == "gate_up_bias":
+        return _deinterleave(src.read(f"{base}.gate_up_proj_bias", (e, 2 * i)))
+    if hit[1] == "down":
+        return experts(f"{base}.down_proj", (e, i, h))
+    if hit[1] == "down_bias":
+        return src.read(f"{base}.down_proj_bias", (e, h))
     return None
 
 
 HOOKS["qwen3_moe"] = _qwen3_moe_hook
+HOOKS["gpt_oss"] = _gpt_oss_hook
 
 # Module-name exceptions per family: pjax path fragment -> HF fragment.
 RENAMES = {"qwen3_moe": {"mlp.router": "mlp.gate"}, "gpt_oss": {}}
@@ -132,6 +262,11 @@ def detect_prefix(ckpt: Checkpoint) -> str:
                           "'model.language_model.', '')")
 
 
+def _other_tower(name: str, prefix: str) -> bool:
+    """Multimodal checkpoints (text stack under `model.language_model.`): vision/audio towers are not ours."""
+    return prefix == "model.language_model." and not name.startswith(prefix) and name != "lm_head.weight"
+
+
 def read_hf_config(path) -> dict:
     cfg_path = Path(path) / "config.json"
     if not cfg_path.exists():
@@ -142,7 +277,11 @@ def read_hf_config(path) -> dict:
         raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
 
 
-def load_hf_params(path, cfg: ModelConfig, hf: dict, dtype) -> Target:
+def load_hf_params(path, cfg: ModelConfig, hf: dict, dtype, *, materialize: bool = True,
+                   check_finite: bool = False) -> Target:
+    """Read every parameter of `cfg` from the HF directory `path` (strict: missing, misshapen or unused
+    tensors raise CheckpointError). materialize=False validates only (params become ShapeDtypeStructs);
+    check_finite also rejects NaN/inf values."""
     ckpt = Checkpoint(path)
     src = TensorSource(ckpt, hf.get("quantization_config"))
     prefix = detect_prefix(ckpt)
@@ -160,13 +299,16 @@ def load_hf_params(path, cfg: ModelConfig, hf: dict, dtype) -> Target:
             arr = arr.T if transpose else arr
         if tuple(arr.shape) != tuple(leaf.shape):
             raise CheckpointError(f"{path}: produced shape {list(arr.shape)}, expected {list(leaf.shape)}")
-        out.append(jnp.asarray(arr, dtype))
+        if check_finite and arr.dtype.kind not in "iub" and not np.isfinite(np.asarray(arr, np.float32)).all():
+            raise CheckpointError(f"{ckpt.dir}: parameter {'.'.join(map(str, path))} has non-finite values")
+        out.append(jnp.asarray(arr, dtype) if materialize else jax.ShapeDtypeStruct(leaf.shape, jnp.dtype(dtype)))
     if cfg.tie_word_embeddings and "lm_head.weight" in ckpt:
         emb = src.raw(f"{prefix}embed_tokens.weight")
         if not np.array_equal(np.asarray(src.raw("lm_head.weight"), np.float32), np.asarray(emb, np.float32)):
             raise CheckpointError(f"{ckpt.file_of('lm_head.weight')}: tie_word_embeddings is true but "
                                   "lm_head.weight differs from embed_tokens.weight")
-    extra = sorted(k for k in ckpt.keys() if k not in src.consumed and not k.endswith(IGNORED_SUFFIXES))
+    extra = sorted(k for k in ckpt.keys() if k not in src.consumed and not k.endswith(IGNORED_SUFFIXES)
+                   and not _other_tower(k, prefix))
     if extra:
         raise CheckpointError(f"{ckpt.dir}: {len(extra)} unexpected tensor(s) for model_type "
                               f"{cfg.model_type!r}: {extra[:8]}{' ...' if len(extra) > 8 else ''}")

@@ -67,7 +67,11 @@ def attention(q, k, v, q_pos, kv_pos, *, scale: float, window: Optional[int] = N
     kv_valid [B, S]. An explicit `mask` [B, T, S] replaces all of these (drafter training layouts).
     sinks [nh]: one learned logit per head added to the softmax denominator (GPT-OSS).
     Returns [B, T, nh, hd] in q's dtype.
+    A structured `mask` (an object with an `attend(q, k, v, *, scale, window, sinks)` method, e.g. the
+    memory-bounded training masks of `pjax.train.attention`) computes the attention itself.
     """
+    if mask is not None and hasattr(mask, "attend"):
+        return mask.attend(q, k, v, scale=scale, window=window, sinks=sinks)
     b, t, nh, hd = q.shape
     nkv = k.shape[2]
     g = nh // nkv

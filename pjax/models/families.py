@@ -5,6 +5,7 @@ Each parser is strict: a missing required key, an unsupported option or an incon
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 from pjax.config import ConfigError, LayerSpec, ModelConfig, MoeSpec, RopeSpec
@@ -119,31 +120,160 @@ def parse_qwen3(hf: dict) -> ModelConfig:
     return _common(hf, window_key_on=bool(hf.get("use_sliding_window", False)), qk_norm=True)
 
 
+def _num_experts(hf: dict, where: str = "config.json") -> int:
+    """`num_experts` (attribute name) or `num_local_experts` (what transformers writes)."""
+    for key in ("num_experts", "num_local_experts"):
+        if hf.get(key) is not None:
+            return int(hf[key])
+    raise ConfigError(f"{where}: required key 'num_local_experts' (or 'num_experts') is missing")
+
+
 def parse_qwen3_moe(hf: dict) -> ModelConfig:
     cfg = _common(hf, window_key_on=bool(hf.get("use_sliding_window", False)), qk_norm=True)
-    n = cfg.num_layers
+    window = None
+    if hf.get("use_sliding_window") and hf.get("sliding_window"):
+        window = int(hf["sliding_window"])  # Qwen3-MoE applies the window on every layer when enabled
     mlp_only = set(hf.get("mlp_only_layers") or [])
     step = int(hf.get("decoder_sparse_step", 1) or 1)
-    e = int(require(hf, "num_experts"))
+    e = _num_experts(hf)
     moe = MoeSpec(num_experts=e, top_k=int(require(hf, "num_experts_per_tok")),
                   intermediate_size=int(require(hf, "moe_intermediate_size")), router="softmax_topk",
-                  norm_topk_prob=bool(hf.get("norm_topk_prob", True)))
-    if moe.top_k > e:
-        raise ConfigError(f"config.json: num_experts_per_tok={moe.top_k} exceeds num_experts={e}")
+                  norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
+    if not 0 < moe.top_k <= e:
+        raise ConfigError(f"config.json: num_experts_per_tok={moe.top_k} must be in [1, num_experts={e}]")
     layers = tuple(
-        LayerSpec(s.head_dim, s.num_kv_heads, s.rope, s.sliding_window,
-                  moe=(i not in mlp_only and e > 0 and (i + 1) % step == 0))
+        dataclasses.replace(s, sliding_window=window or s.sliding_window,
+                            moe=(i not in mlp_only and e > 0 and (i + 1) % step == 0))
         for i, s in enumerate(cfg.layers))
     if any(not s.moe for s in layers) and not cfg.intermediate_size:
         raise ConfigError("config.json: dense layers present but intermediate_size is missing")
-    import dataclasses
     return dataclasses.replace(cfg, layers=layers, moe=moe)
+
+
+def parse_gpt_oss(hf: dict) -> ModelConfig:
+    """GPT-OSS: sinks, alternating sliding/full layers, YaRN, biases, top-k-then-softmax router with bias,
+    interleaved clamped SwiGLU experts with biases, fp32 norm multiply."""
+    hf = dict(hf)
+    if not hf.get("rope_parameters") and not hf.get("rope_scaling"):  # transformers' GptOssConfig default
+        hf["rope_parameters"] = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                 "truncate": False, "original_max_position_embeddings": 4096}
+    if hf.get("rope_parameters") and "rope_theta" not in hf["rope_parameters"]:
+        hf["rope_parameters"] = dict(hf["rope_parameters"], rope_theta=hf.get("rope_theta", 150000.0))
+    hf.setdefault("rope_theta", 150000.0)
+    n = int(require(hf, "num_hidden_layers"))
+    if not hf.get("layer_types"):
+        hf["layer_types"] = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+    hf.setdefault("sliding_window", 128)
+    hf.setdefault("attention_bias", True)
+    e = _num_experts(hf)
+    inter = int(require(hf, "intermediate_size"))
+    moe = MoeSpec(num_experts=e, top_k=int(require(hf, "num_experts_per_tok")), intermediate_size=inter,
+                  router="topk_softmax", norm_topk_prob=False, router_bias=True, expert_bias=True)
+    if not 0 < moe.top_k <= e:
+        raise ConfigError(f"config.json: num_experts_per_tok={moe.top_k} must be in [1, num_local_experts={e}]")
+    cfg = _common(hf, sinks=True, norm_fp32_multiply=True, mlp_act="gptoss", moe=moe,
+                  rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+                  swiglu_limit=float(hf.get("swiglu_limit", 7.0)), swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)))
+    return dataclasses.replace(cfg, layers=tuple(dataclasses.replace(s, moe=True) for s in cfg.layers))
+
+
+def _gemma4_rope(hf: dict, layer_type: str, where: str) -> RopeSpec:
+    params = hf.get("rope_parameters") or {}
+    if layer_type in params or "full_attention" in params or "sliding_attention" in params:
+        params = params.get(layer_type)
+        if params is None:
+            raise ConfigError(f"{where}: rope_parameters has no entry for {layer_type!r}")
+    elif not params:
+        params = ({"rope_type": "default", "rope_theta": 10000.0} if layer_type == "sliding_attention" else
+                  {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0})
+    return rope_from_hf({"rope_parameters": dict(params),
+                         "max_position_embeddings": hf.get("max_position_embeddings", 8192)}, where)
+
+
+def parse_gemma4_text(hf: dict, where: str = "config.json") -> ModelConfig:
+    """Gemma 4 text stack (dense MLP): plain RMSNorm (fp32 multiply), q/k/v norms, scale 1.0, sandwich
+    norms, layer_scalar, sqrt(H)-scaled embeddings, GeGLU-tanh, final logit softcap, and per-layer
+    geometry: full-attention layers use `per_layer_config` (or `global_head_dim` /
+    `num_global_key_value_heads`), proportional RoPE and, with `attention_k_eq_v`, V = v_norm(k_proj(x))."""
+    n = int(require(hf, "num_hidden_layers", where))
+    nh = int(require(hf, "num_attention_heads", where))
+    nkv = int(hf.get("num_key_value_heads") or nh)
+    hd = int(hf.get("head_dim") or 256)
+    h = int(require(hf, "hidden_size", where))
+    for key, bad in (("hidden_size_per_layer_input", "per-layer embeddings (PLE)"),
+                     ("num_kv_shared_layers", "KV sharing between layers"),
+                     ("enable_moe_block", "the Gemma 4 MoE block")):
+        if hf.get(key):
+            raise ConfigError(f"{where}: {key}={hf[key]!r} is not supported ({bad}); only dense Gemma 4 text "
+                              "models without PLE / KV sharing are")
+    if hf.get("use_bidirectional_attention") == "all":
+        raise ConfigError(f"{where}: use_bidirectional_attention='all' is not supported (causal decoder only)")
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ConfigError(f"{where}: hidden_activation {act!r} is not supported (expected 'gelu_pytorch_tanh')")
+    types = list(hf.get("layer_types") or ["sliding_attention" if (i + 1) % 6 else "full_attention"
+                                           for i in range(n)])
+    if len(types) != n:
+        raise ConfigError(f"{where}: layer_types has {len(types)} entries, expected num_hidden_layers={n}")
+    bad = set(types) - {"full_attention", "sliding_attention"}
+    if bad:
+        raise ConfigError(f"{where}: unsupported layer_types {sorted(bad)}")
+    types[-1] = "full_attention"  # transformers forces the last layer to full attention
+    k_eq_v = bool(hf.get("attention_k_eq_v", False))
+    overrides = {int(k): dict(v) for k, v in (hf.get("per_layer_config") or {}).items()}
+    if not hf.get("per_layer_config"):
+        glob = {"head_dim": int(hf.get("global_head_dim") or 512)}
+        if k_eq_v and hf.get("num_global_key_value_heads"):
+            glob["num_key_value_heads"] = int(hf["num_global_key_value_heads"])
+        overrides = {i: glob for i, t in enumerate(types) if t == "full_attention"}
+    for i, o in overrides.items():
+        if not 0 <= i < n:
+            raise ConfigError(f"{where}: per_layer_config names layer {i}, outside [0, {n})")
+        unknown = set(o) - {"head_dim", "num_key_value_heads"}
+        if unknown:
+            raise ConfigError(f"{where}: per_layer_config[{i}] overrides {sorted(unknown)}; only head_dim and "
+                              "num_key_value_heads are supported")
+    window = hf.get("sliding_window")
+    ropes = {t: _gemma4_rope(hf, t, where) for t in set(types)}
+    layers = []
+    for i, t in enumerate(types):
+        o = overrides.get(i, {})
+        if t == "sliding_attention" and not window:
+            raise ConfigError(f"{where}: layer {i} is sliding_attention but sliding_window is {window!r}")
+        layers.append(LayerSpec(head_dim=int(o.get("head_dim", hd)), num_kv_heads=int(o.get("num_key_value_heads", nkv)),
+                                rope=ropes[t], sliding_window=int(window) if t == "sliding_attention" else None,
+                                k_eq_v=k_eq_v and t == "full_attention"))
+    cap = hf.get("final_logit_softcapping")
+    return ModelConfig(
+        model_type="gemma4_text", vocab_size=int(require(hf, "vocab_size", where)), hidden_size=h,
+        intermediate_size=int(require(hf, "intermediate_size", where)), num_heads=nh, layers=tuple(layers),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), norm_fp32_multiply=True, qk_norm=True, v_norm=True,
+        attention_bias=bool(hf.get("attention_bias", False)), attn_scale=1.0, mlp_act="gelu_tanh",
+        sandwich_norms=True, layer_scalar=True, embed_scale=float(h) ** 0.5,
+        final_logit_softcap=float(cap) if cap else None,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)), aux_layer_ids=_aux_ids(hf))
+
+
+def parse_gemma4(hf: dict) -> ModelConfig:
+    """Multimodal Gemma 4 config: the text stack is `text_config` (weights under model.language_model.)."""
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError("config.json: model_type 'gemma4' needs a 'text_config' object")
+    text = dict(text)
+    if "tie_word_embeddings" in hf and "tie_word_embeddings" not in text:
+        text["tie_word_embeddings"] = hf["tie_word_embeddings"]
+    if not text.get("eagle_aux_hidden_state_layer_ids") and _aux_ids(hf):
+        text["eagle_aux_hidden_state_layer_ids"] = list(_aux_ids(hf))
+    return parse_gemma4_text(text, "config.json text_config")
 
 
 PARSERS: dict[str, Callable[[dict], ModelConfig]] = {
     "llama": parse_llama,
     "qwen3": parse_qwen3,
     "qwen3_moe": parse_qwen3_moe,
+    "gpt_oss": parse_gpt_oss,
+    "gemma4_text": parse_gemma4_text,
+    "gemma4": parse_gemma4,
 }
 
 

@@ -1,0 +1,213 @@
+"""Drafting: parallel (P-EAGLE, one drafter pass) and sequential (EAGLE-3, K passes) proposals.
+
+Pairing convention (EAGLE shift): the drafter slot at absolute position p holds (token x_{p+1},
+combined target feature g_p); its output predicts x_{p+2}. Drafter KV index = absolute position.
+Shapes: B rows, K drafts, T verify rows (K + 1), S slots, H drafter hidden, Vd draft vocab, V target vocab.
+"""
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+from pjax.decode.state import EngineSpec, Sampling
+
+# counter-hash stream for draft sampling (distinct from the acceptance streams)
+DRAFT_STREAM = 0x44
+
+
+def _drafter_api():
+    from pjax.models import drafter as dm
+    return dm
+
+
+def check_compatible(target, drafter, k: int, drafting: str) -> tuple[int, ...]:
+    """Host-side checks of a (target, drafter) pair; returns the aux layer ids the drafter reads."""
+    tcfg = target.config
+    if drafter is None:
+        raise ValueError(f"drafting={drafting!r} needs a drafter (pass drafting='none' for plain decoding)")
+    dcfg = drafter.config
+    if dcfg.layer.vocab_size != tcfg.vocab_size:
+        raise ValueError(f"drafter vocab_size={dcfg.layer.vocab_size} != target vocab_size={tcfg.vocab_size}: "
+                         "the drafter embeds target token ids")
+    if dcfg.target_hidden_size != tcfg.hidden_size:
+        raise ValueError(f"drafter target_hidden_size={dcfg.target_hidden_size} != target hidden_size="
+                         f"{tcfg.hidden_size}")
+    aux = tuple(dcfg.aux_layer_ids) or tuple(tcfg.aux_layer_ids) or tcfg.default_aux_layer_ids()
+    if len(aux) != dcfg.num_aux:
+        raise ValueError(f"drafter expects {dcfg.num_aux} aux features but aux_layer_ids={aux}")
+    bad = [i for i in aux if not 0 <= i <= tcfg.num_layers]
+    if bad:
+        raise ValueError(f"aux_layer_ids {aux}: {bad} outside the target's layers [0, {tcfg.num_layers}]")
+    if dcfg.draft_vocab_size > tcfg.vocab_size:
+        raise ValueError(f"draft_vocab_size={dcfg.draft_vocab_size} > target vocab_size={tcfg.vocab_size}")
+    if drafting == "parallel" and k > 1:
+        if not dcfg.has_mask_hidden or dcfg.mask_token_id is None:
+            raise ValueError("drafting='parallel' with num_speculative_tokens > 1 needs a P-EAGLE head "
+                             "(mask_hidden and mask_token_id); this head has none: use drafting='sequential'")
+        if not 0 <= dcfg.mask_token_id < tcfg.vocab_size:
+            raise ValueError(f"mask_token_id={dcfg.mask_token_id} outside the target vocabulary [0, "
+                             f"{tcfg.vocab_size})")
+    if dcfg.num_depths is not None and drafting == "parallel" and k > dcfg.num_depths:
+        warnings.warn(f"num_speculative_tokens={k} exceeds the depth the head was trained for "
+                      f"({dcfg.num_depths}); deeper drafts will rarely be accepted", stacklevel=3)
+    return aux
+
+
+def select_drafts(drafter, logits, sampling: Sampling, positions, spec: EngineSpec):
+    """logits [B, K, Vd] f32 at draft positions [B, K] -> (drafts [B, K] target ids, q [B, K, V] f32 or None).
+
+    argmax drafts (ties -> lowest id) unless spec.draft_sampling == "sample", where rows with
+    temperature > 0 draw d ~ softmax(logits / T) by an exponential race keyed on (seed, position, lane).
+    """
+    dm = _drafter_api()
+    greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if spec.draft_sampling == "argmax":
+        return dm.draft_to_target(drafter, greedy_ids).astype(jnp.int32), None
+    from pjax.kernels import rng
+    vd = logits.shape[-1]
+    temp = sampling.temperature.astype(jnp.float32)[:, None, None]
+    greedy = temp <= 0
+    q = jax.nn.softmax(logits / jnp.where(greedy, 1.0, temp), axis=-1)
+    lanes = jnp.arange(vd, dtype=jnp.int32)
+    u = rng.uniform(sampling.seed.astype(jnp.uint32)[:, None, None], positions[:, :, None].astype(jnp.int32),
+                    lanes[None, None, :], DRAFT_STREAM)
+    sampled = jnp.argmax(q / -jnp.log(u), axis=-1).astype(jnp.int32)
+    ids = jnp.where(greedy[..., 0], greedy_ids, sampled)
+    q = jnp.where(greedy, jax.nn.one_hot(ids, vd, dtype=jnp.float32), q)
+    tids = dm.draft_to_target(drafter, ids).astype(jnp.int32)
+    return tids, dm.logits_to_target_vocab(drafter, q, fill=0.0)
+
+
+def gather_features(drafter, comb, feature_row, use_mask: bool):
+    """comb [B, T, H], feature_row [B, S] (-1 = mask feature) -> hidden_in [B, S, H]."""
+    rows = jnp.clip(feature_row - 1, 0, comb.shape[1] - 1)
+    h = jnp.take_along_axis(comb, rows[..., None], axis=1)
+    if not use_mask:
+        return h
+    mf = _drafter_api().mask_feature(drafter).astype(h.dtype)
+    return jnp.where(feature_row[..., None] >= 0, h, mf)
+
+
+def _draft_pass(drafter, tokens, hidden_in, positions, valid, cache):
+    return _drafter_api().drafter_forward(drafter, tokens, hidden_in, positions, cache, valid=valid)
+
+
+def _pick(x, idx):
+    """x [B, S, ...], idx [B, J] -> [B, J, ...]."""
+    return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
+def feedback(drafter, normed, prenorm):
+    """The hidden state an EAGLE-3 step feeds to the next one: prenorm, or normed with norm_output."""
+    return normed if drafter.config.norm_output else prenorm
+
+
+def sequential_tail(drafter, cache, first_draft, h, start_pos, active, sampling: Sampling, spec: EngineSpec,
+                    first_q):
+    """EAGLE-3 steps 2..K: feed back (previous draft, previous prenorm hidden) one position at a time.
+
+    first_draft [B] target id, h [B, H] prenorm hidden of the slot that produced it (at position
+    start_pos [B]); step i writes drafter KV at start_pos + i. Returns (drafts [B, K], q or None, cache).
+    """
+    dm = _drafter_api()
+    k = spec.k
+
+    def step(carry, i):
+        tok, hid, cache = carry
+        p = (start_pos + i)[:, None]
+        normed, prenorm, cache = _draft_pass(drafter, tok[:, None], hid[:, None], p, active[:, None], cache)
+        logits = dm.draft_logits_from_hidden(drafter, normed)  # [B, 1, Vd]
+        d, q = select_drafts(drafter, logits, sampling, p + 2, spec)
+        fed = feedback(drafter, normed, prenorm)
+        return (d[:, 0], fed[:, 0], cache), (d[:, 0], None if q is None else q[:, 0])
+
+    if k == 1:
+        return first_draft[:, None], first_q, cache
+    (_, _, cache), (ds, qs) = jax.lax.scan(step, (first_draft, h, cache), jnp.arange(1, k, dtype=jnp.int32))
+    drafts = jnp.concatenate([first_draft[:, None], ds.T], axis=1)
+    q = None if first_q is None else jnp.concatenate([first_q, jnp.moveaxis(qs, 0, 1)], axis=1)
+    return drafts, q, cache
+
+
+def draft_round(drafter, cache, comb, verify_tokens, num_accepted, next_token, start_pos, active,
+                sampling: Sampling, spec: EngineSpec):
+    """Draft K tokens after a verify round.
+
+    comb [B, K+1, H] combined target features of the verify rows; verify_tokens [B, K+1];
+    num_accepted [B]; next_token [B] (bonus / recovered, at position start_pos + n + 1);
+    start_pos [B] position of verify_tokens[:, 0]. Returns (drafts [B, K], q or None, cache).
+    """
+    from pjax.kernels.metadata import build_draft_inputs
+    k = spec.k
+    di = build_draft_inputs(num_accepted, verify_tokens, next_token, start_pos, num_slots=2 * k,
+                            mask_token_id=spec.mask_token_id, implementation=spec.implementation)
+    valid = di.valid & (di.write_pos >= 0) & active[:, None]
+    first_pos = start_pos + num_accepted + 2  # position of d_1
+    if spec.drafting == "parallel":
+        h_in = gather_features(drafter, comb, di.feature_row, use_mask=k > 1)
+        normed, _, cache = _draft_pass(drafter, di.tokens, h_in, di.positions, valid, cache)
+        logits = _drafter_api().draft_logits_from_hidden(drafter, _pick(normed, di.sample_idx))
+        pos = first_pos[:, None] + jnp.arange(k, dtype=jnp.int32)
+        drafts, q = select_drafts(drafter, logits, sampling, pos, spec)
+        return drafts, q, cache
+    # sequential: accepted + bonus slots only (the first K+1 slots hold all of them)
+    fr = di.feature_row[:, :k + 1]
+    valid = valid[:, :k + 1] & (fr >= 0)
+    h_in = gather_features(drafter, comb, fr, use_mask=False)
+    normed, prenorm, cache = _draft_pass(drafter, di.tokens[:, :k + 1], h_in, di.positions[:, :k + 1], valid,
+                                         cache)
+    n = num_accepted[:, None]
+    logits = _drafter_api().draft_logits_from_hidden(drafter, _pick(normed, n))
+    d1, q1 = select_drafts(drafter, logits, sampling, first_pos[:, None], spec)
+    return sequential_tail(drafter, cache, d1[:, 0], _pick(feedback(drafter, normed, prenorm), n)[:, 0],
+                           start_pos + num_accepted, active,
+                           sampling, spec, q1)
+
+
+def prefill_draft_inputs(prompts, lengths, first_token, k: int, mask_token_id: int):
+    """Drafter slots after prefill: slot j < L-1: (prompt[j+1], feature j); slot L-1: (first token,
+    feature L-1); slots L..L+K-2: mask token / mask feature; positions = slot index; rest padding.
+
+    prompts [B, Lp], lengths [B], first_token [B] -> tokens, feature_row (-1 = mask), positions, valid [B, S]
+    with S = Lp + K - 1.
+    """
+    b, lp = prompts.shape
+    s = lp + k - 1
+    j = jnp.arange(s, dtype=jnp.int32)[None, :]
+    L = lengths[:, None]
+    nxt = jnp.take_along_axis(prompts, jnp.clip(j + 1, 0, lp - 1), axis=1) if s > 0 else prompts
+    tokens = jnp.where(j < L - 1, nxt, jnp.where(j == L - 1, first_token[:, None], mask_token_id))
+    valid = j < L + k - 1
+    tokens = jnp.where(valid, tokens, 0).astype(jnp.int32)
+    feature_row = jnp.where(j < L, j, -1).astype(jnp.int32)
+    positions = jnp.broadcast_to(j, (b, s)).astype(jnp.int32)
+    return tokens, feature_row, positions, valid
+
+
+def draft_prefill(drafter, cache, comb, prompts, lengths, first_token, active, sampling: Sampling,
+                  spec: EngineSpec):
+    """First drafts after prefill. comb [B, Lp, H] combined prompt features; first_token [B] sits at
+    position lengths[b]. Returns (drafts [B, K], q or None, cache)."""
+    k = spec.k
+    dm = _drafter_api()
+    use_masks = spec.drafting == "parallel"
+    kk = k if use_masks else 1
+    tokens, fr, positions, valid = prefill_draft_inputs(prompts, lengths, first_token, kk, spec.mask_token_id)
+    if comb.shape[1] < tokens.shape[1]:
+        comb = jnp.pad(comb, ((0, 0), (0, tokens.shape[1] - comb.shape[1]), (0, 0)))
+    h_in = gather_features(drafter, comb, fr, use_mask=use_masks and k > 1)
+    valid = valid & active[:, None]
+    normed, prenorm, cache = _draft_pass(drafter, tokens, h_in, positions, valid, cache)
+    first_pos = lengths + 1  # position of d_1
+    if use_masks:
+        idx = (lengths - 1)[:, None] + jnp.arange(k, dtype=jnp.int32)
+        logits = dm.draft_logits_from_hidden(drafter, _pick(normed, idx))
+        return (*select_drafts(drafter, logits, sampling, first_pos[:, None] + jnp.arange(k, dtype=jnp.int32),
+                               spec), cache)
+    idx = (lengths - 1)[:, None]
+    logits = dm.draft_logits_from_hidden(drafter, _pick(normed, idx))
+    d1, q1 = select_drafts(drafter, logits, sampling, first_pos[:, None], spec)
+    return sequential_tail(drafter, cache, d1[:, 0], _pick(feedback(drafter, normed, prenorm), idx)[:, 0],
+                           lengths - 1, active, sampling, spec, q1)

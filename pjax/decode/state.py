@@ -1,0 +1,119 @@
+"""Decode state and static engine settings (pytrees / hashable dataclasses).
+
+Shapes: B rows (requests), K speculative tokens per round (0 for plain decoding), S cache capacity,
+N output buffer length (max_new_tokens + K + 1), V target vocabulary.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+
+DRAFTING_MODES = ("parallel", "sequential", "none")
+DRAFT_SAMPLING = ("argmax", "sample")
+
+# stop codes (DecodeState.stop)
+RUNNING, STOP_EOS, STOP_LENGTH, STOP_CAPACITY = 0, 1, 2, 3
+STOP_NAMES = {RUNNING: "running", STOP_EOS: "eos", STOP_LENGTH: "length", STOP_CAPACITY: "capacity"}
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSpec:
+    """Static engine settings (hashable: a static jit argument).
+
+    num_speculative_tokens: K drafts per round (0 when drafting == "none").
+    drafting: "parallel" (P-EAGLE, one drafter pass) | "sequential" (EAGLE-3, K passes) | "none".
+    draft_sampling: "argmax" (q one-hot, vLLM default) | "sample" (draft d_i ~ softmax(draft logits / T),
+      q kept for verification; greedy rows still use argmax).
+    aux_layer_ids: target layers whose entering residual streams feed the drafter (() for "none").
+    mask_token_id: the P-EAGLE mask token (target vocabulary id), 0 when unused.
+    implementation: passed to the acceptance / metadata ops ("xla" | "pallas" | "auto").
+    use_top_k / use_top_p: compile the truncation (a vocabulary sort per position) only when some row
+      asks for it; rows with top_k = 0 / top_p = 1 are unaffected either way.
+    """
+    num_speculative_tokens: int
+    drafting: str
+    max_new_tokens: int
+    eos_token_ids: tuple[int, ...] = ()
+    draft_sampling: str = "argmax"
+    aux_layer_ids: tuple[int, ...] = ()
+    mask_token_id: int = 0
+    implementation: str = "auto"
+    use_top_k: bool = False
+    use_top_p: bool = False
+
+    @property
+    def k(self) -> int:
+        return self.num_speculative_tokens
+
+    @property
+    def out_len(self) -> int:
+        """Output buffer length: a round may emit up to K + 1 tokens past max_new_tokens - 1."""
+        return self.max_new_tokens + self.k + 1
+
+
+@dataclasses.dataclass
+class Sampling:
+    """Per-row sampling parameters (pytree; all [B], or scalars for the single-sequence API).
+
+    temperature f32 (0 => greedy), top_k i32 (0 => off), top_p f32 (1 => off), seed u32 (the counter
+    hash key: with positions it fixes every random draw, independent of batch composition).
+    """
+    temperature: Any
+    top_k: Any
+    top_p: Any
+    seed: Any
+
+
+jax.tree_util.register_dataclass(Sampling, data_fields=["temperature", "top_k", "top_p", "seed"], meta_fields=[])
+
+
+@dataclasses.dataclass
+class DecodeState:
+    """Everything a round reads and writes; every leaf has the batch axis first.
+
+    target_cache: list[LayerKV] k/v [B, S, nkv, hd] (index = absolute position)
+    drafter_cache: list[LayerKV] [B, S, ...] or None (drafting == "none")
+    last [B] i32: the pending token (emitted, not yet in the target cache), at absolute position pos
+    pos [B] i32: position of `last`; the target cache holds positions 0..pos-1
+    drafts [B, K] i32: target-vocabulary drafts for positions pos+1..pos+K
+    draft_probs [B, K, V] f32 or None: q of each draft (draft_sampling == "sample")
+    out [B, N] i32: generated tokens (-1 padded); num_out [B] i32 valid entries
+    done [B] bool; stop [B] i32 stop code (RUNNING / STOP_EOS / STOP_LENGTH / STOP_CAPACITY)
+    rounds [B] i32: rounds this row took part in (after prefill)
+    num_drafts [B] i32: rounds that verified >= 1 draft (vLLM num_drafts)
+    num_draft_tokens [B] i32: drafts verified; accepted [B] i32: drafts accepted
+    accepted_at [B, K] i32: rounds in which draft position i was accepted
+    """
+    target_cache: Any
+    drafter_cache: Any
+    last: Any
+    pos: Any
+    drafts: Any
+    draft_probs: Optional[Any]
+    out: Any
+    num_out: Any
+    done: Any
+    stop: Any
+    rounds: Any
+    num_drafts: Any
+    num_draft_tokens: Any
+    accepted: Any
+    accepted_at: Any
+
+
+jax.tree_util.register_dataclass(
+    DecodeState,
+    data_fields=["target_cache", "drafter_cache", "last", "pos", "drafts", "draft_probs", "out", "num_out",
+                 "done", "stop", "rounds", "num_drafts", "num_draft_tokens", "accepted", "accepted_at"],
+    meta_fields=[])
+
+
+def add_batch_axis(tree):
+    return jax.tree.map(lambda x: jnp.expand_dims(x, 0), tree)
+
+
+def drop_batch_axis(tree):
+    return jax.tree.map(lambda x: x[0], tree)

@@ -1,0 +1,187 @@
+"""Prefill and one speculative round (verify -> accept -> draft) as pure, jit/vmap-able functions.
+
+`prefill` and `spec_round` work on a batch (ragged: per-row lengths and positions); `prefill_single`
+and `round_single` are the same computation for one sequence (no batch axis) for `jax.vmap`.
+`decode_loop` runs rounds in a `lax.while_loop` until every row stops (no host round-trip).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pjax.cache import init_cache
+from pjax.decode import draft as D
+from pjax.decode.state import (RUNNING, STOP_CAPACITY, STOP_EOS, STOP_LENGTH, DecodeState, EngineSpec, Sampling,
+                               add_batch_axis, drop_batch_axis)
+from pjax.target import forward, logits_from_hidden
+
+
+def _accept(logits, drafts, q, sampling: Sampling, positions, num_drafts, spec: EngineSpec):
+    from pjax.kernels.acceptance import accept
+    return accept(logits, drafts, q, temperature=sampling.temperature.astype(jnp.float32),
+                  top_k=sampling.top_k.astype(jnp.int32) if spec.use_top_k else None,
+                  top_p=sampling.top_p.astype(jnp.float32) if spec.use_top_p else None,
+                  seeds=sampling.seed.astype(jnp.uint32), positions=positions.astype(jnp.int32),
+                  num_drafts=num_drafts.astype(jnp.int32), implementation=spec.implementation)
+
+
+def _sample_one(logits, sampling, positions, spec):
+    """Plain sampling of one token per row from logits [B, V] (acceptance with no drafts)."""
+    b = logits.shape[0]
+    res = _accept(logits[:, None], jnp.zeros((b, 0), jnp.int32), None, sampling, positions,
+                  jnp.zeros((b,), jnp.int32), spec)
+    return res.next_token
+
+
+def _emit(state: DecodeState, tokens, count, new_pos, active, spec: EngineSpec, capacity: int):
+    """Append tokens[b, :count[b]] to the output, apply EOS / length / capacity stops.
+
+    tokens [B, J] i32, count [B] i32 (>= 1 for active rows), new_pos [B] position of the new pending token.
+    """
+    j = tokens.shape[1]
+    idx = jnp.arange(j, dtype=jnp.int32)[None]
+    count = jnp.where(active, count, 0)
+    stop = state.stop
+    if spec.eos_token_ids:
+        is_eos = jnp.isin(tokens, jnp.asarray(spec.eos_token_ids, jnp.int32)) & (idx < count[:, None])
+        hit = jnp.any(is_eos, axis=1)
+        first = jnp.argmax(is_eos, axis=1).astype(jnp.int32)
+        count = jnp.where(hit, first + 1, count)
+    else:
+        hit = jnp.zeros_like(active)
+    remaining = spec.max_new_tokens - state.num_out
+    long = count >= remaining
+    count = jnp.minimum(count, remaining)
+    n_buf = state.out.shape[1]
+    slot = jnp.where(idx < count[:, None], state.num_out[:, None] + idx, n_buf)
+    rows = jnp.broadcast_to(jnp.arange(tokens.shape[0])[:, None], slot.shape)
+    out = state.out.at[rows, slot].set(tokens, mode="drop")
+    full = new_pos >= capacity
+    new_stop = jnp.where(hit, STOP_EOS, jnp.where(long, STOP_LENGTH, jnp.where(full, STOP_CAPACITY, RUNNING)))
+    stop = jnp.where(active, new_stop, stop)
+    return out, state.num_out + count, stop != RUNNING, stop
+
+
+def prefill(target, drafter, prompts, lengths, sampling: Sampling, *, spec: EngineSpec, capacity: int,
+            cache_dtype=None) -> DecodeState:
+    """Run the prompts, sample the first token, propose the first drafts.
+
+    prompts [B, Lp] i32 (right-padded), lengths [B] i32 (1 <= L <= Lp, L <= capacity); sampling [B].
+    The first generated token sits at position L; its randomness is keyed on (seed, L).
+    """
+    b, lp = prompts.shape
+    k = spec.k
+    prompts = prompts.astype(jnp.int32)
+    lengths = lengths.astype(jnp.int32)
+    j = jnp.arange(lp, dtype=jnp.int32)[None]
+    positions = jnp.broadcast_to(j, (b, lp))
+    valid = j < lengths[:, None]
+    tcache = init_cache(target.config, b, capacity, cache_dtype or target.dtype)
+    out = forward(target, prompts, positions, tcache, valid=valid, aux_layer_ids=spec.aux_layer_ids)
+    last_h = jnp.take_along_axis(out.hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    first = _sample_one(logits_from_hidden(target, last_h), sampling, lengths, spec)
+    n_buf = spec.out_len
+    state = DecodeState(
+        target_cache=out.cache, drafter_cache=None, last=first, pos=lengths,
+        drafts=jnp.zeros((b, k), jnp.int32), draft_probs=None,
+        out=jnp.full((b, n_buf), -1, jnp.int32), num_out=jnp.zeros((b,), jnp.int32),
+        done=jnp.zeros((b,), bool), stop=jnp.zeros((b,), jnp.int32), rounds=jnp.zeros((b,), jnp.int32),
+        num_drafts=jnp.zeros((b,), jnp.int32), num_draft_tokens=jnp.zeros((b,), jnp.int32),
+        accepted=jnp.zeros((b,), jnp.int32), accepted_at=jnp.zeros((b, k), jnp.int32))
+    active = jnp.ones((b,), bool)
+    o, num_out, done, stop = _emit(state, first[:, None], jnp.ones((b,), jnp.int32), lengths, active, spec,
+                                   capacity)
+    state = _replace(state, out=o, num_out=num_out, done=done, stop=stop)
+    if spec.drafting == "none":
+        return state
+    dm = D._drafter_api()
+    dcache = dm.init_drafter_cache(drafter, b, capacity, cache_dtype or drafter_dtype(drafter))
+    comb = dm.combine(drafter, out.aux)
+    drafts, q, dcache = D.draft_prefill(drafter, dcache, comb, prompts, lengths, first, ~done, sampling, spec)
+    return _replace(state, drafter_cache=dcache, drafts=drafts, draft_probs=q)
+
+
+def drafter_dtype(drafter):
+    return jax.tree.leaves(drafter.params)[0].dtype
+
+
+def _replace(state, **kw):
+    import dataclasses
+    return dataclasses.replace(state, **kw)
+
+
+def verify(target, state: DecodeState, num_drafts, active, spec: EngineSpec):
+    """Target pass over [last, d_1..d_K] at positions pos..pos+K (rows beyond num_drafts or inactive
+    write no KV). Returns (logits [B, K+1, V] f32, aux [B, K+1, A*Ht] or None, cache)."""
+    k = spec.k
+    tokens = jnp.concatenate([state.last[:, None], state.drafts], axis=1)
+    idx = jnp.arange(k + 1, dtype=jnp.int32)[None]
+    positions = state.pos[:, None] + idx
+    valid = active[:, None] & (idx <= num_drafts[:, None])
+    out = forward(target, tokens, positions, state.target_cache, valid=valid, aux_layer_ids=spec.aux_layer_ids)
+    return logits_from_hidden(target, out.hidden), out.aux, out.cache, tokens
+
+
+def spec_round(target, drafter, state: DecodeState, sampling: Sampling, *, spec: EngineSpec) -> DecodeState:
+    """One round for every row still running: verify -> accept -> draft. Pure; jit / vmap as is."""
+    k = spec.k
+    capacity = state.target_cache[0].k.shape[1]
+    active = ~state.done
+    num_drafts = jnp.where(active, jnp.clip(capacity - 1 - state.pos, 0, k), 0).astype(jnp.int32)
+    logits, aux, tcache, vtokens = verify(target, state, num_drafts, active, spec)
+    res = _accept(logits, state.drafts, state.draft_probs, sampling, state.pos + 1, num_drafts, spec)
+    n = jnp.where(active, res.num_accepted, 0).astype(jnp.int32)
+    new_pos = state.pos + n + 1
+    out, num_out, done, stop = _emit(state, res.tokens, n + 1, new_pos, active, spec, capacity)
+    has = active & (num_drafts > 0)
+    acc_at = (jnp.arange(k, dtype=jnp.int32)[None] < n[:, None]) & has[:, None]
+    new = _replace(
+        state, target_cache=tcache, out=out, num_out=num_out, done=done, stop=stop,
+        last=jnp.where(active, res.next_token, state.last).astype(jnp.int32),
+        pos=jnp.where(active, new_pos, state.pos),
+        rounds=state.rounds + active.astype(jnp.int32),
+        num_drafts=state.num_drafts + has.astype(jnp.int32),
+        num_draft_tokens=state.num_draft_tokens + jnp.where(has, num_drafts, 0),
+        accepted=state.accepted + jnp.where(has, n, 0),
+        accepted_at=state.accepted_at + acc_at.astype(jnp.int32))
+    if spec.drafting == "none":
+        return new
+    comb = D._drafter_api().combine(drafter, aux)
+    drafts, q, dcache = D.draft_round(drafter, state.drafter_cache, comb, vtokens, n, res.next_token, state.pos,
+                                      active & ~done, sampling, spec)
+    keep = (active & ~done)[:, None]
+    drafts = jnp.where(keep, drafts, state.drafts)
+    if q is not None:
+        q = jnp.where(keep[..., None], q, state.draft_probs)
+    return _replace(new, drafter_cache=dcache, drafts=drafts, draft_probs=q)
+
+
+def decode_loop(target, drafter, state: DecodeState, sampling: Sampling, *, spec: EngineSpec):
+    """All rounds in one `lax.while_loop` (at most max_new_tokens - 1: every round emits >= 1 token per
+    running row). Returns (state, rounds executed i32)."""
+    def cond(carry):
+        s, i = carry
+        return jnp.any(~s.done) & (i < spec.max_new_tokens)
+
+    def body(carry):
+        s, i = carry
+        return spec_round(target, drafter, s, sampling, spec=spec), i + 1
+
+    return jax.lax.while_loop(cond, body, (state, jnp.int32(0)))
+
+
+def prefill_single(target, drafter, prompt, length, sampling: Sampling, *, spec: EngineSpec, capacity: int,
+                   cache_dtype=None) -> DecodeState:
+    """`prefill` for one sequence: prompt [Lp] (right-padded), length [] i32, scalar sampling fields.
+    Returns a DecodeState without the batch axis (vmap it to batch many sequences)."""
+    s = prefill(target, drafter, prompt[None], jnp.asarray(length)[None], add_batch_axis(sampling), spec=spec,
+                capacity=capacity, cache_dtype=cache_dtype)
+    return drop_batch_axis(s)
+
+
+def round_single(target, drafter, state: DecodeState, sampling: Sampling, *, spec: EngineSpec) -> DecodeState:
+    """`spec_round` for one sequence (state and sampling without the batch axis): the research API.
+
+    `jax.vmap(functools.partial(round_single, spec=spec), in_axes=(None, None, 0, 0))` runs many
+    independent sequences (each with its own seed) in lock step."""
+    return drop_batch_axis(spec_round(target, drafter, add_batch_axis(state), add_batch_axis(sampling), spec=spec))

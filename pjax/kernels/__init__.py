@@ -1,0 +1,3 @@
+"""Fused kernels of the speculative round. Each op package has `reference.py` (jnp oracle and CPU path),
+`pallas.py` (pl.pallas_call: Triton on GPU, interpret mode on CPU) and `api.py` (`implementation=`
+"xla" | "pallas" | "auto"; auto = the Pallas kernel on GPU where it was measured faster, else XLA)."""

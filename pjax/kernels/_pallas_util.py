@@ -1,0 +1,38 @@
+"""Small helpers for the Pallas (Triton) kernels: compiler params, power-of-two padding, lowering check."""
+from __future__ import annotations
+
+import jax
+from jax.experimental.pallas import triton as pltriton
+
+from pjax.kernels import _dispatch
+from pjax.kernels._dispatch import interpret
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def triton_params(num_warps: int = 4, num_stages: int = 1):
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def call_kwargs(num_warps: int = 4, num_stages: int = 1) -> dict:
+    """pallas_call keyword arguments: explicit Triton params (never backend defaults) and interpret mode
+    off GPU."""
+    return dict(compiler_params=triton_params(num_warps, num_stages), interpret=interpret())
+
+
+def lower_for_gpu(fn, *args):
+    """Lower `fn(*args)` (ShapeDtypeStructs or arrays) for CUDA on any host and return the StableHLO text:
+    runs the whole Pallas -> Triton IR lowering (power-of-two shapes, unsupported primitives) without a GPU.
+    Compilation of the Triton IR to PTX still only happens on a GPU."""
+    _dispatch._FORCE_COMPILED[0] = True
+    try:
+        exp = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
+            jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+    finally:
+        _dispatch._FORCE_COMPILED[0] = False
+    text = exp.mlir_module()
+    if "__gpu$xla.gpu.triton" not in text:
+        raise AssertionError("lower_for_gpu: no Triton custom call in the lowered module")
+    return text

@@ -1,0 +1,370 @@
+"""The P-EAGLE / EAGLE-3 drafter: NNX modules and pure functions over a `Drafter` value.
+
+Dataflow of one slot (spec A.1): `f = combine(g)` fuses the A concatenated target features
+(`[A*Ht] -> [H]`), `e = embed(x)`, the fused first layer attends over `[norm(e) ; norm(f)]` (2H wide),
+deeper layers are plain llama / qwen3 decoder layers, and `lm_head(norm(h))` gives draft-vocab logits
+that `d2t` maps to target ids. P-EAGLE adds `mask_hidden` (a learned pre-`fc` feature) and a mask
+token for the parallel slots.
+
+Shapes: B batch, T slots, S cache / key length, N flattened COD elements, H draft hidden size,
+A aux layers, Ht target hidden size, V target vocab, Vd draft vocab.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from pjax.cache import init_cache
+from pjax.config import ConfigError, LayerSpec, ModelConfig
+from pjax.models.transformer import DecoderLayer
+from pjax.nn import MLP, Attention, LayerKV, RMSNorm
+
+MODEL_KINDS = ("peagle", "eagle3")
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    """Static description of a drafter head (hashable; usable as a static jit argument).
+
+    layer: draft decoder geometry (llama or qwen3 type, L layers, vocab_size = target vocab V).
+    num_aux: A, number of concatenated target features; target_hidden_size: Ht.
+    draft_vocab_size: Vd (<= V). mask_token_id: P-EAGLE mask token (target vocab id) or None.
+    aux_layer_ids: target layers whose entering residual stream feeds the drafter (may be empty
+    when the checkpoint does not say; then the target's default (2, n//2, n-3) applies).
+    """
+    layer: ModelConfig
+    num_aux: int
+    target_hidden_size: int
+    draft_vocab_size: int
+    mask_token_id: Optional[int] = None
+    aux_layer_ids: tuple[int, ...] = ()
+    norm_before_residual: bool = False
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    has_mask_hidden: bool = True
+    model_kind: str = "peagle"
+    num_depths: Optional[int] = None
+    norm_output: bool = False  # EAGLE-3 sequential drafting feeds back normed states (TTT)
+    max_position_embeddings: Optional[int] = None
+    verifier_name_or_path: Optional[str] = None
+    verifier_architectures: tuple[str, ...] = ()
+
+    @property
+    def hidden_size(self) -> int:
+        return self.layer.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.layer.vocab_size
+
+    @property
+    def fc_in(self) -> int:
+        return self.num_aux * self.target_hidden_size
+
+    def validate(self) -> "DrafterConfig":
+        lay = self.layer
+        if lay.model_type not in ("llama", "qwen3"):
+            raise ConfigError(f"drafter layer model_type {lay.model_type!r} is not supported (expected 'llama' "
+                              "or 'qwen3')")
+        if lay.moe is not None or any(s.moe for s in lay.layers):
+            raise ConfigError("drafter layers must be dense (MoE draft layers are not supported)")
+        if self.model_kind not in MODEL_KINDS:
+            raise ConfigError(f"model_kind {self.model_kind!r} is not one of {MODEL_KINDS}")
+        for name in ("norm_before_residual", "norm_before_fc", "fc_norm", "has_mask_hidden", "norm_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be a boolean, found {getattr(self, name)!r}")
+        if self.norm_before_fc and self.fc_norm:
+            raise ConfigError("unknown norm flag combination: norm_before_fc=true and fc_norm=true are mutually "
+                              "exclusive (expected at most one of them)")
+        if self.num_aux < 1 or self.target_hidden_size < 1:
+            raise ConfigError(f"num_aux={self.num_aux} and target_hidden_size={self.target_hidden_size} must be >= 1")
+        if self.aux_layer_ids and len(self.aux_layer_ids) != self.num_aux:
+            raise ConfigError(f"eagle_aux_hidden_state_layer_ids has {len(self.aux_layer_ids)} entries, expected "
+                              f"num_aux={self.num_aux}")
+        if len(set(self.aux_layer_ids)) != len(self.aux_layer_ids) or any(i < 0 for i in self.aux_layer_ids):
+            raise ConfigError(f"eagle_aux_hidden_state_layer_ids {list(self.aux_layer_ids)} must be distinct and >= 0")
+        if not 1 <= self.draft_vocab_size <= lay.vocab_size:
+            raise ConfigError(f"draft_vocab_size={self.draft_vocab_size} must be in [1, vocab_size={lay.vocab_size}]")
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < lay.vocab_size:
+            raise ConfigError(f"mask_token_id={self.mask_token_id} is outside the vocabulary [0, {lay.vocab_size})")
+        if self.num_depths is not None and self.num_depths < 1:
+            raise ConfigError(f"num_depths={self.num_depths} must be >= 1")
+        lay.validate()
+        return self
+
+    def check_target(self, target_cfg: ModelConfig, where: str = "drafter") -> None:
+        """Raise ConfigError if this head cannot be fed by `target_cfg` (vocab, width, aux layer depth)."""
+        if target_cfg.vocab_size != self.vocab_size:
+            raise ConfigError(f"{where}: drafter vocab_size={self.vocab_size} but the target has "
+                              f"vocab_size={target_cfg.vocab_size}")
+        if target_cfg.hidden_size != self.target_hidden_size:
+            raise ConfigError(f"{where}: target_hidden_size={self.target_hidden_size} but the target has "
+                              f"hidden_size={target_cfg.hidden_size}")
+        n = target_cfg.num_layers
+        bad = [i for i in self.aux_layer_ids if not 0 <= i <= n]
+        if bad:
+            raise ConfigError(f"{where}: eagle_aux_hidden_state_layer_ids {list(self.aux_layer_ids)} contain {bad}, "
+                              f"outside the target depth [0, {n}]")
+
+    def resolved_aux_layer_ids(self, target_cfg: ModelConfig) -> tuple[int, ...]:
+        """The aux layer ids, defaulting to the target's (2, n//2, n-3) when the head does not say."""
+        ids = self.aux_layer_ids or target_cfg.default_aux_layer_ids()
+        if len(ids) != self.num_aux:
+            raise ConfigError(f"aux layer ids {list(ids)} do not match num_aux={self.num_aux}")
+        return tuple(ids)
+
+
+class FusedFirstLayer(nnx.Module):
+    """EAGLE-3 layer 0: attention over `[input_layernorm(e) ; hidden_norm(f)]` (q/k/v take 2H),
+    residual = f (or hidden_norm(f) with norm_before_residual), then the usual MLP block."""
+
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, *, norm_before_residual: bool, dtype, rngs):
+        h, eps, f32m = cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_fp32_multiply
+        self.input_layernorm = RMSNorm(h, eps, f32m, dtype=dtype)
+        self.hidden_norm = RMSNorm(h, eps, f32m, dtype=dtype)
+        self.self_attn = Attention(cfg, spec, q_in=2 * h, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(h, eps, f32m, dtype=dtype)
+        self.mlp = MLP(cfg, h, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+        self.norm_before_residual = norm_before_residual
+
+    def __call__(self, e, f, positions, kv: Optional[LayerKV], *, valid=None, mask=None):
+        """e, f [B, T, H] -> (h [B, T, H], kv)."""
+        e_n, f_n = self.input_layernorm(e), self.hidden_norm(f)
+        residual = f_n if self.norm_before_residual else f
+        a, kv = self.self_attn(jnp.concatenate([e_n, f_n], axis=-1), positions, kv, valid=valid, mask=mask)
+        h = residual + a
+        return h + self.mlp(self.post_attention_layernorm(h)), kv
+
+
+class DrafterModel(nnx.Module):
+    """Parameter tree of a drafter (names follow the speculators checkpoint, see convert.drafter)."""
+
+    def __init__(self, cfg: DrafterConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        lay = cfg.layer
+        h, eps = lay.hidden_size, lay.rms_norm_eps
+        self.embed_tokens = nnx.Embed(lay.vocab_size, h, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.input_norm = RMSNorm(cfg.fc_in, eps, dtype=dtype) if cfg.norm_before_fc else None
+        self.fc_norm = nnx.List([RMSNorm(cfg.target_hidden_size, eps, dtype=dtype) for _ in range(cfg.num_aux)]) \
+            if cfg.fc_norm else None
+        self.fc = nnx.Linear(cfg.fc_in, h, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        first = FusedFirstLayer(lay, lay.layers[0], norm_before_residual=cfg.norm_before_residual, dtype=dtype,
+                                rngs=rngs)
+        self.layers = nnx.List([first] + [DecoderLayer(lay, s, dtype=dtype, rngs=rngs) for s in lay.layers[1:]])
+        self.norm = RMSNorm(h, eps, dtype=dtype)
+        self.lm_head = nnx.Linear(h, cfg.draft_vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.mask_hidden = nnx.Param(jnp.zeros((cfg.fc_in,), dtype)) if cfg.has_mask_hidden else None
+        self.num_aux = cfg.num_aux
+
+    def combine(self, g):
+        """g [..., A*Ht] -> [..., H]: optional input_norm or per-chunk fc_norm, then fc."""
+        g = g.astype(self.fc.kernel.dtype)
+        if self.input_norm is not None:
+            g = self.input_norm(g)
+        if self.fc_norm is not None:
+            chunks = jnp.split(g, self.num_aux, axis=-1)
+            g = jnp.concatenate([norm(c) for norm, c in zip(self.fc_norm, chunks)], axis=-1)
+        return self.fc(g)
+
+    def __call__(self, tokens, hidden_in, positions, cache=None, *, valid=None, mask=None):
+        """tokens, positions [B, T]; hidden_in [B, T, H] (combined); mask None, [B, T, S] bool or a
+        per-layer sequence of those. Returns (normed [B, T, H], prenorm [B, T, H], cache)."""
+        n = len(self.layers)
+        masks = list(mask) if isinstance(mask, (list, tuple)) else [mask] * n
+        if len(masks) != n:
+            raise ValueError(f"got {len(masks)} per-layer masks for {n} draft layers")
+        e = self.embed_tokens(tokens)
+        new_cache = [] if cache is not None else None
+        h = hidden_in.astype(e.dtype)
+        for i, layer in enumerate(self.layers):
+            kv = None if cache is None else cache[i]
+            if i == 0:
+                h, kv = layer(e, h, positions, kv, valid=valid, mask=masks[i])
+            else:
+                h, kv = layer(h, positions, kv, valid=valid, mask=masks[i])
+            if cache is not None:
+                new_cache.append(kv)
+        return self.norm(h), h, new_cache
+
+    def logits(self, normed):
+        """normed [..., H] -> float32 [..., Vd]."""
+        return jnp.einsum("...h,hv->...v", normed, self.lm_head.kernel[...], preferred_element_type=jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Drafter:
+    """A drafter as a pytree value: params (pure dict of nnx.split(DrafterModel)) and `d2t`
+    (int32 [Vd] offsets draft id -> target id, or None for the identity) are leaves."""
+    config: DrafterConfig
+    graphdef: Any
+    params: Any
+    d2t: Any = None
+
+    @property
+    def module(self) -> DrafterModel:
+        return nnx.merge(self.graphdef, self.params)
+
+    @property
+    def dtype(self):
+        return self.params["fc"]["kernel"].dtype
+
+
+jax.tree_util.register_dataclass(Drafter, data_fields=["params", "d2t"], meta_fields=["config", "graphdef"])
+
+
+def abstract_drafter(config: DrafterConfig, dtype=jnp.float32) -> Drafter:
+    """A Drafter whose params are ShapeDtypeStructs (the loader fills and checks them)."""
+    model = nnx.eval_shape(lambda: DrafterModel(config.validate(), dtype=dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(model)
+    return Drafter(config, graphdef, nnx.to_pure_dict(state))
+
+
+def init_drafter(config: DrafterConfig, key, dtype=jnp.float32, scale: float = 0.02) -> Drafter:
+    """Random drafter: normal(0, scale) matrices, ones for norms, normal(0, 1) mask_hidden (as
+    speculators), and a random ascending draft vocabulary when Vd < V."""
+    abstract = abstract_drafter(config, dtype)
+    leaves, treedef = jax.tree.flatten_with_path(abstract.params)
+    k_params, k_vocab = jax.random.split(key)
+    keys = jax.random.split(k_params, len(leaves))
+
+    def fill(path, leaf, k):
+        name = str(getattr(path[-1], "key", path[-1]))
+        if name == "weight":
+            return jnp.ones(leaf.shape, leaf.dtype)
+        if name == "bias":
+            return jnp.zeros(leaf.shape, leaf.dtype)
+        std = 1.0 if name == "mask_hidden" else scale
+        return (std * jax.random.normal(k, leaf.shape, jnp.float32)).astype(leaf.dtype)
+
+    params = jax.tree.unflatten(treedef, [fill(p, l, k) for (p, l), k in zip(leaves, keys)])
+    d2t = None
+    vd, v = config.draft_vocab_size, config.vocab_size
+    if vd < v:
+        ids = np.sort(np.asarray(jax.random.permutation(k_vocab, v))[:vd])
+        d2t = jnp.asarray(ids - np.arange(vd), jnp.int32)
+    return Drafter(config, abstract.graphdef, params, d2t)
+
+
+def combine(drafter: Drafter, features):
+    """features [..., A*Ht] -> fused feature [..., H] (input_norm / fc_norm / none, then fc)."""
+    return drafter.module.combine(features)
+
+
+def mask_feature(drafter: Drafter):
+    """combine(mask_hidden) -> [H], the feature of every parallel (mask) slot."""
+    if drafter.config.mask_token_id is None or not drafter.config.has_mask_hidden:
+        raise ValueError(_no_parallel_message(drafter.config))
+    return combine(drafter, drafter.params["mask_hidden"])
+
+
+def _no_parallel_message(cfg: DrafterConfig) -> str:
+    missing = [n for n, ok in (("mask_hidden", cfg.has_mask_hidden), ("mask_token_id", cfg.mask_token_id is not None))
+               if not ok]
+    return (f"parallel drafting needs mask_hidden and mask_token_id, but this {cfg.model_kind} head has no "
+            f"{' and no '.join(missing)} (an EAGLE-3 head only supports sequential drafting)")
+
+
+def drafter_forward(drafter: Drafter, tokens, hidden_in, positions, cache=None, *, valid=None, mask=None):
+    """One drafter pass over slots.
+
+    tokens, positions [B, T] int32 (absolute positions); hidden_in [B, T, H] already combined (fc
+    output, mask_feature, or for EAGLE-3 sequential steps the previous prenorm output).
+    cache: list of LayerKV (init_drafter_cache), index = absolute position; new K/V are written at
+    `positions` (rows with valid False write nothing) and queries attend causally by position
+    (per-layer sliding windows honoured). mask: explicit bool [B, T, S] (or one per layer)
+    replacing the positional rule (training layouts).
+    Returns (normed [B, T, H], prenorm [B, T, H], cache).
+    """
+    return drafter.module(tokens, hidden_in, positions, cache, valid=valid, mask=mask)
+
+
+def init_drafter_cache(drafter: Drafter, batch: int, capacity: int, dtype=jnp.bfloat16) -> list[LayerKV]:
+    """One LayerKV per draft layer, zeros [batch, capacity, nkv, hd]."""
+    return init_cache(drafter.config.layer, batch, capacity, dtype)
+
+
+def draft_logits_from_hidden(drafter: Drafter, normed):
+    """normed [..., H] (after the final norm) -> float32 draft-vocab logits [..., Vd]."""
+    return drafter.module.logits(normed)
+
+
+def draft_to_target(drafter: Drafter, draft_ids):
+    """Draft-vocab ids -> target-vocab ids (`id + d2t[id]`; identity without d2t)."""
+    if drafter.d2t is None:
+        return draft_ids
+    return draft_ids + drafter.d2t[draft_ids].astype(draft_ids.dtype)
+
+
+def logits_to_target_vocab(drafter: Drafter, logits, fill=-jnp.inf):
+    """Draft-vocab logits [..., Vd] -> [..., V] with `fill` outside the draft vocabulary (vLLM's scatter)."""
+    if drafter.d2t is None and drafter.config.draft_vocab_size == drafter.config.vocab_size:
+        return logits
+    vd = drafter.config.draft_vocab_size
+    ids = draft_to_target(drafter, jnp.arange(vd, dtype=jnp.int32))
+    out = jnp.full(logits.shape[:-1] + (drafter.config.vocab_size,), fill, logits.dtype)
+    return out.at[..., ids].set(logits)
+
+
+def cod_attention_mask(document_ids, anchor_pos, depth, window: Optional[int] = None):
+    """Training (COD) attention mask, bool [N, N] (speculators `create_peagle_mask_mod`).
+
+    document_ids [S] or [1, S] (-1 = padding); anchor_pos, depth [N]. q may attend kv iff
+    doc[a_q] != -1 and doc[a_q] == doc[a_kv] and ((d_kv == 0 and a_kv <= a_q [and a_kv > a_q + d_q - W])
+    or (a_kv == a_q and d_kv <= d_q)). Negative anchors index from the end, as in torch.
+    """
+    doc = jnp.asarray(document_ids).reshape(-1)
+    a, d = jnp.asarray(anchor_pos), jnp.asarray(depth)
+    da = doc[a]
+    qa, ka, qd, kd = a[:, None], a[None, :], d[:, None], d[None, :]
+    context = (kd == 0) & (ka <= qa)
+    if window is not None:
+        context &= ka > qa - window
+    return (da[:, None] != -1) & (da[:, None] == da[None, :]) & (context | ((qa == ka) & (kd <= qd)))
+
+
+@jax.jit
+def _draft_logits(drafter: Drafter, hidden_states, input_ids, document_ids, anchor_pos, depth):
+    cfg = drafter.config
+    s = input_ids.shape[-1]
+    ids = input_ids.reshape(s)
+    hs = hidden_states.reshape(s, -1)
+    anchor_pos, depth = anchor_pos.astype(jnp.int32), depth.astype(jnp.int32)
+    pos = anchor_pos + depth
+    real = depth == 0
+    feats = hs[pos]
+    tokens = ids[pos]
+    if cfg.has_mask_hidden and cfg.mask_token_id is not None:
+        feats = jnp.where(real[:, None], feats, drafter.params["mask_hidden"].astype(feats.dtype)[None])
+        tokens = jnp.where(real, tokens, jnp.asarray(cfg.mask_token_id, tokens.dtype))
+    f = combine(drafter, feats)
+    by_window = {}
+    masks = []
+    for spec in cfg.layer.layers:
+        w = spec.sliding_window
+        if w not in by_window:
+            by_window[w] = cod_attention_mask(document_ids, anchor_pos, depth, w)[None]
+        masks.append(by_window[w])
+    normed, _, _ = drafter_forward(drafter, tokens[None].astype(jnp.int32), f[None], pos[None], mask=masks)
+    return draft_logits_from_hidden(drafter, normed[0])
+
+
+def draft_logits(drafter: Drafter, hidden_states, input_ids, document_ids, anchor_pos, depth):
+    """Draft-vocab logits float32 [N, Vd] of the N flattened COD elements (training layout).
+
+    hidden_states [1, S, A*Ht] (pre-fc target features, shifted as in speculators: index p pairs
+    token x_{p+1} with feature g_p), input_ids [1, S], document_ids [1, S] (-1 = padding),
+    anchor_pos [N], depth [N]. Element i sits at position anchor+depth; depth 0 takes the real token
+    and feature at that position, depth >= 1 the mask token and mask_hidden (same combine path).
+    Heads without mask_hidden / mask_token_id accept only all-zero (concrete) depths.
+    """
+    cfg = drafter.config
+    if not (cfg.has_mask_hidden and cfg.mask_token_id is not None):
+        if isinstance(depth, jax.core.Tracer) or np.any(np.asarray(depth) != 0):
+            raise ValueError(_no_parallel_message(cfg) + "; draft_logits got depth >= 1 elements"
+                             + (" (or traced depths)" if isinstance(depth, jax.core.Tracer) else ""))
+    return _draft_logits(drafter, jnp.asarray(hidden_states), jnp.asarray(input_ids), jnp.asarray(document_ids),
+                         jnp.asarray(anchor_pos), jnp.asarray(depth))

@@ -1,0 +1,200 @@
+"""P-EAGLE training loss (spec D.2 / D.4) over an explicit COD layout.
+
+Targets: softmax over the draft vocabulary of the frozen target's head applied to the final pre-norm
+state, `lm_head(norm(y_r))` restricted to the draft ids (`arange(Vd) + d2t`). Default loss: forward
+KL(p_target || q_draft) per element, weighted by loss_mask[r] (r = anchor + depth), summed over all
+depths and divided by (sum of weights + 1e-5). "ce" uses the target argmax as a hard label.
+Metrics: per-depth top-1 agreement counts (draft argmax == target argmax, loss-masked).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pjax.models.drafter import Drafter, combine, draft_to_target, drafter_forward
+from pjax.target import Target
+from pjax.train.attention import CodMask, _chunked, cod_dense_mask
+from pjax.train.cod import CodLayout, layout_from_arrays
+
+LOSS_EPS = 1e-5
+LOSS_TYPES = ("kl", "ce")
+DEFAULT_LOSS_CHUNK_ELEMENTS = 1 << 25  # logits per chunk (elements * Vd) before the head is chunked
+
+
+def with_params(drafter: Drafter, params) -> Drafter:
+    return Drafter(drafter.config, drafter.graphdef, params, drafter.d2t)
+
+
+def cast_drafter(drafter: Drafter, dtype) -> Drafter:
+    """Floating params cast to `dtype` (mixed precision: f32 master weights, bf16 compute)."""
+    if dtype is None:
+        return drafter
+    cast = jax.tree.map(lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, drafter.params)
+    return with_params(drafter, cast)
+
+
+def target_draft_head(target: Target, drafter: Drafter):
+    """(norm module, W [H, Vd]): the target's final norm and its head columns for the draft vocabulary."""
+    tm = target.module
+    ids = draft_to_target(drafter, jnp.arange(drafter.config.draft_vocab_size, dtype=jnp.int32))
+    if tm.lm_head is None:
+        w = tm.embed_tokens.embedding[...][ids].T
+    else:
+        w = tm.lm_head.kernel[...][:, ids]
+    return tm.norm, jax.lax.stop_gradient(w)
+
+
+def _target_logits(target: Target, norm, w, y):
+    out = jnp.einsum("...h,hv->...v", norm(y.astype(w.dtype)), w, preferred_element_type=jnp.float32)
+    cap = target.config.final_logit_softcap
+    if cap is not None:
+        out = cap * jnp.tanh(out / cap)
+    return jax.lax.stop_gradient(out)
+
+
+def element_terms(logits, tlogits, loss_type: str = "kl"):
+    """Per-element loss [N] and top-1 agreement [N] from draft / target logits [N, Vd] (float32)."""
+    logq = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    tlogits = tlogits.astype(jnp.float32)
+    tgt = jnp.argmax(tlogits, axis=-1)
+    if loss_type == "kl":
+        logp = jax.nn.log_softmax(tlogits, axis=-1)
+        p = jnp.exp(logp)
+        loss = jnp.sum(jnp.where(p > 0, p * (logp - logq), 0.0), axis=-1)
+    elif loss_type == "ce":
+        loss = -jnp.take_along_axis(logq, tgt[:, None], axis=-1)[:, 0]
+    else:
+        raise ValueError(f"loss_type {loss_type!r} is not one of {LOSS_TYPES}")
+    return loss, jnp.argmax(logits, axis=-1) == tgt
+
+
+def cod_inputs(drafter: Drafter, input_ids, hidden_states, layout: CodLayout):
+    """Tokens [N], combined features [N, H], positions [N] of the COD elements of one row
+    (input_ids [S], hidden_states [S, A*Ht]): depth 0 takes the real token and feature at r,
+    depth >= 1 the mask token and mask_hidden."""
+    cfg = drafter.config
+    a, d = layout.anchor_pos, layout.depth
+    r = a + d
+    real = d == 0
+    tokens = input_ids[r]
+    feats = hidden_states[r]
+    if cfg.has_mask_hidden and cfg.mask_token_id is not None:
+        mh = drafter.params["mask_hidden"].reshape(-1).astype(feats.dtype)
+        feats = jnp.where(real[:, None], feats, mh[None])
+        tokens = jnp.where(real, tokens, jnp.asarray(cfg.mask_token_id, tokens.dtype))
+    return tokens.astype(jnp.int32), combine(drafter, feats), r.astype(jnp.int32)
+
+
+def cod_hidden(drafter: Drafter, input_ids, hidden_states, document_ids, layout: CodLayout, *, num_depths: int,
+               num_depth0: Optional[int] = None, attn_chunk=None, dense: bool = False):
+    """Normed drafter states [N, H] of the COD elements of one row (arrays [S] / [S, A*Ht])."""
+    tokens, f, pos = cod_inputs(drafter, input_ids, hidden_states, layout)
+    s = input_ids.shape[0]
+    if dense:
+        by_window, masks = {}, []
+        for spec in drafter.config.layer.layers:
+            w = spec.sliding_window
+            if w not in by_window:
+                by_window[w] = cod_dense_mask(layout, document_ids, w)[None]
+            masks.append(by_window[w])
+        mask = masks
+    else:
+        mask = CodMask.build(layout, document_ids, num_depths, s if num_depth0 is None else num_depth0, attn_chunk)
+    normed, _, _ = drafter_forward(drafter, tokens[None], f[None], pos[None], mask=mask)
+    return normed[0]
+
+
+def cod_terms(drafter: Drafter, target: Target, normed, verifier_last, ref, *, loss_type="kl", loss_chunk=None):
+    """Per-element (loss [N], correct [N]) from normed drafter states [N, H] and the target's final
+    pre-norm states verifier_last [S, Ht] at reference positions ref [N]."""
+    norm, w = target_draft_head(target, drafter)
+    lm = drafter.params["lm_head"]["kernel"]
+    n, vd = normed.shape[0], lm.shape[-1]
+
+    def fn(hc, rc):
+        logits = jnp.einsum("nh,hv->nv", hc, lm, preferred_element_type=jnp.float32)
+        return element_terms(logits, _target_logits(target, norm, w, verifier_last[rc]), loss_type)
+
+    c = n if loss_chunk is None and n * vd <= DEFAULT_LOSS_CHUNK_ELEMENTS else \
+        max(1, min(n, loss_chunk or DEFAULT_LOSS_CHUNK_ELEMENTS // vd))
+    if c >= n:
+        return fn(normed, ref)
+
+    def packed(h, r):  # one output array per chunk for `_chunked`
+        loss, correct = fn(h, r)
+        return jnp.stack([loss, correct.astype(jnp.float32)], axis=-1)
+    out = _chunked(packed, (normed, ref), n, c)
+    return out[:, 0], out[:, 1] > 0.5
+
+
+def row_loss_terms(drafter: Drafter, target: Target, input_ids, hidden_states, verifier_last, loss_mask,
+                   document_ids, layout: CodLayout, *, num_depths: int, num_depth0=None, loss_type="kl",
+                   attn_chunk=None, loss_chunk=None, dense=False):
+    """Per-element (loss [N], correct [N], weight [N]) for one row; weight = loss_mask[r] * valid."""
+    normed = cod_hidden(drafter, input_ids, hidden_states, document_ids, layout, num_depths=num_depths,
+                        num_depth0=num_depth0, attn_chunk=attn_chunk, dense=dense)
+    ref = layout.anchor_pos + layout.depth
+    loss, correct = cod_terms(drafter, target, normed, verifier_last, ref, loss_type=loss_type, loss_chunk=loss_chunk)
+    weight = jnp.asarray(loss_mask, jnp.float32)[ref] * layout.valid.astype(jnp.float32)
+    return loss, correct, weight
+
+
+def depth_metrics(correct, weight, depth, num_depths: int):
+    """Per-depth (correct counts [K], totals [K]) of supervised elements."""
+    c = jax.ops.segment_sum(correct.astype(jnp.float32) * weight, depth, num_segments=num_depths)
+    t = jax.ops.segment_sum(weight, depth, num_segments=num_depths)
+    return c, t
+
+
+def _row(x, name, trailing):
+    x = jnp.asarray(x)
+    if x.ndim == trailing + 2 and x.shape[0] == 1:
+        return x[0]
+    if x.ndim != trailing + 1:
+        raise ValueError(f"{name}: expected shape [1, S{', ...' if trailing else ''}] or [S...], got {x.shape}")
+    return x
+
+
+def _num_depths(depth, num_depths):
+    if num_depths is not None:
+        return int(num_depths)
+    if isinstance(depth, jax.core.Tracer):
+        raise ValueError("num_depths must be given when depth is traced")
+    return int(np.max(np.asarray(depth))) + 1
+
+
+def peagle_loss_and_metrics(drafter: Drafter, target: Target, input_ids, hidden_states, verifier_last_hidden_states,
+                            loss_mask, document_ids, anchor_pos, depth, *, valid=None, num_depths=None,
+                            loss_type="kl", attn_chunk=None, loss_chunk=None, dense=False):
+    """(loss, metrics) with metrics = dict(correct [K], total [K], weight_sum) — see `peagle_loss`."""
+    ids, hs = _row(input_ids, "input_ids", 0), _row(hidden_states, "hidden_states", 1)
+    vl, lm = _row(verifier_last_hidden_states, "verifier_last_hidden_states", 1), _row(loss_mask, "loss_mask", 0)
+    doc = _row(document_ids, "document_ids", 0)
+    k = _num_depths(depth, num_depths)
+    layout = layout_from_arrays(anchor_pos, depth, valid)
+    loss, correct, weight = row_loss_terms(drafter, target, ids, hs, vl, lm, doc, layout, num_depths=k,
+                                           loss_type=loss_type, attn_chunk=attn_chunk, loss_chunk=loss_chunk,
+                                           dense=dense)
+    wsum = jnp.sum(weight)
+    total = jnp.sum(loss * weight) / (wsum + LOSS_EPS)
+    c, t = depth_metrics(correct, weight, layout.depth, k)
+    return total, dict(correct=c, total=t, weight_sum=wsum)
+
+
+def peagle_loss(drafter: Drafter, target: Target, input_ids, hidden_states, verifier_last_hidden_states, loss_mask,
+                document_ids, anchor_pos, depth, **kwargs):
+    """Scalar P-EAGLE loss of one packed row with an explicit COD layout (speculators
+    `PEagleDraftModel.forward` loss for the same layout).
+
+    input_ids, loss_mask, document_ids [1, S] (after the EAGLE shift of spec D.1, -1 = padding doc);
+    hidden_states [1, S, A*Ht] (pre-fc target features); verifier_last_hidden_states [1, S, Ht] (target
+    final pre-norm states); anchor_pos, depth [N] (the first S elements must be depth 0 at anchors
+    0..S-1, as speculators emits). Keyword options: valid [N] (padding elements), num_depths (required
+    under jit), loss_type "kl" | "ce", attn_chunk / loss_chunk (query / element chunk sizes; None =
+    automatic), dense (use the dense [N, N] mask, for testing).
+    """
+    return peagle_loss_and_metrics(drafter, target, input_ids, hidden_states, verifier_last_hidden_states, loss_mask,
+                                   document_ids, anchor_pos, depth, **kwargs)[0]

@@ -1,0 +1,170 @@
+"""Qwen3-MoE, GPT-OSS (plain and MXFP4 experts) and Gemma 4 parity against transformers: logits, both
+MoE code paths, aux hidden states, cached extend with ragged rows (sliding windows, sinks, k_eq_v)."""
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers as tf
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+import convert
+import pjax
+from convert.safetensors_io import SafetensorsFile, save_file
+from pjax.nn import MOE_GATHER_MAX_PAIRS
+from tests.hf_utils import check_aux_hidden_states, check_cached_extend, hf_logits, randomize, rel_err
+
+V = 97
+QWEN3_MOE = dict(vocab_size=V, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                 norm_topk_prob=True, mlp_only_layers=[1])
+GPT_OSS = dict(vocab_size=V, hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_local_experts=4,
+               num_experts_per_tok=2, head_dim=16, num_attention_heads=4, num_key_value_heads=2, sliding_window=6,
+               swiglu_limit=1.0, max_position_embeddings=256,  # limit 1.0: the clamps are active
+               rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 150000.0})
+GEMMA4 = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+              attention_k_eq_v=True, hidden_size_per_layer_input=0, final_logit_softcapping=3.0, sliding_window=6,
+              layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+                           "sliding_attention", "full_attention"])
+
+
+def mxfp4_experts(model, seed=0):
+    """Replace GPT-OSS expert matrices by MXFP4-representable values; returns the on-disk blocks/scales."""
+    rng = np.random.default_rng(seed)
+    packed = {}
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            ex = layer.mlp.experts
+            for name in ("gate_up_proj", "down_proj"):
+                e, din, dout = getattr(ex, name).shape
+                blocks = rng.integers(0, 256, (e, dout, din // 32, 16), dtype=np.uint8)
+                scales = rng.integers(122, 126, (e, dout, din // 32), dtype=np.uint8)
+                w = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32)
+                getattr(ex, name).copy_(w)  # transformers' dequantisation: [E, in, out]
+                packed[f"model.layers.{i}.mlp.experts.{name}"] = (blocks, scales)
+    return packed
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "gpt_oss", "gemma4"])
+def pair(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    torch.manual_seed(0)
+    extra = {}
+    if request.param == "qwen3_moe":
+        model = randomize(tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**QWEN3_MOE)).float().eval())
+    elif request.param == "gpt_oss":
+        model = randomize(tf.GptOssForCausalLM(tf.GptOssConfig(**GPT_OSS)).float().eval())
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(0, 1.0)
+        extra["mxfp4"] = mxfp4_experts(model)
+    else:
+        model = randomize(tf.Gemma4ForCausalLM(tf.Gemma4TextConfig(**GEMMA4)).float().eval())
+    model.save_pretrained(path)
+    return model, convert.load_target(path, dtype=jnp.float32), path, extra
+
+
+def test_logits_match_transformers(pair):
+    model, target, _, _ = pair
+    ids = np.random.default_rng(0).integers(0, V, (2, 40))
+    if target.config.moe is not None:  # many tokens: sorted ragged_dot path
+        assert ids.size * target.config.moe.top_k > MOE_GATHER_MAX_PAIRS
+    assert rel_err(np.asarray(pjax.target_logits(target, ids)), hf_logits(model, ids)) <= 1e-4
+
+
+def test_config_geometry(pair):
+    _, target, _, _ = pair
+    cfg = target.config
+    if cfg.model_type == "gpt_oss":
+        assert [s.sliding_window for s in cfg.layers] == [6, None, 6] and cfg.sinks
+    elif cfg.model_type == "qwen3_moe":
+        assert [s.moe for s in cfg.layers] == [True, False, True]
+    else:  # a global k_eq_v layer with its own head_dim / kv heads exists
+        glob = [i for i, s in enumerate(cfg.layers) if s.k_eq_v]
+        assert glob == [2, 5] and cfg.layers[2].head_dim == 32 and cfg.layers[2].num_kv_heads == 1
+        assert cfg.layers[2].rope.kind == "proportional" and cfg.layers[0].sliding_window == 6
+
+
+def test_few_token_moe_path_matches_transformers(pair):
+    model, target, _, _ = pair
+    if target.config.moe is None:
+        pytest.skip("dense family")
+    ids = np.random.default_rng(3).integers(0, V, (1, 8))
+    assert ids.size * target.config.moe.top_k <= MOE_GATHER_MAX_PAIRS  # gather (decode / verify) path
+    assert rel_err(np.asarray(pjax.target_logits(target, ids)), hf_logits(model, ids)) <= 1e-4
+
+
+def test_aux_hidden_states_match_transformers(pair):
+    model, target, _, _ = pair
+    n = target.config.num_layers
+    check_aux_hidden_states(model, target, (0, 1, n - 1))
+
+
+def test_cached_extend_matches_full_forward(pair):
+    _, target, _, _ = pair
+    check_cached_extend(target, chunks=(1, 4))
+
+
+def test_gpt_oss_mxfp4_checkpoint(pair, tmp_path):
+    """Experts stored as MXFP4 blocks/scales (quant_method mxfp4) load to exactly the weights that
+    transformers' dequantisation produced (and that the plain checkpoint holds)."""
+    _, target, path, extra = pair
+    if target.config.model_type != "gpt_oss":
+        pytest.skip("MXFP4 is a GPT-OSS checkpoint format")
+    f = SafetensorsFile(path / "model.safetensors")
+    tensors = {k: np.array(f.get(k)) for k in f.keys() if k not in extra["mxfp4"]}
+    for name, (blocks, scales) in extra["mxfp4"].items():
+        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+    out = tmp_path / "mxfp4"
+    out.mkdir()
+    save_file(tensors, out / "model.safetensors")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (out / "config.json").write_text(json.dumps(cfg))
+    q = convert.load_target(out, dtype=jnp.float32)
+    for (p, a), b in zip(jax.tree.flatten_with_path(target.params)[0], jax.tree.leaves(q.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(p))
+    # without the quantization_config the blocks are rejected with a clear error
+    cfg.pop("quantization_config")
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(convert.CheckpointError, match=r"_proj_blocks.*is MXFP4.*expected .mxfp4."):
+        convert.load_target(out, dtype=jnp.float32)
+
+
+def test_fused_qwen3_moe_layout_and_multimodal_gemma4_prefix(pair, tmp_path):
+    """Alternative on-disk layouts load to identical params: Qwen3-MoE fused `experts.gate_up_proj
+    [E, 2I, H]` / `experts.down_proj [E, H, I]`; Gemma 4 multimodal (`model_type gemma4`, text stack
+    under model.language_model., other towers ignored)."""
+    _, target, path, _ = pair
+    f = SafetensorsFile(path / "model.safetensors")
+    tensors = {k: np.array(f.get(k)) for k in f.keys()}
+    cfg = json.loads((path / "config.json").read_text())
+    if target.config.model_type == "qwen3_moe":
+        e = cfg["num_local_experts"]
+        for i in (0, 2):
+            b = f"model.layers.{i}.mlp.experts"
+            gu = [np.concatenate([tensors.pop(f"{b}.{x}.gate_proj.weight"), tensors.pop(f"{b}.{x}.up_proj.weight")])
+                  for x in range(e)]
+            tensors[f"{b}.gate_up_proj"] = np.stack(gu)
+            tensors[f"{b}.down_proj"] = np.stack([tensors.pop(f"{b}.{x}.down_proj.weight") for x in range(e)])
+    elif target.config.model_type == "gemma4_text":
+        tensors = {k.replace("model.", "model.language_model.", 1): v for k, v in tensors.items()}
+        tensors["model.vision_tower.patch_embedder.weight"] = np.zeros((4, 4), np.float32)
+        cfg = {"model_type": "gemma4", "text_config": cfg, "tie_word_embeddings": True}
+    else:
+        pytest.skip("no alternative layout")
+    out = tmp_path / "alt"
+    out.mkdir()
+    save_file(tensors, out / "model.safetensors")
+    (out / "config.json").write_text(json.dumps(cfg))
+    alt = convert.load_target(out, dtype=jnp.float32)
+    assert alt.config == target.config
+    for a, b in zip(jax.tree.leaves(target.params), jax.tree.leaves(alt.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    shutil.rmtree(out)
