@@ -437,16 +437,23 @@ def save_drafter(drafter: Drafter, path, *, dtype="bfloat16", verifier_name_or_p
     hf = drafter_config_to_hf(drafter.config, dtype, verifier_name_or_path)
     tensors = drafter_tensors(drafter, dtypes[dtype])
     meta = {"format": "pt"}
+    umask = os.umask(0)
+    os.umask(umask)
+
+    def write(d: Path):
+        save_file(tensors, d / "model.safetensors", metadata=meta)
+        _write_json(hf, d / "config.json")
+        for f in ("model.safetensors", "config.json"):  # mkstemp creates 0600 files
+            os.chmod(d / f, 0o666 & ~umask)
+
     if path.exists():
-        save_file(tensors, path / "model.safetensors", metadata=meta)
-        _write_json(hf, path / "config.json")
+        write(path)
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
     try:
-        os.chmod(tmp, 0o755)
-        save_file(tensors, tmp / "model.safetensors", metadata=meta)
-        _write_json(hf, tmp / "config.json")
+        os.chmod(tmp, 0o777 & ~umask)
+        write(tmp)
         os.replace(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -464,6 +471,7 @@ def _cli_args(p):
                    help="target model directory: validates vocab / width / aux layer ids and supplies "
                         "embed_tokens when the head has none")
     p.add_argument("--verifier", default=None, help="verifier name_or_path recorded in speculators_config")
+    p.add_argument("--force", action="store_true", help="replace the files of an existing OUT_DIR")
 
 
 def _cli_run(args) -> int:
@@ -471,6 +479,8 @@ def _cli_run(args) -> int:
              "f16": "float16", "float16": "float16"}
     if args.dtype not in names:
         raise CheckpointError(f"unknown --dtype {args.dtype!r} (choose from {sorted(names)})")
+    if Path(args.out_dir).exists() and not args.force:
+        raise CheckpointError(f"{args.out_dir}: already exists (pass --force to replace its files)")
     target = None
     if args.target:
         from convert.target import load_target

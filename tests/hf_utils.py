@@ -98,7 +98,7 @@ def check_cached_extend(target, ids, full, prefix, chunks=(1, 4), capacity=None,
         pos = cur[:, None] + np.arange(chunk)[None]
         got = run(pos, np.ones(pos.shape, bool))
         rows = np.arange(b)[:, None]
-        assert rel_err(got, full[rows, pos]) <= tol, (chunk, cur)
+        assert rel_err(got, full[rows, pos]) <= tol, (chunk, cur, rel_err(got, full[rows, pos]))
         if hf_full is not None:
             assert rel_err(got, hf_full[rows, pos]) <= 1e-4, (chunk, cur)
         cur, n = cur + chunk, n + 1

@@ -82,7 +82,7 @@ def select_drafts(drafter, logits, sampling: Sampling, positions, spec: EngineSp
 
 def gather_features(drafter, comb, feature_row, use_mask: bool):
     """comb [B, T, H], feature_row [B, S] (-1 = mask feature) -> hidden_in [B, S, H]."""
-    rows = jnp.clip(feature_row - 1, 0, comb.shape[1] - 1)
+    rows = jnp.clip(feature_row, 0, comb.shape[1] - 1)
     h = jnp.take_along_axis(comb, rows[..., None], axis=1)
     if not use_mask:
         return h

@@ -225,26 +225,27 @@ def abstract_drafter(config: DrafterConfig, dtype=jnp.float32) -> Drafter:
 
 def init_drafter(config: DrafterConfig, key, dtype=jnp.float32, scale: float = 0.02) -> Drafter:
     """Random drafter: normal(0, scale) matrices, ones for norms, normal(0, 1) mask_hidden (as
-    speculators), and a random ascending draft vocabulary when Vd < V."""
+    speculators), and a random ascending draft vocabulary when Vd < V. Host-side numpy RNG seeded
+    from `key` (compiling threefry for every leaf is slow on CPU)."""
     abstract = abstract_drafter(config, dtype)
     leaves, treedef = jax.tree.flatten_with_path(abstract.params)
-    k_params, k_vocab = jax.random.split(key)
-    keys = jax.random.split(k_params, len(leaves))
+    seed = np.asarray(jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key)
+    rng = np.random.default_rng(seed.astype(np.uint32).ravel().tolist())
 
-    def fill(path, leaf, k):
+    def fill(path, leaf):
         name = str(getattr(path[-1], "key", path[-1]))
         if name == "weight":
             return jnp.ones(leaf.shape, leaf.dtype)
         if name == "bias":
             return jnp.zeros(leaf.shape, leaf.dtype)
         std = 1.0 if name == "mask_hidden" else scale
-        return (std * jax.random.normal(k, leaf.shape, jnp.float32)).astype(leaf.dtype)
+        return jnp.asarray(std * rng.standard_normal(leaf.shape, np.float32), leaf.dtype)
 
-    params = jax.tree.unflatten(treedef, [fill(p, l, k) for (p, l), k in zip(leaves, keys)])
+    params = jax.tree.unflatten(treedef, [fill(p, l) for p, l in leaves])
     d2t = None
     vd, v = config.draft_vocab_size, config.vocab_size
     if vd < v:
-        ids = np.sort(np.asarray(jax.random.permutation(k_vocab, v))[:vd])
+        ids = np.sort(rng.permutation(v)[:vd])
         d2t = jnp.asarray(ids - np.arange(vd), jnp.int32)
     return Drafter(config, abstract.graphdef, params, d2t)
 
@@ -322,7 +323,7 @@ def cod_attention_mask(document_ids, anchor_pos, depth, window: Optional[int] = 
     qa, ka, qd, kd = a[:, None], a[None, :], d[:, None], d[None, :]
     context = (kd == 0) & (ka <= qa)
     if window is not None:
-        context &= ka > qa - window
+        context &= ka > qa + qd - window
     return (da[:, None] != -1) & (da[:, None] == da[None, :]) & (context | ((qa == ka) & (kd <= qd)))
 
 

@@ -1,0 +1,217 @@
+"""Check every Pallas kernel against its XLA reference on the device and time both.
+
+    PYTHONPATH=. python3 examples/benchmarks/bench_kernels.py            # GPU: full table (~5 min on an H200)
+    PYTHONPATH=. python3 examples/benchmarks/bench_kernels.py --smoke    # CPU: tiny shapes, interpret mode
+
+Timing: each op is unrolled R times inside one jitted program (inputs perturbed per copy so nothing is
+shared), warmed up, then called N times; the reported time is median(call) / R, so Python dispatch is
+amortised. Ratio = xla / pallas measured in the same run. Attention bandwidth = K/V bytes read
+(2 * B * context * nkv * hd * 2 bytes) / time. Prints markdown tables; --json writes all rows.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pjax.kernels.acceptance import pallas as acc_pallas
+from pjax.kernels.acceptance import reference as acc_ref
+from pjax.kernels.cache_attention import pallas as attn_pallas
+from pjax.kernels.cache_attention import reference as attn_ref
+from pjax.kernels.metadata import pallas as meta_pallas
+from pjax.kernels.metadata import reference as meta_ref
+
+T0 = time.time()
+ROWS: list[dict] = []
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def timed(op, perturb, args, *, reps: int, calls: int) -> float:
+    """Median seconds of one op call (op unrolled `reps` times per jitted program)."""
+    def many(*a):
+        return [op(*perturb(i, a)) for i in range(reps)]
+    f = jax.jit(many)
+    jax.block_until_ready(f(*args))
+    jax.block_until_ready(f(*args))
+    ts = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts) / reps
+
+
+def over_budget(budget):
+    return time.time() - T0 > budget
+
+
+# ---------------------------------------------------------------- acceptance
+def acc_inputs(b, k, v, *, dtype=jnp.bfloat16, temp=1.0, trunc=False, seed=0):
+    key = jax.random.key(seed)
+    logits = (jax.random.normal(key, (b, k + 1, v), jnp.float32) * 3).astype(dtype)
+    am = jnp.argmax(logits.astype(jnp.float32), -1).astype(jnp.int32)
+    rnd = jax.random.randint(jax.random.fold_in(key, 1), (b, k), 0, v)
+    pre = jax.random.randint(jax.random.fold_in(key, 2), (b, 1), 0, k + 1)
+    drafts = jnp.where(jnp.arange(k)[None] < pre, am[:, :k], rnd).astype(jnp.int32)
+    kw = dict(temperature=jnp.full((b,), temp, jnp.float32), seeds=jnp.arange(b, dtype=jnp.uint32),
+              positions=jnp.full((b,), 1000, jnp.int32), num_drafts=None,
+              top_k=jnp.full((b,), 50, jnp.int32) if trunc else None,
+              top_p=jnp.full((b,), 0.9, jnp.float32) if trunc else None)
+    return logits, drafts, kw
+
+
+def bench_acceptance(b, k, v, *, reps, calls, temp=1.0, trunc=False, label="", tile=None, warps=None):
+    logits, drafts, kw = acc_inputs(b, k, v, temp=temp, trunc=trunc)
+    old = (acc_pallas.TILE,)
+    if tile:
+        acc_pallas.TILE = tile
+
+    def run(impl):
+        fn = acc_ref.accept if impl == "xla" else acc_pallas.accept
+        return lambda lg, d, pos: fn(lg, d, None, **{**kw, "positions": pos})
+    pert = lambda i, a: (a[0], a[1], a[2] + i)
+    args = (logits, drafts, kw["positions"])
+    r = jax.jit(run("xla"))(*args)
+    p = jax.jit(run("pallas"))(*args)
+    same = float(np.mean(np.all(np.asarray(r.tokens) == np.asarray(p.tokens), axis=1)))
+    t_x = timed(run("xla"), pert, args, reps=reps, calls=calls)
+    t_p = timed(run("pallas"), pert, args, reps=reps, calls=calls)
+    acc_pallas.TILE = old[0]
+    row = dict(op="acceptance", B=b, K=k, V=v, mode=label or ("greedy" if temp == 0 else "sampled"),
+               xla_us=t_x * 1e6, pallas_us=t_p * 1e6, ratio=t_x / t_p, rows_equal=same,
+               logits_MB=b * (k + 1) * v * 2 / 1e6, tile=acc_pallas.TILE if not tile else tile)
+    ROWS.append(row)
+    log(f"| acceptance | {b} | {k} | {v} | {row['mode']} | {row['xla_us']:.1f} | {row['pallas_us']:.1f} | "
+        f"{row['ratio']:.2f} | {same:.3f} |")
+    return row
+
+
+# ---------------------------------------------------------------- metadata
+def bench_metadata(b, k, *, reps, calls):
+    rs = np.random.default_rng(0)
+    args = (jnp.asarray(rs.integers(0, k + 1, b), jnp.int32), jnp.asarray(rs.integers(0, 10 ** 5, (b, k + 1)), jnp.int32),
+            jnp.asarray(rs.integers(0, 10 ** 5, b), jnp.int32), jnp.asarray(rs.integers(0, 10 ** 4, b), jnp.int32))
+    kw = dict(num_slots=2 * k, mask_token_id=128002)
+    fx = lambda *a: meta_ref.build_draft_inputs(*a, **kw)
+    fp = lambda *a: meta_pallas.build_draft_inputs(*a, **kw)
+    r, p = jax.jit(fx)(*args), jax.jit(fp)(*args)
+    exact = all(bool(np.array_equal(np.asarray(x), np.asarray(y))) for x, y in zip(r, p))
+    pert = lambda i, a: (a[0], a[1], a[2], a[3] + i)
+    t_x = timed(fx, pert, args, reps=reps, calls=calls)
+    t_p = timed(fp, pert, args, reps=reps, calls=calls)
+    row = dict(op="metadata", B=b, K=k, xla_us=t_x * 1e6, pallas_us=t_p * 1e6, ratio=t_x / t_p, exact=exact)
+    ROWS.append(row)
+    log(f"| metadata | {b} | {k} | {row['xla_us']:.1f} | {row['pallas_us']:.1f} | {row['ratio']:.2f} | {exact} |")
+    return row
+
+
+# ---------------------------------------------------------------- attention
+def bench_attention(b, ctx, t, *, reps, calls, nh=32, nkv=8, hd=128, cfg=None, xla=True, label=""):
+    key = jax.random.key(1)
+    kq, kk, kv_ = jax.random.split(key, 3)
+    q = jax.random.normal(kq, (b, t, nh, hd), jnp.bfloat16)
+    k = jax.random.normal(kk, (b, ctx, nkv, hd), jnp.bfloat16)
+    v = jax.random.normal(kv_, (b, ctx, nkv, hd), jnp.bfloat16)
+    q_pos = jnp.broadcast_to(jnp.arange(ctx - t, ctx, dtype=jnp.int32), (b, t))  # last t positions of the cache
+    cfg = cfg or {}
+    fx = lambda q_, k_, v_: attn_ref.cache_attention(q_, k_, v_, q_pos, scale=hd ** -0.5)
+    fp = lambda q_, k_, v_: attn_pallas.cache_attention(q_, k_, v_, q_pos, scale=hd ** -0.5, **cfg)
+    pert = lambda i, a: (a[0] + jnp.asarray(i * 1e-3, a[0].dtype), a[1], a[2])
+    args = (q, k, v)
+    p = jax.jit(fp)(*args)
+    row = dict(op="attention", B=b, ctx=ctx, T=t, cfg=cfg, label=label)
+    if xla:
+        r = jax.jit(fx)(*args)
+        row["max_abs_err"] = float(jnp.max(jnp.abs(r.astype(jnp.float32) - p.astype(jnp.float32))))
+        row["xla_us"] = timed(fx, pert, args, reps=reps, calls=calls) * 1e6
+    row["pallas_us"] = timed(fp, pert, args, reps=reps, calls=calls) * 1e6
+    kv_bytes = 2 * b * ctx * nkv * hd * 2
+    row["pallas_TBps"] = kv_bytes / (row["pallas_us"] * 1e-6) / 1e12
+    if xla:
+        row["xla_TBps"] = kv_bytes / (row["xla_us"] * 1e-6) / 1e12
+        row["ratio"] = row["xla_us"] / row["pallas_us"]
+    ROWS.append(row)
+    log(f"| attention {label} | {b} | {ctx} | {t} | {row.get('xla_us', float('nan')):.1f} | {row['pallas_us']:.1f} | "
+        f"{row.get('ratio', float('nan')):.2f} | {row.get('xla_TBps', float('nan')):.2f} | {row['pallas_TBps']:.2f} | "
+        f"{row.get('max_abs_err', float('nan')):.4f} | {cfg} |")
+    del q, k, v
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpret mode)")
+    ap.add_argument("--only", default="meta,acc,attn,tune")
+    ap.add_argument("--budget", type=float, default=380.0, help="seconds; later sections are skipped past it")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    only = set(a.only.split(","))
+    log(f"# bench_kernels {time.strftime('%Y-%m-%d %H:%M:%S')}  jax {jax.__version__}  devices {jax.devices()}")
+    if a.smoke:
+        reps, calls = 2, 3
+        vocabs, batches, ks, ctxs, ts = [300], [1, 3], [3], [256], [4]
+        attn_geo = dict(nh=4, nkv=2, hd=32)
+    else:
+        reps, calls = 5, 15
+        vocabs, batches, ks, ctxs, ts = [128256, 151936, 201088], [1, 8, 64], [3, 7, 11], [1024, 16384], [8, 12, 22]
+        attn_geo = {}
+    if "meta" in only:
+        log("\n| op | B | K | xla us | pallas us | xla/pallas | exact |\n|---|---|---|---|---|---|---|")
+        for b in batches:
+            for k in ks:
+                bench_metadata(b, k, reps=reps, calls=calls)
+    if "acc" in only:
+        log("\n| op | B | K | V | mode | xla us | pallas us | xla/pallas | rows equal |\n|---|---|---|---|---|---|---|---|---|")
+        for b in batches:
+            for k in ks:
+                bench_acceptance(b, k, vocabs[0], reps=reps, calls=calls)
+        for v in vocabs[1:]:
+            for b in batches:
+                bench_acceptance(b, 7 if not a.smoke else ks[0], v, reps=reps, calls=calls)
+        kk = 7 if not a.smoke else ks[0]
+        for b in (batches[0], batches[-1]):
+            bench_acceptance(b, kk, vocabs[0], reps=reps, calls=calls, temp=0.0)
+        bench_acceptance(batches[-1] if a.smoke else 8, kk, vocabs[0], reps=reps, calls=calls, trunc=True,
+                         label="top-k50/top-p0.9")
+    if "attn" in only and not over_budget(a.budget):
+        log("\n| op | B | context | T | xla us | pallas us | xla/pallas | xla TB/s | pallas TB/s | max abs err | cfg |"
+            "\n|---|---|---|---|---|---|---|---|---|---|---|")
+        for ctx in ctxs:
+            for b in batches:
+                for t in ts:
+                    if over_budget(a.budget):
+                        break
+                    bench_attention(b, ctx, t, reps=reps, calls=calls, **attn_geo)
+    if "tune" in only and not a.smoke:
+        log("\n## tuning (pallas only)")
+        for b in (1, 64):
+            for bk in (64, 128):
+                for nw in (4, 8):
+                    for st in (2, 3):
+                        if over_budget(a.budget):
+                            break
+                        bench_attention(b, 16384, 8, reps=reps, calls=calls, xla=False, label="tune",
+                                        cfg=dict(block_k=bk, num_warps=nw, num_stages=st))
+        for b in (1, 64):
+            for tile in (1024, 4096):
+                if over_budget(a.budget):
+                    break
+                bench_acceptance(b, 7, 128256, reps=reps, calls=calls, label=f"tile{tile}", tile=tile)
+    log(f"\n# done in {time.time() - T0:.0f} s")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(ROWS, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""Pallas (Triton) flash-decoding attention of a few queries per row over a KV cache.
+
+Why: verify (K+1 queries) and parallel drafting (2K queries) attend over a long cache with few
+queries, so the cost is reading K/V once. The XLA reference reads the whole cache capacity S and
+materialises [B, nh, T, S] scores; this kernel reads only the visible range [lo, hi) of each row
+(hi = min(S, kv_len, max q_pos + 1), lo from the sliding window), each K/V tile once for all T
+queries and all g = nh / nkv query heads sharing the KV head (GQA), and splits that range over
+`num_splits` programs (flash-decoding) so batch 1 still fills the GPU.
+Grid: (B, nkv, splits). Each program holds a [M, hd] query tile (M = next power of two >= T * g,
+rows = (query, head-in-group)) and streams [BK, hd] K/V tiles with an online softmax; partial
+(o, m, l) per split are merged by a small XLA epilogue that also adds the attention sinks.
+Bytes moved: 2 * B * nkv * (hi - lo) * hd * itemsize of K/V + the tiny q and partials
+(B * splits * nkv * M * (hd + 2) * 4).
+Numerics: scores and the running sums in float32; probabilities are cast to V's dtype before the PV
+product (as the reference does); masked keys are -inf. Difference from the reference: a query with
+no visible key gets 0 here (the reference, with a finite mask value, averages all S values).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pjax.kernels._pallas_util import call_kwargs, next_pow2
+from pjax.kernels.cache_attention.reference import check_inputs
+
+BLOCK_K = 64
+TARGET_PROGRAMS = 264  # ~2 programs per H200 SM
+NEG_INF = float("-inf")
+
+
+def _kernel(q_ref, k_ref, v_ref, qpos_ref, *refs, t, g, s_len, hd, hdp, m_rows, bk, ns, window, has_len, scale,
+            precision):
+    if has_len:
+        len_ref, o_ref, m_ref, l_ref = refs
+    else:
+        (o_ref, m_ref, l_ref), len_ref = refs, None
+    b, h, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    r = jnp.arange(m_rows, dtype=jnp.int32)
+    t_idx, j_idx = r // g, r % g
+    rmask = t_idx < t
+    t_c = jnp.where(rmask, t_idx, 0)
+    d = jnp.arange(hdp, dtype=jnp.int32)
+    dmask = d < hd
+    qmask = rmask[:, None] & dmask[None, :]
+    q = pltriton.load(q_ref.at[b, t_c[:, None], (h * g + j_idx)[:, None], d[None, :]], mask=qmask, other=0)
+    qp = pltriton.load(qpos_ref.at[b, t_c], mask=rmask, other=-1)
+    hi = jnp.minimum(jnp.max(qp) + 1, s_len)
+    if has_len:
+        hi = jnp.minimum(hi, len_ref[b])
+    lo = jnp.int32(0)
+    if window is not None:
+        lo = jnp.maximum(jnp.min(jnp.where(rmask, qp, 2 ** 30)) - window + 1, 0)
+        lo = (lo // bk) * bk
+    n_blocks = jnp.maximum((hi - lo + bk - 1) // bk, 0)
+    per = (n_blocks + ns - 1) // ns
+    blk0 = sp * per
+    blk1 = jnp.minimum(n_blocks, blk0 + per)
+    kv_len = len_ref[b] if has_len else None
+    kk = jnp.arange(bk, dtype=jnp.int32)
+
+    def body(blk, carry):
+        acc, m, l = carry
+        start = pl.multiple_of(lo + blk * bk, bk)
+        kidx = start + kk
+        kmask = kidx < s_len
+        tmask = kmask[:, None] & dmask[None, :]
+        kb = pltriton.load(k_ref.at[b, pl.ds(start, bk), h, pl.ds(0, hdp)], mask=tmask, other=0)
+        sc = jax.lax.dot_general(q, kb, (((1,), (1,)), ((), ())), precision=precision,
+                                 preferred_element_type=jnp.float32) * scale
+        vis = (kidx[None, :] <= qp[:, None]) & kmask[None, :]
+        if window is not None:
+            vis &= kidx[None, :] > qp[:, None] - window
+        if has_len:
+            vis &= kidx[None, :] < kv_len
+        sc = jnp.where(vis, sc, NEG_INF)
+        m_new = jnp.maximum(m, jnp.max(sc, axis=1))
+        m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
+        alpha = jnp.exp(m - m_safe)
+        p = jnp.exp(sc - m_safe[:, None])
+        l = l * alpha + jnp.sum(p, axis=1)
+        vb = pltriton.load(v_ref.at[b, pl.ds(start, bk), h, pl.ds(0, hdp)], mask=tmask, other=0)
+        pv = jax.lax.dot_general(p.astype(vb.dtype), vb, (((1,), (0,)), ((), ())), precision=precision,
+                                 preferred_element_type=jnp.float32)
+        return acc * alpha[:, None] + pv, m_new, l
+
+    init = (jnp.zeros((m_rows, hdp), jnp.float32), jnp.full((m_rows,), NEG_INF, jnp.float32),
+            jnp.zeros((m_rows,), jnp.float32))
+    acc, m, l = jax.lax.fori_loop(blk0, blk1, body, init)
+    pltriton.store(o_ref.at[b, sp, h, pl.ds(0, m_rows), pl.ds(0, hdp)], acc)
+    pltriton.store(m_ref.at[b, sp, h, pl.ds(0, m_rows)], m)
+    pltriton.store(l_ref.at[b, sp, h, pl.ds(0, m_rows)], l)
+
+
+def num_splits(b: int, nkv: int, s: int, bk: int) -> int:
+    return max(1, min(pl.cdiv(s, bk), pl.cdiv(TARGET_PROGRAMS, b * nkv)))
+
+
+def cache_attention(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, sinks=None, kv_len=None,
+                    block_k: int = BLOCK_K, splits: Optional[int] = None, num_warps: int = 4,
+                    num_stages: int = 2):
+    """Same contract as `pjax.kernels.cache_attention.reference.cache_attention`."""
+    check_inputs(q, k, v, q_pos, kv_len, sinks)
+    b, t, nh, hd = q.shape
+    s_len, nkv = k.shape[1], k.shape[2]
+    g = nh // nkv
+    m_rows = max(16, next_pow2(t * g))
+    hdp = max(16, next_pow2(hd))
+    bk = max(16, min(block_k, next_pow2(s_len)))
+    ns = splits or num_splits(b, nkv, s_len, bk)
+    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    has_len = kv_len is not None
+    kern = functools.partial(_kernel, t=t, g=g, s_len=s_len, hd=hd, hdp=hdp, m_rows=m_rows, bk=bk, ns=ns,
+                             window=window, has_len=has_len, scale=float(scale), precision=precision)
+    f32 = jnp.float32
+    outs = [jax.ShapeDtypeStruct((b, ns, nkv, m_rows, hdp), f32), jax.ShapeDtypeStruct((b, ns, nkv, m_rows), f32),
+            jax.ShapeDtypeStruct((b, ns, nkv, m_rows), f32)]
+    ins = [q, k, v, q_pos.astype(jnp.int32)] + ([jnp.asarray(kv_len, jnp.int32)] if has_len else [])
+    full = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+    o_s, m_s, l_s = pl.pallas_call(
+        kern, grid=(b, nkv, ns), out_shape=outs, in_specs=[full(x.shape) for x in ins],
+        out_specs=[full(o.shape) for o in outs], name="pjax_cache_attention",
+        **call_kwargs(num_warps, num_stages),
+    )(*ins)
+    # merge the splits (and the sinks) in float32: rows r = (query t, head j in group)
+    m_all = jnp.max(m_s, axis=1)  # [B, nkv, M]
+    if sinks is not None:
+        sk = jnp.zeros((nkv, m_rows), f32).at[:, : t * g].set(
+            jnp.tile(sinks.astype(f32).reshape(nkv, 1, g), (1, t, 1)).reshape(nkv, t * g))
+        m_all = jnp.maximum(m_all, sk[None])
+    m_safe = jnp.where(m_all == NEG_INF, 0.0, m_all)
+    w = jnp.exp(m_s - m_safe[:, None])  # [B, ns, nkv, M]
+    denom = jnp.sum(w * l_s, axis=1)
+    if sinks is not None:
+        denom = denom + jnp.exp(sk[None] - m_safe)
+    o = jnp.sum(w[..., None] * o_s, axis=1) / jnp.where(denom == 0, 1.0, denom)[..., None]
+    o = o[:, :, : t * g, :hd].reshape(b, nkv, t, g, hd).transpose(0, 2, 1, 3, 4)
+    return o.reshape(b, t, nh, hd).astype(q.dtype)

@@ -1,0 +1,34 @@
+"""XLA reference of attention over a KV cache indexed by absolute position: `pjax.nn.attention` with
+kv_pos = arange(S) and kv_valid = arange(S) < kv_len."""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax.numpy as jnp
+
+from pjax.nn import attention
+
+
+def check_inputs(q, k, v, q_pos, kv_len, sinks):
+    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
+        raise ValueError(f"cache_attention: q must be [B, T, nh, hd] and k, v [B, S, nkv, hd]; found q {q.shape}, "
+                         f"k {k.shape}, v {v.shape}")
+    b, t, nh, hd = q.shape
+    if k.shape[0] != b or k.shape[3] != hd or nh % k.shape[2]:
+        raise ValueError(f"cache_attention: k {k.shape} does not match q {q.shape} (batch, head_dim, nh % nkv == 0)")
+    if tuple(q_pos.shape) != (b, t):
+        raise ValueError(f"cache_attention: q_pos must have shape {(b, t)}, found {tuple(q_pos.shape)}")
+    if kv_len is not None and tuple(jnp.shape(kv_len)) != (b,):
+        raise ValueError(f"cache_attention: kv_len must have shape {(b,)}, found {tuple(jnp.shape(kv_len))}")
+    if sinks is not None and tuple(sinks.shape) != (nh,):
+        raise ValueError(f"cache_attention: sinks must have shape {(nh,)}, found {tuple(sinks.shape)}")
+
+
+def cache_attention(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, sinks=None, kv_len=None):
+    """q [B, T, nh, hd]; k, v [B, S, nkv, hd] (index = absolute position); q_pos [B, T]; kv_len [B] or None.
+    Returns [B, T, nh, hd] in q's dtype."""
+    check_inputs(q, k, v, q_pos, kv_len, sinks)
+    s = k.shape[1]
+    kv_pos = jnp.arange(s, dtype=jnp.int32)
+    kv_valid = None if kv_len is None else kv_pos[None, :] < jnp.asarray(kv_len, jnp.int32)[:, None]
+    return attention(q, k, v, q_pos, kv_pos, scale=scale, window=window, sinks=sinks, kv_valid=kv_valid)

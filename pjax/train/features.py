@@ -1,0 +1,38 @@
+"""Frozen-target features computed online (inside the jitted train step).
+
+The target runs over raw packed rows with causal attention restricted to each document and
+positions restarting at 0 in every document (exactly what per-sample vLLM capture sees), and returns
+the residual streams entering the drafter's aux layers ([B, S, A*Ht], id order) and the final
+pre-norm state ([B, S, Ht]). Attention is query-chunked (`DocCausalMask`), so long rows never
+materialise S x S scores for all heads at once.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from pjax.target import Target
+from pjax.train.attention import DocCausalMask
+
+
+def document_positions(document_ids):
+    """[..., S] -> position of each token inside its document (0-based; padding gets 0)."""
+    doc = jnp.asarray(document_ids, jnp.int32)
+    s = doc.shape[-1]
+    idx = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), doc.shape)
+    prev = jnp.concatenate([jnp.full(doc.shape[:-1] + (1,), -2, jnp.int32), doc[..., :-1]], axis=-1)
+    start = jnp.where(doc != prev, idx, 0)
+    start = jax.lax.cummax(start, axis=doc.ndim - 1)
+    return jnp.where(doc == -1, 0, idx - start)
+
+
+def target_features(target: Target, tokens, document_ids, aux_layer_ids: Sequence[int], *,
+                    chunk: Optional[int] = None):
+    """tokens, document_ids [B, S] -> (aux [B, S, A*Ht], final [B, S, Ht]), gradient-stopped."""
+    tokens = jnp.asarray(tokens, jnp.int32)
+    doc = jnp.asarray(document_ids, jnp.int32)
+    out = target.module(tokens, document_positions(doc), None, mask=DocCausalMask(doc, chunk),
+                        aux_layer_ids=tuple(aux_layer_ids), return_final=True)
+    return jax.lax.stop_gradient(out.aux), jax.lax.stop_gradient(out.final)

@@ -1,0 +1,160 @@
+"""The jitted train step: target features online -> EAGLE shift -> COD sample -> loss and gradients
+(single pass or partitioned, spec D.5) -> AdamW update. Data parallel over a 1-D mesh axis "data".
+
+Batch: dict of [B, S] int32 arrays `tokens`, `loss_mask`, `document_ids` (raw packed rows, see
+`pjax.train.data`). The loss of a step is the mean over rows of each row's count-normalised loss
+(speculators: DDP averages per-rank single-row losses), so any sharding of the rows gives the same
+value.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from pjax.models.drafter import Drafter
+from pjax.target import Target
+from pjax.train.cod import cod_capacities, cod_sample, partition_layout, segment_bounds
+from pjax.train.data import eagle_shift
+from pjax.train.eagle3 import eagle3_row_loss
+from pjax.train.features import target_features
+from pjax.train.loss import LOSS_EPS, cast_drafter, depth_metrics, row_loss_terms
+from pjax.train.optim import learning_rate_schedule, make_optimizer, merge_params, split_params, trainable_mask
+from pjax.train.state import TrainConfig, TrainState
+
+DATA_AXIS = "data"
+
+
+def prepare_rows(target: Target, drafter: Drafter, batch: dict, cfg: TrainConfig, step_key):
+    """Online features + shift + COD layouts for a batch -> dict of per-row arrays (leading B)."""
+    aux_ids = drafter.config.resolved_aux_layer_ids(target.config)
+    aux, final = target_features(target, batch["tokens"], batch["document_ids"], aux_ids, chunk=cfg.target_chunk)
+    rows = jax.vmap(eagle_shift)(batch["tokens"], batch["loss_mask"], batch["document_ids"], aux, final)
+    if cfg.objective == "peagle":
+        b = batch["tokens"].shape[0]
+        keys = jax.vmap(lambda i: jax.random.fold_in(step_key, i))(jnp.arange(b))
+        rows["layout"] = jax.vmap(lambda k, lm, doc: cod_sample(k, lm, cfg.cod, doc))(
+            keys, rows["loss_mask"], rows["document_ids"])
+    return rows
+
+
+def _peagle_row(dr, target, row, layout, cfg: TrainConfig, owned=None, denom=None, num_depth0=None):
+    loss, correct, weight = row_loss_terms(
+        dr, target, row["input_ids"], row["hidden_states"], row["verifier_last_hidden_states"], row["loss_mask"],
+        row["document_ids"], layout, num_depths=cfg.cod.num_depths, num_depth0=num_depth0, loss_type=cfg.loss_type,
+        attn_chunk=cfg.attn_chunk, loss_chunk=cfg.loss_chunk)
+    w = weight if owned is None else weight * owned.astype(weight.dtype)
+    wsum = jnp.sum(weight) if denom is None else denom
+    c, t = depth_metrics(correct, w, layout.depth, cfg.cod.num_depths)
+    return jnp.sum(loss * w) / (wsum + LOSS_EPS), dict(correct=c, total=t)
+
+
+def loss_and_grads(params_t, frozen, shell: Drafter, target: Target, rows: dict, cfg: TrainConfig):
+    """(mean row loss, grads over the trainable leaves, metrics). Partitioned when num_segments > 1:
+    one forward/backward per segment, run in sequence (optimization barriers), gradients summed."""
+    dtype = None if cfg.compute_dtype is None else jnp.dtype(cfg.compute_dtype)
+
+    def drafter_of(p):
+        full = merge_params(p, frozen)
+        return cast_drafter(Drafter(shell.config, shell.graphdef, full, shell.d2t), dtype)
+
+    if cfg.objective == "eagle3":
+        def fn(p):
+            dr = drafter_of(p)
+            loss, m = jax.vmap(lambda r: eagle3_row_loss(
+                dr, target, r["input_ids"], r["hidden_states"], r["verifier_last_hidden_states"], r["loss_mask"],
+                r["document_ids"], ttt_steps=cfg.ttt_steps, ttt_step_loss_decay=cfg.ttt_step_loss_decay,
+                loss_type=cfg.loss_type, attn_chunk=cfg.attn_chunk))(rows)
+            return jnp.mean(loss), jax.tree.map(lambda x: jnp.sum(x, 0), m)
+        (loss, m), g = jax.value_and_grad(fn, has_aux=True)(params_t)
+        return loss, g, m
+
+    layout = rows["layout"]
+    if cfg.num_segments == 1:
+        def fn(p):
+            dr = drafter_of(p)
+            loss, m = jax.vmap(lambda r, lay: _peagle_row(dr, target, r, lay, cfg))(rows, layout)
+            return jnp.mean(loss), jax.tree.map(lambda x: jnp.sum(x, 0), m)
+        (loss, m), g = jax.value_and_grad(fn, has_aux=True)(params_t)
+        return loss, g, m
+
+    s = cfg.total_seq_len
+    caps = cod_capacities(s, cfg.cod)
+    segments = jax.vmap(lambda lay: partition_layout(lay, s, cfg.num_segments, caps))(layout)
+    denom = jax.vmap(lambda r, lay: jnp.sum(r["loss_mask"][lay.anchor_pos + lay.depth].astype(jnp.float32)
+                                            * lay.valid))(rows, layout)
+    total_loss, grads, metrics = 0.0, None, None
+    for (_, end), seg in zip(segment_bounds(s, cfg.num_segments), segments):
+        def fn(p, seg=seg, end=end):
+            dr = drafter_of(p)
+            loss, m = jax.vmap(lambda r, sg, dn: _peagle_row(dr, target, r, sg.layout, cfg, sg.owned, dn, end))(
+                rows, seg, denom)
+            return jnp.mean(loss), jax.tree.map(lambda x: jnp.sum(x, 0), m)
+        if grads is not None:  # run segments one after another so only one is alive at a time
+            params_t, grads = jax.lax.optimization_barrier((params_t, grads))
+        (loss, m), g = jax.value_and_grad(fn, has_aux=True)(params_t)
+        total_loss = total_loss + loss
+        grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+        metrics = m if metrics is None else jax.tree.map(jnp.add, metrics, m)
+    return total_loss, grads, metrics
+
+
+def train_step(state: TrainState, shell: Drafter, target: Target, batch: dict, cfg: TrainConfig):
+    """One optimisation step (pure; jit with `make_train_step`). Returns (state, metrics)."""
+    mask = trainable_mask(state.params, cfg.optim)
+    params_t, frozen = split_params(state.params, mask)
+    base = jax.random.wrap_key_data(state.rng)
+    step_key = jax.random.fold_in(base, state.step)
+    rows = prepare_rows(target, shell, batch, cfg, step_key)
+    loss, grads, m = loss_and_grads(params_t, frozen, shell, target, rows, cfg)
+    tx = make_optimizer(cfg.optim, cfg.total_steps)
+    updates, opt_state = tx.update(grads, state.opt_state, params_t)
+    params_t = optax.apply_updates(params_t, updates)
+    new = TrainState(state.step + 1, merge_params(params_t, frozen), opt_state, state.rng, state.data_position + 1)
+    metrics = dict(loss=loss, correct=m["correct"], total=m["total"], grad_norm=optax.global_norm(grads),
+                   lr=learning_rate_schedule(cfg.optim, cfg.total_steps)(state.step),
+                   tokens=jnp.sum((batch["document_ids"] != -1).astype(jnp.int32)))
+    for k in ("cond_correct", "cond_total"):
+        if k in m:
+            metrics[k] = m[k]
+    return new, metrics
+
+
+def make_mesh(devices=None) -> jax.sharding.Mesh:
+    """1-D data-parallel mesh over `devices` (default: all)."""
+    devices = jax.devices() if devices is None else list(devices)
+    return jax.sharding.Mesh(np.asarray(devices, dtype=object).reshape(-1), (DATA_AXIS,))
+
+
+def make_train_step(cfg: TrainConfig, mesh: Optional[jax.sharding.Mesh] = None, donate: bool = True):
+    """jit(train_step) for a config; with a mesh, batch rows are sharded over "data" and the state,
+    head and target replicated (batch_rows must divide by the mesh size)."""
+    cfg.validate()
+    fn = functools.partial(train_step, cfg=cfg)
+    kw = dict(donate_argnums=(0,)) if donate else {}
+    if mesh is None:
+        return jax.jit(fn, **kw)
+    n = mesh.devices.size
+    if cfg.batch_rows % n:
+        raise ValueError(f"batch_rows={cfg.batch_rows} is not divisible by the {n} devices of the mesh")
+    rep = NamedSharding(mesh, P())
+    rows = NamedSharding(mesh, P(DATA_AXIS))
+    return jax.jit(fn, in_shardings=(rep, rep, rep, rows), out_shardings=(rep, rep), **kw)
+
+
+def shard_batch(batch: dict, mesh: Optional[jax.sharding.Mesh]):
+    if mesh is None:
+        return {k: jnp.asarray(v) for k, v in batch.items()}
+    sh = NamedSharding(mesh, P(DATA_AXIS))
+    return {k: jax.device_put(jnp.asarray(v), sh) for k, v in batch.items()}
+
+
+def replicate(tree, mesh: Optional[jax.sharding.Mesh]):
+    if mesh is None:
+        return tree
+    return jax.device_put(tree, NamedSharding(mesh, P()))

@@ -1,0 +1,100 @@
+"""Pallas kernels (interpret mode on CPU) vs their jnp references, plus Pallas -> Triton lowering for CUDA.
+
+Small shapes with small tiles so that the vocabulary / KV loops, the tails (vocab not a multiple of the
+tile) and the split merges are all exercised while interpret mode stays fast.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pjax.kernels._pallas_util import lower_for_gpu
+from pjax.kernels.acceptance import accept
+from pjax.kernels.acceptance import pallas as acc_pallas
+from pjax.kernels.cache_attention import cache_attention
+from pjax.kernels.cache_attention import pallas as attn_pallas
+from pjax.kernels.metadata import build_draft_inputs
+from pjax.kernels.metadata import pallas as meta_pallas
+
+
+def _eq(a, b):
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("b,k", [(1, 1), (5, 3), (19, 7), (3, 11)])
+def test_metadata_kernel_equals_reference(b, k):
+    rs = np.random.default_rng(b * k)
+    args = (jnp.asarray(rs.integers(0, k + 1, b), jnp.int32), jnp.asarray(rs.integers(0, 5000, (b, k + 1)), jnp.int32),
+            jnp.asarray(rs.integers(0, 5000, b), jnp.int32), jnp.asarray(rs.integers(0, 9000, b), jnp.int32))
+    for s in {2 * k, 2 * k + 3}:
+        kw = dict(num_slots=s, mask_token_id=17)
+        _eq(build_draft_inputs(*args, **kw, implementation="xla"),
+            build_draft_inputs(*args, **kw, implementation="pallas"))
+
+
+def _accept_case(seed, b, k, v, dtype, with_q, trunc):
+    rs = np.random.default_rng(seed)
+    logits = jnp.asarray(rs.normal(size=(b, k + 1, v)) * 2, dtype)
+    am = np.asarray(jnp.argmax(logits.astype(jnp.float32), -1))
+    prefix = rs.integers(0, k + 1, b)
+    drafts = np.where(np.arange(k)[None] < prefix[:, None], am[:, :k], rs.integers(-1, v + 1, (b, k))).astype(np.int32)
+    q = jnp.asarray(rs.dirichlet(np.ones(v) * 0.5, size=(b, k)), jnp.float32) if with_q else None
+    kw = dict(temperature=jnp.asarray(rs.choice([0.0, 0.7, 1.0, 1.5], b), jnp.float32),
+              seeds=jnp.asarray(rs.integers(0, 2 ** 32, b, dtype=np.uint64).astype(np.uint32)),
+              positions=jnp.asarray(rs.integers(0, 5000, b), jnp.int32),
+              num_drafts=jnp.asarray(rs.integers(0, k + 1, b), jnp.int32),
+              top_k=jnp.asarray(rs.choice([0, 3, 20], b), jnp.int32) if trunc else None,
+              top_p=jnp.asarray(rs.choice([1.0, 0.7], b), jnp.float32) if trunc else None)
+    return logits, jnp.asarray(drafts), q, kw
+
+
+@pytest.mark.parametrize("b,k,v,dtype,with_q,trunc", [
+    (8, 1, 300, jnp.float32, False, False),
+    (6, 3, 1000, jnp.bfloat16, False, True),
+    (3, 7, 257, jnp.bfloat16, True, False),
+    (2, 11, 130, jnp.float32, True, True),
+])
+def test_acceptance_kernel_equals_reference(monkeypatch, b, k, v, dtype, with_q, trunc):
+    monkeypatch.setattr(acc_pallas, "TILE", 64)  # several tiles, a ragged tail and vocabulary splits
+    monkeypatch.setattr(acc_pallas, "TARGET_PROGRAMS", 64)
+    logits, drafts, q, kw = _accept_case(b * 100 + k, b, k, v, dtype, with_q, trunc)
+    ref = accept(logits, drafts, q, **kw, implementation="xla")
+    out = jax.jit(lambda *a: acc_pallas.accept(*a, **kw))(logits, drafts, q)
+    _eq(ref, out)
+
+
+@pytest.mark.parametrize("b,t,nh,nkv,hd,s,dtype,window,sinks,kv_len", [
+    (2, 4, 8, 2, 32, 150, jnp.float32, None, False, False),  # verify K=3, GQA 4
+    (3, 12, 4, 1, 16, 97, jnp.bfloat16, None, True, True),  # K=11 verify, MQA, sinks, ragged lengths
+    (2, 6, 6, 3, 24, 80, jnp.bfloat16, 16, False, True),  # draft 2K=6, head_dim not a power of two, window
+    (1, 22, 2, 2, 64, 70, jnp.float32, 8, True, False),  # draft 2K=22, MHA, window + sinks
+])
+def test_cache_attention_kernel_matches_reference(b, t, nh, nkv, hd, s, dtype, window, sinks, kv_len):
+    rs = np.random.default_rng(s)
+    q = jnp.asarray(rs.normal(size=(b, t, nh, hd)), dtype)
+    k = jnp.asarray(rs.normal(size=(b, s, nkv, hd)), dtype)
+    v = jnp.asarray(rs.normal(size=(b, s, nkv, hd)), dtype)
+    start = rs.integers(0, s - t, b)
+    q_pos = jnp.asarray(start[:, None] + np.arange(t)[None], jnp.int32)
+    kw = dict(scale=hd ** -0.5, window=window,
+              sinks=jnp.asarray(rs.normal(size=nh), jnp.float32) if sinks else None,
+              kv_len=jnp.asarray(np.minimum(start + t + rs.integers(0, 4, b), s), jnp.int32) if kv_len else None)
+    ref = cache_attention(q, k, v, q_pos, **kw, implementation="xla").astype(jnp.float32)
+    out = jax.jit(lambda *a: attn_pallas.cache_attention(*a, **kw, block_k=16))(q, k, v, q_pos).astype(jnp.float32)
+    tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=tol, rtol=tol)
+
+
+def test_kernels_lower_to_triton_for_cuda():
+    """Runs the Pallas -> Triton IR lowering (power-of-two shapes, supported primitives) on a CPU host."""
+    logits, drafts, q, kw = _accept_case(0, 3, 3, 1000, jnp.bfloat16, True, True)
+    lower_for_gpu(lambda *a: acc_pallas.accept(*a, **kw), logits, drafts, q)
+    i32 = jax.ShapeDtypeStruct((4,), jnp.int32)
+    lower_for_gpu(lambda *a: meta_pallas.build_draft_inputs(*a, num_slots=6, mask_token_id=3), i32,
+                  jax.ShapeDtypeStruct((4, 4), jnp.int32), i32, i32)
+    bf = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
+    lower_for_gpu(lambda q_, k_, v_, p_, l_, sk: attn_pallas.cache_attention(
+        q_, k_, v_, p_, scale=0.1, window=64, sinks=sk, kv_len=l_),
+        bf(2, 8, 32, 128), bf(2, 512, 8, 128), bf(2, 512, 8, 128), jax.ShapeDtypeStruct((2, 8), jnp.int32),
+        jax.ShapeDtypeStruct((2,), jnp.int32), jax.ShapeDtypeStruct((32,), jnp.float32))

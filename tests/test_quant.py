@@ -1,0 +1,163 @@
+"""FP8 block-scaled and MXFP4 dequantisation at load, against transformers' own dequantisation functions
+and independent numpy decodings of the on-disk layouts."""
+import json
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+import transformers as tf
+from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+import convert
+from convert.safetensors_io import Checkpoint, SafetensorsFile, save_file
+from convert.target import TensorSource
+from tests.hf_utils import randomize
+
+FP8_MAX = 448.0
+
+
+def quantize_fp8_blocks(w, block=(128, 128)):
+    """Independent block quantiser: w [..., R, C] float32 -> (float8_e4m3fn [..., R, C], scale_inv
+    [..., ceil(R/br), ceil(C/bc)] float32) with scale_inv = amax(block) / 448 (partial edge blocks)."""
+    br, bc = block
+    *lead, r, c = w.shape
+    gr, gc = -(-r // br), -(-c // bc)
+    q = np.zeros(w.shape, np.float32)
+    s = np.ones((*lead, gr, gc), np.float32)
+    for i in range(gr):
+        for j in range(gc):
+            blk = w[..., i * br:(i + 1) * br, j * bc:(j + 1) * bc]
+            amax = np.abs(blk).max(axis=(-2, -1))
+            s[..., i, j] = np.where(amax > 0, amax / FP8_MAX, 1.0)
+            q[..., i * br:(i + 1) * br, j * bc:(j + 1) * bc] = blk / s[..., i, j, None, None]
+    return q.astype(ml_dtypes.float8_e4m3fn), s
+
+
+def dequant_loop(q, s, block=(128, 128)):
+    """Reference dequantisation, one element block at a time."""
+    br, bc = block
+    out = np.asarray(q, np.float32).copy()
+    for i in range(s.shape[-2]):
+        for j in range(s.shape[-1]):
+            out[..., i * br:(i + 1) * br, j * bc:(j + 1) * bc] *= s[..., i, j, None, None]
+    return out
+
+
+def source(tmp_path, tensors, quant):
+    save_file(tensors, tmp_path / "model.safetensors")
+    return TensorSource(Checkpoint(tmp_path), quant)
+
+
+FP8_CFG = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (2, 256, 128)])
+def test_fp8_block_matches_transformers(tmp_path, shape):
+    w = np.random.default_rng(0).normal(0, 0.05, shape).astype(np.float32)
+    q, s = quantize_fp8_blocks(w)
+    src = source(tmp_path, {"x.weight": q, "x.weight_scale_inv": s}, FP8_CFG)
+    got = src.read("x.weight", shape)
+    ref = Fp8Dequantize(None)._dequantize_one(torch.from_numpy(q.view(np.uint8)).view(torch.float8_e4m3fn),
+                                              torch.from_numpy(s), output_dtype=torch.float32).numpy()
+    np.testing.assert_array_equal(got, ref)
+    np.testing.assert_array_equal(got, dequant_loop(q, s))
+    assert np.abs(got - w).max() <= 0.07 * np.abs(w).max()  # it is a quantisation of w
+
+
+def test_fp8_partial_blocks_and_ue8m0_scales(tmp_path):
+    """Edge blocks of non-multiple shapes use scale[r // 128, c // 128]; uint8 (UE8M0) scales = 2**(b-127)."""
+    rng = np.random.default_rng(1)
+    w = rng.normal(0, 0.05, (200, 300)).astype(np.float32)
+    q, s = quantize_fp8_blocks(w)
+    e8 = rng.integers(118, 130, (2, 2)).astype(np.uint8)
+    q2 = rng.normal(0, 1, (256, 256)).astype(ml_dtypes.float8_e4m3fn)
+    src = source(tmp_path, {"a.weight": q, "a.weight_scale_inv": s, "b.weight": q2, "b.weight_scale_inv": e8},
+                 FP8_CFG)
+    np.testing.assert_array_equal(src.read("a.weight", (200, 300)), dequant_loop(q, s))
+    ref = Fp8Dequantize(None)._dequantize_one(torch.from_numpy(q2.view(np.uint8)).view(torch.float8_e4m3fn),
+                                              torch.from_numpy(e8), output_dtype=torch.float32).numpy()
+    np.testing.assert_array_equal(src.read("b.weight", (256, 256)), ref)
+    np.testing.assert_array_equal(ref, dequant_loop(q2, 2.0 ** (e8.astype(np.float32) - 127)))
+
+
+def test_fp8_scale_shape_is_checked(tmp_path):
+    q, s = quantize_fp8_blocks(np.ones((256, 256), np.float32))
+    src = source(tmp_path, {"x.weight": q, "x.weight_scale_inv": s[:1]}, FP8_CFG)
+    with pytest.raises(convert.CheckpointError, match=r"x.weight_scale_inv.*\[1, 2\], expected \[2, 2\]"):
+        src.read("x.weight", (256, 256))
+
+
+@pytest.fixture(scope="module")
+def fp8_llama(tmp_path_factory):
+    """A tiny Llama saved by transformers, then rewritten as a fine-grained FP8 checkpoint (every
+    projection quantised in 128x128 blocks, lm_head kept dense via modules_to_not_convert)."""
+    path = tmp_path_factory.mktemp("llama")
+    cfg = tf.LlamaConfig(vocab_size=97, hidden_size=128, intermediate_size=320, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    randomize(tf.LlamaForCausalLM(cfg).float().eval()).save_pretrained(path)
+    f = SafetensorsFile(path / "model.safetensors")
+    dense = {k: np.array(f.get(k)) for k in f.keys()}
+    tensors, expect = {}, {}
+    for k, v in dense.items():
+        if k.endswith("_proj.weight"):
+            tensors[k], tensors[k + "_scale_inv"] = quantize_fp8_blocks(v)
+            expect[k] = dequant_loop(*quantize_fp8_blocks(v))
+        else:
+            tensors[k] = expect[k] = v
+    save_file(tensors, path / "model.safetensors")
+    hf = json.loads((path / "config.json").read_text())
+    hf["quantization_config"] = dict(FP8_CFG, modules_to_not_convert=["lm_head"])
+    (path / "config.json").write_text(json.dumps(hf))
+    return path, tensors, expect
+
+
+def test_fp8_checkpoint_loads_dequantised(fp8_llama):
+    path, _, expect = fp8_llama
+    target = convert.load_target(path, dtype=jnp.float32)
+    p = target.params
+    np.testing.assert_array_equal(p["layers"][1]["mlp"]["down_proj"]["kernel"],
+                                  expect["model.layers.1.mlp.down_proj.weight"].T)
+    np.testing.assert_array_equal(p["layers"][0]["self_attn"]["k_proj"]["kernel"],
+                                  expect["model.layers.0.self_attn.k_proj.weight"].T)
+    np.testing.assert_array_equal(p["lm_head"]["kernel"], expect["lm_head.weight"].T)
+    assert sum(x.size for x in jax.tree.leaves(p)) == sum(v.size for v in expect.values())
+
+
+def test_fp8_modules_to_not_convert_is_honoured(fp8_llama, tmp_path):
+    """A module listed in modules_to_not_convert that is stored FP8 is an error naming it."""
+    path, tensors, _ = fp8_llama
+    hf = json.loads((path / "config.json").read_text())
+    hf["quantization_config"]["modules_to_not_convert"] = ["lm_head", "model.layers.*.mlp"]
+    save_file(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(convert.CheckpointError, match=r"model.layers.0.mlp.\w+_proj'? is listed in .*modules_to_not"):
+        convert.load_target(tmp_path, dtype=jnp.float32)
+
+
+def decode_e2m1(nibble):
+    """Independent FP4 E2M1 decoding: sign bit, 2 exponent bits (bias 1), 1 mantissa bit; e=0 subnormal."""
+    s, e, m = nibble >> 3, (nibble >> 1) & 3, nibble & 1
+    mag = np.where(e == 0, 0.5 * m, (1 + 0.5 * m) * 2.0 ** (e.astype(np.float64) - 1))
+    return np.where(s == 1, -mag, mag)
+
+
+def test_mxfp4_matches_transformers(tmp_path):
+    rng = np.random.default_rng(2)
+    e, dout, din = 3, 8, 64
+    blocks = rng.integers(0, 256, (e, dout, din // 32, 16), dtype=np.uint8)
+    scales = rng.integers(100, 140, (e, dout, din // 32), dtype=np.uint8)
+    src = source(tmp_path, {"w_blocks": blocks, "w_scales": scales}, {"quant_method": "mxfp4"})
+    got = src.read_mxfp4("w", (e, din, dout))  # runtime layout [E, in, out]
+    ref = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32)
+    np.testing.assert_array_equal(got, ref.numpy())
+    # independent: element 2j of a block row is the low nibble of byte j, element 2j+1 the high one
+    vals = np.stack([decode_e2m1(blocks & 15), decode_e2m1(blocks >> 4)], -1).reshape(e, dout, din // 32, 32)
+    vals = vals * 2.0 ** (scales.astype(np.float64)[..., None] - 127)
+    np.testing.assert_array_equal(got, vals.reshape(e, dout, din).transpose(0, 2, 1).astype(np.float32))
+    with pytest.raises(convert.CheckpointError, match=r"w_blocks.*shape \[3, 8, 2, 16\], expected \[3, 4, 2, 16\]"):
+        src.read_mxfp4("w", (e, din, 4))
