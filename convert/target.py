@@ -60,6 +60,7 @@ class TensorSource:
             raise CheckpointError(f"{self.where}: fp8 activation_scheme "
                                   f"{self.quant.get('activation_scheme')!r} is not supported (expected 'dynamic')")
         self.not_convert = list(self.quant.get("modules_to_not_convert") or [])
+        self.out_dtype = np.dtype(np.float32)  # the target dtype: hooks build big dequantised tensors in it
 
     def has(self, name) -> bool:
         return name in self.ckpt
@@ -215,7 +216,7 @@ def _gpt_oss_hook(path, shape, src: TensorSource, prefix, cfg):
 
     def experts(name, rshape):
         if src.has(name + "_blocks") or src.has(name + "_scales"):
-            return src.read_mxfp4(name, rshape, np.float32)
+            return src.read_mxfp4(name, rshape, src.out_dtype)  # exact in bf16 too (FP4 * 2**k)
         return src.read(name, rshape)
 
     if hit[1] == "gate_up":
@@ -284,6 +285,7 @@ def load_hf_params(path, cfg: ModelConfig, hf: dict, dtype, *, materialize: bool
     check_finite also rejects NaN/inf values."""
     ckpt = Checkpoint(path)
     src = TensorSource(ckpt, hf.get("quantization_config"))
+    src.out_dtype = jnp.dtype(dtype)
     prefix = detect_prefix(ckpt)
     abstract = abstract_target(cfg, dtype)
     hook = HOOKS.get(cfg.model_type)

@@ -10,6 +10,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from pjax.config import ModelConfig
@@ -46,17 +47,40 @@ def init_target(config: ModelConfig, key, dtype=jnp.float32, scale: float = 0.02
     """Random target (benchmarks, tests): normal(0, scale) matrices, ones for norms, zeros for biases."""
     abstract = abstract_target(config.validate(), dtype)
     leaves, treedef = jax.tree.flatten_with_path(abstract.params)
-    keys = jax.random.split(key, len(leaves))
 
-    def fill(path, leaf, k):
-        name = str(path[-1].key) if hasattr(path[-1], "key") else str(path[-1])
-        if name == "weight" or name == "layer_scalar":
-            return jnp.ones(leaf.shape, leaf.dtype)
-        if "bias" in name or name == "sinks":
-            return jnp.zeros(leaf.shape, leaf.dtype)
-        return (scale * jax.random.normal(k, leaf.shape, jnp.float32)).astype(leaf.dtype)
+    def kind(path):
+        name = str(getattr(path[-1], "key", path[-1]))
+        if name in ("weight", "layer_scalar"):
+            return "ones"
+        return "zeros" if ("bias" in name or name == "sinks") else "normal"
 
-    params = jax.tree.unflatten(treedef, [fill(p, l, k) for (p, l), k in zip(leaves, keys)])
+    sizes = [int(np.prod(l.shape)) if kind(p) == "normal" else 0 for p, l in leaves]
+
+    @jax.jit
+    def make(k):  # one random draw for the whole tree: one small compile, generated on the device
+        # draws are bucketed below 2**30 elements (large models exceed 32-bit counters otherwise)
+        buckets, cur = [], 0
+        for n in sizes:
+            if not buckets or (n and cur + n > 2 ** 30):
+                buckets.append(0)
+                cur = 0
+            buckets[-1] += n
+            cur += n
+        flats = [scale * jax.random.normal(jax.random.fold_in(k, i), (max(b, 1),), jnp.float32)
+                 for i, b in enumerate(buckets)]
+        out, bi, off, cur = [], 0, 0, 0
+        for (p, l), n in zip(leaves, sizes):
+            kd = kind(p)
+            if kd == "normal":
+                if off + n > buckets[bi]:
+                    bi, off = bi + 1, 0
+                out.append(flats[bi][off:off + n].reshape(l.shape).astype(l.dtype))
+                off += n
+            else:
+                out.append((jnp.ones if kd == "ones" else jnp.zeros)(l.shape, l.dtype))
+        return jax.tree.unflatten(treedef, out)
+
+    params = make(key)
     return Target(config, abstract.graphdef, params)
 
 

@@ -180,3 +180,45 @@ def test_fused_qwen3_moe_layout_and_multimodal_gemma4_prefix(pair, tmp_path):
     for a, b in zip(jax.tree.leaves(target.params), jax.tree.leaves(alt.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     shutil.rmtree(out)
+
+
+@pytest.mark.parametrize("family, norm_topk", [("qwen3_moe", False), ("qwen3_moe", True), ("gpt_oss", False)])
+def test_router_matches_transformers(family, norm_topk):
+    """pjax MoE.route (weights, expert ids) == the transformers router module, both routing rules."""
+    from flax import nnx
+
+    from pjax.models.families import config_from_hf
+    from pjax.nn import MoE
+    torch.manual_seed(1)
+    if family == "qwen3_moe":
+        hf_cfg = tf.Qwen3MoeConfig(**dict(QWEN3_MOE, norm_topk_prob=norm_topk))
+        router = tf.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeTopKRouter(hf_cfg)
+    else:
+        hf_cfg = tf.GptOssConfig(**GPT_OSS)
+        router = tf.models.gpt_oss.modeling_gpt_oss.GptOssTopKRouter(hf_cfg)
+    randomize(router, std=1.0)
+    cfg = config_from_hf(hf_cfg.to_dict())
+    moe = MoE(cfg, cfg.moe, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    moe.router.kernel[...] = jnp.asarray(router.weight.detach().numpy().T)
+    if cfg.moe.router_bias:
+        moe.router.bias[...] = jnp.asarray(router.bias.detach().numpy())
+    x = np.random.default_rng(4).normal(size=(16, cfg.hidden_size)).astype(np.float32)
+    with torch.no_grad():
+        _, ref_w, ref_idx = router(torch.from_numpy(x))
+    w, idx = moe.route(jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(idx), ref_idx.numpy())
+    np.testing.assert_allclose(np.asarray(w), ref_w.numpy(), rtol=2e-5, atol=1e-6)
+
+
+def test_gemma4_released_config_keys():
+    """Released Gemma 4 configs name the global geometry `global_head_dim` / `num_global_key_value_heads`
+    instead of transformers 5.19's `per_layer_config`: both parse to the same model."""
+    from pjax.models.families import config_from_hf
+    new = tf.Gemma4TextConfig(**GEMMA4).to_dict()
+    assert new["per_layer_config"] == {"2": {"head_dim": 32, "num_key_value_heads": 1},
+                                       "5": {"head_dim": 32, "num_key_value_heads": 1}}
+    old = {k: v for k, v in new.items() if k != "per_layer_config"}
+    old.update(global_head_dim=32, num_global_key_value_heads=1)
+    assert config_from_hf(old) == config_from_hf(new)
+    wrapped = {"model_type": "gemma4", "text_config": old, "tie_word_embeddings": True}
+    assert config_from_hf(wrapped) == config_from_hf(new)

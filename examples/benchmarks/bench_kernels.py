@@ -3,9 +3,9 @@
     PYTHONPATH=. python3 examples/benchmarks/bench_kernels.py            # GPU: full table (~5 min on an H200)
     PYTHONPATH=. python3 examples/benchmarks/bench_kernels.py --smoke    # CPU: tiny shapes, interpret mode
 
-Timing: each op is unrolled R times inside one jitted program (inputs perturbed per copy so nothing is
-shared), warmed up, then called N times; the reported time is median(call) / R, so Python dispatch is
-amortised. Ratio = xla / pallas measured in the same run. Attention bandwidth = K/V bytes read
+Timing: each op is unrolled R times inside one jitted program, each copy on its own input buffers (so
+XLA cannot share work between copies), warmed up, then called N times; the reported time is
+median(call) / R, so Python dispatch is amortised. Ratio = xla / pallas measured in the same run. Attention bandwidth = K/V bytes read
 (2 * B * context * nkv * hd * 2 bytes) / time. Prints markdown tables; --json writes all rows.
 """
 from __future__ import annotations
@@ -36,19 +36,37 @@ def log(*a):
     print(*a, flush=True)
 
 
-def timed(op, perturb, args, *, reps: int, calls: int) -> float:
-    """Median seconds of one op call (op unrolled `reps` times per jitted program)."""
-    def many(*a):
-        return [op(*perturb(i, a)) for i in range(reps)]
-    f = jax.jit(many)
-    jax.block_until_ready(f(*args))
-    jax.block_until_ready(f(*args))
+def timed(op, arg_sets, *, calls: int) -> float:
+    """Median seconds of one op call: the op runs once per element of `arg_sets` inside one jitted program."""
+    f = jax.jit(lambda sets: [op(*a) for a in sets])
+    jax.block_until_ready(f(arg_sets))
+    jax.block_until_ready(f(arg_sets))
     ts = []
     for _ in range(calls):
         t = time.perf_counter()
-        jax.block_until_ready(f(*args))
+        jax.block_until_ready(f(arg_sets))
         ts.append(time.perf_counter() - t)
-    return statistics.median(ts) / reps
+    return statistics.median(ts) / len(arg_sets)
+
+
+def auto_reps(nbytes: float, lo: int = 5, hi: int = 50) -> int:
+    """Copies per jitted program: ~0.5 GB of distinct input per call, so tiny ops amortise dispatch."""
+    return int(max(lo, min(hi, round(0.5e9 / max(nbytes, 1)))))
+
+
+def copies(x, reps):
+    """reps distinct device buffers with the same contents."""
+    return [x + jnp.zeros((), x.dtype) if i == 0 else jnp.array(x, copy=True) for i in range(reps)]
+
+
+def guarded(fn):
+    @functools.wraps(fn)
+    def run(*a, **k):
+        try:
+            return fn(*a, **k)
+        except Exception as e:  # keep benchmarking the other shapes
+            log(f"| {fn.__name__} {a} {k} FAILED: {type(e).__name__}: {str(e)[:400]} |")
+    return run
 
 
 def over_budget(budget):
@@ -70,34 +88,38 @@ def acc_inputs(b, k, v, *, dtype=jnp.bfloat16, temp=1.0, trunc=False, seed=0):
     return logits, drafts, kw
 
 
-def bench_acceptance(b, k, v, *, reps, calls, temp=1.0, trunc=False, label="", tile=None, warps=None):
+@guarded
+def bench_acceptance(b, k, v, *, reps, calls, temp=1.0, trunc=False, label="", tile=None, warps=None, stages=None,
+                     xla=True):
     logits, drafts, kw = acc_inputs(b, k, v, temp=temp, trunc=trunc)
-    old = (acc_pallas.TILE,)
-    if tile:
-        acc_pallas.TILE = tile
+    reps = reps or auto_reps(logits.size * 2)
+    cfg = {x: y for x, y in (("tile", tile), ("num_warps", warps), ("num_stages", stages)) if y}
 
     def run(impl):
-        fn = acc_ref.accept if impl == "xla" else acc_pallas.accept
-        return lambda lg, d, pos: fn(lg, d, None, **{**kw, "positions": pos})
-    pert = lambda i, a: (a[0], a[1], a[2] + i)
+        if impl == "xla":
+            return lambda lg, d, pos: acc_ref.accept(lg, d, None, **{**kw, "positions": pos})
+        return lambda lg, d, pos: acc_pallas.accept(lg, d, None, **{**kw, "positions": pos}, **cfg)
     args = (logits, drafts, kw["positions"])
     r = jax.jit(run("xla"))(*args)
     p = jax.jit(run("pallas"))(*args)
     same = float(np.mean(np.all(np.asarray(r.tokens) == np.asarray(p.tokens), axis=1)))
-    t_x = timed(run("xla"), pert, args, reps=reps, calls=calls)
-    t_p = timed(run("pallas"), pert, args, reps=reps, calls=calls)
-    acc_pallas.TILE = old[0]
+    sets = [(lg, drafts, kw["positions"] + i) for i, lg in enumerate(copies(logits, reps))]
+    t_x = timed(run("xla"), sets, calls=calls) if xla else float("nan")
+    t_p = timed(run("pallas"), sets, calls=calls)
     row = dict(op="acceptance", B=b, K=k, V=v, mode=label or ("greedy" if temp == 0 else "sampled"),
                xla_us=t_x * 1e6, pallas_us=t_p * 1e6, ratio=t_x / t_p, rows_equal=same,
-               logits_MB=b * (k + 1) * v * 2 / 1e6, tile=acc_pallas.TILE if not tile else tile)
+               logits_MB=b * (k + 1) * v * 2 / 1e6, cfg=cfg, reps=reps,
+               pallas_TBps=b * (k + 2) * v * 2 / t_p / 1e12)
     ROWS.append(row)
     log(f"| acceptance | {b} | {k} | {v} | {row['mode']} | {row['xla_us']:.1f} | {row['pallas_us']:.1f} | "
-        f"{row['ratio']:.2f} | {same:.3f} |")
+        f"{row['ratio']:.2f} | {same:.3f} | {row['pallas_TBps']:.2f} | {cfg} |")
     return row
 
 
 # ---------------------------------------------------------------- metadata
+@guarded
 def bench_metadata(b, k, *, reps, calls):
+    reps = reps or 100
     rs = np.random.default_rng(0)
     args = (jnp.asarray(rs.integers(0, k + 1, b), jnp.int32), jnp.asarray(rs.integers(0, 10 ** 5, (b, k + 1)), jnp.int32),
             jnp.asarray(rs.integers(0, 10 ** 5, b), jnp.int32), jnp.asarray(rs.integers(0, 10 ** 4, b), jnp.int32))
@@ -106,9 +128,9 @@ def bench_metadata(b, k, *, reps, calls):
     fp = lambda *a: meta_pallas.build_draft_inputs(*a, **kw)
     r, p = jax.jit(fx)(*args), jax.jit(fp)(*args)
     exact = all(bool(np.array_equal(np.asarray(x), np.asarray(y))) for x, y in zip(r, p))
-    pert = lambda i, a: (a[0], a[1], a[2], a[3] + i)
-    t_x = timed(fx, pert, args, reps=reps, calls=calls)
-    t_p = timed(fp, pert, args, reps=reps, calls=calls)
+    sets = [tuple(jnp.array(x, copy=True) for x in args) for _ in range(reps)]
+    t_x = timed(fx, sets, calls=calls)
+    t_p = timed(fp, sets, calls=calls)
     row = dict(op="metadata", B=b, K=k, xla_us=t_x * 1e6, pallas_us=t_p * 1e6, ratio=t_x / t_p, exact=exact)
     ROWS.append(row)
     log(f"| metadata | {b} | {k} | {row['xla_us']:.1f} | {row['pallas_us']:.1f} | {row['ratio']:.2f} | {exact} |")
@@ -116,6 +138,7 @@ def bench_metadata(b, k, *, reps, calls):
 
 
 # ---------------------------------------------------------------- attention
+@guarded
 def bench_attention(b, ctx, t, *, reps, calls, nh=32, nkv=8, hd=128, cfg=None, xla=True, label=""):
     key = jax.random.key(1)
     kq, kk, kv_ = jax.random.split(key, 3)
@@ -124,17 +147,18 @@ def bench_attention(b, ctx, t, *, reps, calls, nh=32, nkv=8, hd=128, cfg=None, x
     v = jax.random.normal(kv_, (b, ctx, nkv, hd), jnp.bfloat16)
     q_pos = jnp.broadcast_to(jnp.arange(ctx - t, ctx, dtype=jnp.int32), (b, t))  # last t positions of the cache
     cfg = cfg or {}
+    reps = reps or auto_reps(2 * k.size * 2, hi=40)
     fx = lambda q_, k_, v_: attn_ref.cache_attention(q_, k_, v_, q_pos, scale=hd ** -0.5)
     fp = lambda q_, k_, v_: attn_pallas.cache_attention(q_, k_, v_, q_pos, scale=hd ** -0.5, **cfg)
-    pert = lambda i, a: (a[0] + jnp.asarray(i * 1e-3, a[0].dtype), a[1], a[2])
     args = (q, k, v)
+    sets = [(q + jnp.asarray(i * 1e-3, q.dtype), k, v) for i in range(reps)]
     p = jax.jit(fp)(*args)
-    row = dict(op="attention", B=b, ctx=ctx, T=t, cfg=cfg, label=label)
+    row = dict(op="attention", B=b, ctx=ctx, T=t, cfg=cfg, label=label, reps=reps)
     if xla:
         r = jax.jit(fx)(*args)
         row["max_abs_err"] = float(jnp.max(jnp.abs(r.astype(jnp.float32) - p.astype(jnp.float32))))
-        row["xla_us"] = timed(fx, pert, args, reps=reps, calls=calls) * 1e6
-    row["pallas_us"] = timed(fp, pert, args, reps=reps, calls=calls) * 1e6
+        row["xla_us"] = timed(fx, sets, calls=calls) * 1e6
+    row["pallas_us"] = timed(fp, sets, calls=calls) * 1e6
     kv_bytes = 2 * b * ctx * nkv * hd * 2
     row["pallas_TBps"] = kv_bytes / (row["pallas_us"] * 1e-6) / 1e12
     if xla:
@@ -144,7 +168,7 @@ def bench_attention(b, ctx, t, *, reps, calls, nh=32, nkv=8, hd=128, cfg=None, x
     log(f"| attention {label} | {b} | {ctx} | {t} | {row.get('xla_us', float('nan')):.1f} | {row['pallas_us']:.1f} | "
         f"{row.get('ratio', float('nan')):.2f} | {row.get('xla_TBps', float('nan')):.2f} | {row['pallas_TBps']:.2f} | "
         f"{row.get('max_abs_err', float('nan')):.4f} | {cfg} |")
-    del q, k, v
+    del q, k, v, sets
     return row
 
 
@@ -162,7 +186,7 @@ def main():
         vocabs, batches, ks, ctxs, ts = [300], [1, 3], [3], [256], [4]
         attn_geo = dict(nh=4, nkv=2, hd=32)
     else:
-        reps, calls = 5, 15
+        reps, calls = None, 15  # None: adaptive copies per program
         vocabs, batches, ks, ctxs, ts = [128256, 151936, 201088], [1, 8, 64], [3, 7, 11], [1024, 16384], [8, 12, 22]
         attn_geo = {}
     if "meta" in only:
@@ -171,7 +195,8 @@ def main():
             for k in ks:
                 bench_metadata(b, k, reps=reps, calls=calls)
     if "acc" in only:
-        log("\n| op | B | K | V | mode | xla us | pallas us | xla/pallas | rows equal |\n|---|---|---|---|---|---|---|---|---|")
+        log("\n| op | B | K | V | mode | xla us | pallas us | xla/pallas | rows equal | pallas TB/s | cfg |"
+            "\n|---|---|---|---|---|---|---|---|---|---|---|")
         for b in batches:
             for k in ks:
                 bench_acceptance(b, k, vocabs[0], reps=reps, calls=calls)
@@ -194,19 +219,21 @@ def main():
                     bench_attention(b, ctx, t, reps=reps, calls=calls, **attn_geo)
     if "tune" in only and not a.smoke:
         log("\n## tuning (pallas only)")
+        for b, t in ((1, 8), (64, 8), (1, 22), (8, 22)):
+            for bk, nw, st, sp in ((64, 4, 2, None), (64, 4, 3, None), (128, 4, 2, None), (64, 8, 3, None),
+                                   (128, 8, 3, None), (64, 4, 3, 66), (64, 4, 3, 132), (128, 4, 3, 66)):
+                if over_budget(a.budget) or (b == 64 and sp):
+                    continue
+                cfg = dict(block_k=bk, num_warps=nw, num_stages=st)
+                if sp:
+                    cfg["splits"] = sp
+                bench_attention(b, 16384, t, reps=reps, calls=calls, xla=False, label="tune", cfg=cfg)
         for b in (1, 64):
-            for bk in (64, 128):
-                for nw in (4, 8):
-                    for st in (2, 3):
-                        if over_budget(a.budget):
-                            break
-                        bench_attention(b, 16384, 8, reps=reps, calls=calls, xla=False, label="tune",
-                                        cfg=dict(block_k=bk, num_warps=nw, num_stages=st))
-        for b in (1, 64):
-            for tile in (1024, 4096):
+            for tile, nw, st in ((1024, 4, 2), (4096, 4, 2), (2048, 8, 2), (4096, 8, 3), (2048, 4, 3)):
                 if over_budget(a.budget):
-                    break
-                bench_acceptance(b, 7, 128256, reps=reps, calls=calls, label=f"tile{tile}", tile=tile)
+                    continue
+                bench_acceptance(b, 7, 128256, reps=reps, calls=calls, label="tune", tile=tile, warps=nw, stages=st,
+                                 xla=False)
     log(f"\n# done in {time.time() - T0:.0f} s")
     if a.json:
         with open(a.json, "w") as f:

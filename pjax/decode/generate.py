@@ -33,26 +33,30 @@ def _donate() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted(name: str, donate: bool):
+def _jitted(name: str, donate: bool, options: tuple = ()):
+    """The jitted prefill / loop / round; `options` = sorted (key, value) XLA compiler options."""
+    opts = dict(options) or None
     if name == "prefill":
-        return jax.jit(prefill, static_argnames=("spec", "capacity", "cache_dtype"))
+        return jax.jit(prefill, static_argnames=("spec", "capacity", "cache_dtype"), compiler_options=opts)
     fn = {"loop": decode_loop, "round": spec_round}[name]
-    return jax.jit(fn, static_argnames=("spec",), donate_argnames=("state",) if donate else ())
+    return jax.jit(fn, static_argnames=("spec",), donate_argnames=("state",) if donate else (),
+                   compiler_options=opts)
 
 
 _COMPILED: dict = {}
 
 
-def _compiled(name, args, kwargs):
-    """AOT-compile once per (function, static settings, argument structure and shapes); returns
-    (executable, compile seconds this call)."""
+def _compiled(name, args, kwargs, options: tuple = ()):
+    """AOT-compile once per (function, static settings, compiler options, argument structure and
+    shapes); returns (executable, compile seconds this call)."""
     leaves, tree = jax.tree.flatten(args)
-    key = (name, tuple(sorted(kwargs.items())), tree, tuple((np.shape(x), jnp.result_type(x)) for x in leaves))
+    key = (name, tuple(sorted(kwargs.items())), options, tree,
+           tuple((np.shape(x), jnp.result_type(x)) for x in leaves))
     hit = _COMPILED.get(key)
     if hit is not None:
         return hit, 0.0
     t0 = time.perf_counter()
-    exe = _jitted(name, _donate() and name != "prefill").lower(*args, **kwargs).compile()
+    exe = _jitted(name, _donate() and name != "prefill", options).lower(*args, **kwargs).compile()
     _COMPILED[key] = exe
     return exe, time.perf_counter() - t0
 
@@ -116,7 +120,8 @@ def generate(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_token
              num_speculative_tokens: int = 3, drafting: str = "parallel", temperature=0.0, top_k=None,
              top_p=None, seed: Union[int, Sequence[int]] = 0, eos_token_id=None,
              cache_capacity: Optional[int] = None, draft_sampling: str = "argmax", loop: str = "device",
-             implementation: str = "auto", cache_dtype=None) -> GenerateResult:
+             implementation: str = "auto", cache_dtype=None, compiler_options: Optional[dict] = None
+             ) -> GenerateResult:
     """Speculative decoding of a batch of prompts (lists of token ids of any lengths).
 
     drafting: "parallel" (P-EAGLE: one drafter pass proposes K tokens), "sequential" (EAGLE-3: K drafter
@@ -130,6 +135,8 @@ def generate(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_token
       64). A prompt longer than the cache is an error; a row that fills the cache stops cleanly with
       stop reason "capacity" (drafts are cut so that no verify write ever falls outside the cache).
     loop: "device" (all rounds in one lax.while_loop) or "host" (one jitted call per round).
+    cache_dtype: KV cache dtype (default: the model's). compiler_options: XLA options for the compiled
+      programs (e.g. {"xla_backend_optimization_level": 0} for fast CPU compiles in tests).
 
     stats: rounds, mean_acceptance_length (1 + accepted / num_drafts, as vLLM), acceptance_rates
     (per draft position), num_drafts, num_draft_tokens, num_accepted_tokens, output_tokens,
@@ -171,10 +178,11 @@ def generate(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_token
                         jnp.asarray((seeds % (1 << 32)).astype(np.uint32)))
 
     compile_s = 0.0
+    opts = tuple(sorted((compiler_options or {}).items()))
     pre_args = (target, drafter if spec.drafting != "none" else None, jnp.asarray(padded), jnp.asarray(lengths),
                 sampling)
     pre_kw = dict(spec=spec, capacity=capacity, cache_dtype=cache_dtype)
-    exe, c = _compiled("prefill", pre_args, pre_kw)
+    exe, c = _compiled("prefill", pre_args, pre_kw, opts)
     compile_s += c
     t0 = time.perf_counter()
     state = exe(*pre_args)
@@ -182,13 +190,13 @@ def generate(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_token
     prefill_s = time.perf_counter() - t0
     dr = pre_args[1]
     if loop == "device":
-        exe, c = _compiled("loop", (target, dr, state, sampling), dict(spec=spec))
+        exe, c = _compiled("loop", (target, dr, state, sampling), dict(spec=spec), opts)
         compile_s += c
         t1 = time.perf_counter()
         state, rounds = exe(target, dr, state, sampling)
         rounds = int(rounds)
     else:
-        exe, c = _compiled("round", (target, dr, state, sampling), dict(spec=spec))
+        exe, c = _compiled("round", (target, dr, state, sampling), dict(spec=spec), opts)
         compile_s += c
         t1 = time.perf_counter()
         rounds = 0

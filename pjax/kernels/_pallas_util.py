@@ -26,12 +26,24 @@ def lower_for_gpu(fn, *args):
     """Lower `fn(*args)` (ShapeDtypeStructs or arrays) for CUDA on any host and return the StableHLO text:
     runs the whole Pallas -> Triton IR lowering (power-of-two shapes, unsupported primitives) without a GPU.
     Compilation of the Triton IR to PTX still only happens on a GPU."""
+    from jax._src.pallas.triton import lowering as tl  # private: only for this offline check
+
+    orig = tl.lower_jaxpr_to_triton_module
+
+    def lower_and_verify(*a, **k):
+        res = orig(*a, **k)
+        if not res.module.operation.verify():  # the checks Triton runs when it parses the module on a GPU
+            raise AssertionError("Triton module failed MLIR verification")
+        return res
+
     _dispatch._FORCE_COMPILED[0] = True
+    tl.lower_jaxpr_to_triton_module = lower_and_verify
     try:
         exp = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
             jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
     finally:
         _dispatch._FORCE_COMPILED[0] = False
+        tl.lower_jaxpr_to_triton_module = orig
     text = exp.mlir_module()
     if "__gpu$xla.gpu.triton" not in text:
         raise AssertionError("lower_for_gpu: no Triton custom call in the lowered module")

@@ -43,6 +43,8 @@ def rope_from_hf(hf: dict, where: str = "config.json") -> RopeSpec:
         truncate=bool(params.get("truncate", True)),
         attention_factor=params.get("attention_factor"),
     )
+    if kind == "yarn" and spec.attention_factor is None and (params.get("mscale") or params.get("mscale_all_dim")):
+        raise ConfigError(f"{where}: yarn mscale / mscale_all_dim are not supported (give attention_factor)")
     if kind == "llama3" and spec.high_freq_factor == spec.low_freq_factor:
         raise ConfigError(f"{where}: llama3 rope needs high_freq_factor != low_freq_factor")
     return spec

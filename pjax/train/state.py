@@ -76,9 +76,10 @@ jax.tree_util.register_dataclass(TrainState, data_fields=["step", "params", "opt
 
 def init_train_state(drafter: Drafter, cfg: TrainConfig) -> TrainState:
     tx = make_optimizer(cfg.optim, cfg.total_steps)
-    p_t, _ = split_params(drafter.params, trainable_mask(drafter.params, cfg.optim))
+    params = jax.tree.map(jnp.copy, drafter.params)  # the train step donates its state: never alias the caller's
+    p_t, _ = split_params(params, trainable_mask(params, cfg.optim))
     key = jax.random.key_data(jax.random.key(cfg.seed))
-    return TrainState(jnp.zeros((), jnp.int32), drafter.params, tx.init(p_t), key, jnp.zeros((), jnp.int32))
+    return TrainState(jnp.zeros((), jnp.int32), params, tx.init(p_t), key, jnp.zeros((), jnp.int32))
 
 
 def drafter_from_state(drafter: Drafter, state: TrainState) -> Drafter:
@@ -129,7 +130,7 @@ def init_drafter_for_target(target: Target, config: DrafterConfig, key, *, d2t=N
     tp = target.params
     params = jax.tree.map(lambda x: x, dr.params)
     emb = tp["embed_tokens"]["embedding"]  # raw table, as speculators copies it
-    params["embed_tokens"]["embedding"] = jnp.asarray(emb, dtype)
+    params["embed_tokens"]["embedding"] = jnp.array(emb, dtype, copy=True)
     head = emb.T if target.config.tie_word_embeddings else tp["lm_head"]["kernel"]
     params["lm_head"]["kernel"] = jnp.asarray(head[:, ids], dtype)
     return Drafter(config, dr.graphdef, params, d2t_arr)

@@ -131,9 +131,11 @@ def make_mesh(devices=None) -> jax.sharding.Mesh:
     return jax.sharding.Mesh(np.asarray(devices, dtype=object).reshape(-1), (DATA_AXIS,))
 
 
+@functools.lru_cache(maxsize=16)
 def make_train_step(cfg: TrainConfig, mesh: Optional[jax.sharding.Mesh] = None, donate: bool = True):
     """jit(train_step) for a config; with a mesh, batch rows are sharded over "data" and the state,
-    head and target replicated (batch_rows must divide by the mesh size)."""
+    head and target replicated (batch_rows must divide by the mesh size). Cached per (cfg, mesh), so
+    repeated runs reuse one compilation."""
     cfg.validate()
     fn = functools.partial(train_step, cfg=cfg)
     kw = dict(donate_argnums=(0,)) if donate else {}

@@ -2,15 +2,16 @@
 
 Why: the XLA reference reads the [B, K+1, V] logits once per reduction it cannot fuse (argmax, max,
 sum-exp) and launches several fusions; here
-1. `stats` reads every logit exactly once (grid B x (K+1) x vocab splits, online max / sum-exp / raw
-   argmax over vocabulary tiles, greedy and stochastic rows in the same launch) and writes 4 floats per
-   (row, position, split);
-2. the walk (acceptance tests, accepted prefix) is [B, K] arithmetic shared with the reference
-   (`reference.accept_walk`), p(d_i) from one gathered logit per draft;
-3. `race` reads only the row where each stochastic request draws its next token (B x V logits, plus
+1. `stats` reads every logit exactly once (grid B x (K+1) x vocab splits; per-lane running max /
+   argmax / sum-exp over vocabulary tiles with one exp per element, reduced across lanes once at the
+   end; greedy and stochastic rows in the same launch) and writes 4 floats per (row, position, split);
+2. `walk_race` (grid B x vocab splits): each program merges its row's split statistics, runs the
+   acceptance walk (the arithmetic of `reference.accept_walk`: p(d_i) from one gathered logit per
+   draft, counter-hash u_i) and then reads only the row where the request draws its next token (plus
    the same row of draft_probs when given), computing the counter-hash Gumbel noise in-kernel (same
    `pjax.kernels.rng` code as the reference, so the noise is bit-identical); greedy rows skip the
-   pass.
+   pass;
+3. one small XLA fusion merges the race splits and writes the -1 padded tokens.
 Bytes moved: B (K+2) V logit elements (+ B V draft probabilities), vs >= 3 B (K+1) V for XLA.
 Top-k / top-p: the per-position keep threshold comes from the shared sort-based pre-pass
 (`reference.truncation_threshold`, a full sort of B (K+1) V floats -- the dominant cost when enabled,
@@ -51,15 +52,25 @@ def _splits(v: int, rows: int, tile: int):
     return pl.cdiv(v, chunk), chunk
 
 
-def _tile_argmax(vals, idx, best_v, best_i):
-    """Fold one tile into a running (max, lowest argmax); ties keep the lower index."""
-    tmax = jnp.max(vals)
-    targ = jnp.min(jnp.where(vals == tmax, idx, _BIG))
-    better = tmax > best_v
-    return jnp.where(better, tmax, best_v), jnp.where(better, targ, best_i)
+def _lane_argmax(vals, idx, best_v, best_i):
+    """Per-lane running (max, argmax): later tiles have higher indices, so strict > keeps the lowest."""
+    better = vals > best_v
+    return jnp.where(better, vals, best_v), jnp.where(better, idx, best_i)
 
 
-def _stats_kernel(lg_ref, inv_t_ref, thr_ref, av_ref, ai_ref, m_ref, z_ref, *, v, chunk, tile, use_thr):
+def _reduce_argmax(best_v, best_i, axis=None):
+    """Cross-lane (max, lowest index among the maxima)."""
+    top = jnp.max(best_v, axis=axis)
+    top_b = top if axis is None else jnp.expand_dims(top, axis)
+    return top, jnp.min(jnp.where(best_v == top_b, best_i, _BIG), axis=axis)
+
+
+def _stats_kernel(lg_ref, inv_t_ref, *refs, v, chunk, tile, use_thr):
+    """Program (b, i, s): raw argmax and kept (max, sum-exp) of logits[b, i, split s]."""
+    if use_thr:
+        thr_ref, av_ref, ai_ref, m_ref, z_ref = refs
+    else:
+        av_ref, ai_ref, m_ref, z_ref = refs
     b, i, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     inv_t = inv_t_ref[b]
     thr = thr_ref[b, i] if use_thr else None
@@ -67,66 +78,125 @@ def _stats_kernel(lg_ref, inv_t_ref, thr_ref, av_ref, ai_ref, m_ref, z_ref, *, v
     base = s * chunk
 
     def body(t, carry):
+        # per-lane accumulators; one exp per element: z <- z * e^(m - x) + 1 if x > m else z + e^(x - m)
         bv, bi, m, z = carry
-        off = base + t * tile
-        idx = off + lanes
+        idx = base + t * tile + lanes
         valid = idx < v
-        raw = pltriton.load(lg_ref.at[b, i, pl.ds(off, tile)], mask=valid, other=NEG_INF).astype(jnp.float32)
-        bv, bi = _tile_argmax(raw, idx, bv, bi)
+        raw = pltriton.load(lg_ref.at[b, i, pl.ds(base + t * tile, tile)], mask=valid,
+                            other=NEG_INF).astype(jnp.float32)
+        bv, bi = _lane_argmax(raw, idx, bv, bi)
         x = raw * inv_t
         keep = valid if thr is None else valid & (x >= thr)
         xm = jnp.where(keep, x, NEG_INF)
-        m_new = jnp.maximum(m, jnp.max(xm))
-        z = z * jnp.exp(m - m_new) + jnp.sum(jnp.exp(xm - m_new))
-        return bv, bi, m_new, z
+        e = jnp.exp(-jnp.abs(xm - m))
+        up = xm > m
+        return bv, bi, jnp.where(up, xm, m), jnp.where(up, z * e + 1.0, z + e)
 
-    init = (jnp.float32(NEG_INF), jnp.int32(0), jnp.float32(_FMIN), jnp.float32(0.0))
+    init = (jnp.full((tile,), NEG_INF, jnp.float32), jnp.zeros((tile,), jnp.int32),
+            jnp.full((tile,), _FMIN, jnp.float32), jnp.zeros((tile,), jnp.float32))
     bv, bi, m, z = jax.lax.fori_loop(0, chunk // tile, body, init)
-    av_ref[b, i, s] = bv
-    ai_ref[b, i, s] = bi
-    m_ref[b, i, s] = m
-    z_ref[b, i, s] = z
+    top, arg = _reduce_argmax(bv, bi)
+    mm = jnp.max(m)
+    av_ref[b, i, s] = top
+    ai_ref[b, i, s] = arg
+    m_ref[b, i, s] = mm
+    z_ref[b, i, s] = jnp.sum(z * jnp.exp(m - mm))
 
 
-def _race_kernel(*refs, v, k, chunk, tile, use_thr, has_q):
-    if has_q:
-        lg_ref, q_ref, *refs = refs
-    else:
-        (lg_ref, *refs), q_ref = refs, None
-    (row_ref, excl_ref, act_ref, inv_t_ref, thr_ref, m_ref, z_ref, seed_ref, pos_ref,
-     pv_ref, pi_ref, qv_ref, qi_ref) = refs
+def _race_kernel(*refs, v, k, ns1, nsp, kp, chunk, tile, use_thr, has_q):
+    """Program (b, s): merge row b's statistics, run the acceptance walk (as `reference.accept_walk`),
+    then the exponential race over split s of the row where the next token is drawn."""
+    refs = list(refs)
+    lg_ref = refs.pop(0)
+    q_ref = refs.pop(0) if has_q else None
+    d_ref, n_ref, gr_ref, inv_t_ref, seed_ref, pos_ref = refs[:6]
+    refs = refs[6:]
+    thr_ref = refs.pop(0) if use_thr else None
+    av_ref, ai_ref, ms_ref, zs_ref, pv_ref, pi_ref, qv_ref, qi_ref, na_ref, ga_ref, uq_ref = refs
     b, s = pl.program_id(0), pl.program_id(1)
-    row, excl = row_ref[b], excl_ref[b]
-    inv_t, thr, m, z = inv_t_ref[b], thr_ref[b], m_ref[b], z_ref[b]
-    seed, pos = seed_ref[b], pos_ref[b]
+    inv_t, seed, pos0 = inv_t_ref[b], seed_ref[b], pos_ref[b]
+    greedy = gr_ref[b] != 0
+    n = jnp.clip(n_ref[b], 0, k)
+
+    # merge the per-split statistics of positions 0..k: [kp, nsp] tiles
+    ii = jnp.arange(kp, dtype=jnp.int32)
+    jj = jnp.arange(nsp, dtype=jnp.int32)
+    i2 = jnp.broadcast_to(ii[:, None], (kp, nsp))
+    j2 = jnp.broadcast_to(jj[None, :], (kp, nsp))
+    mk = (i2 <= k) & (j2 < ns1)
+    i2c, j2c = jnp.minimum(i2, k), jnp.minimum(j2, ns1 - 1)
+    av = pltriton.load(av_ref.at[b, i2c, j2c], mask=mk, other=NEG_INF)
+    ai = pltriton.load(ai_ref.at[b, i2c, j2c], mask=mk, other=0)
+    ms = pltriton.load(ms_ref.at[b, i2c, j2c], mask=mk, other=_FMIN)
+    zs = pltriton.load(zs_ref.at[b, i2c, j2c], mask=mk, other=0.0)
+    _, amax = _reduce_argmax(av, ai, axis=1)
+    m = jnp.max(ms, axis=1)
+    z = jnp.sum(zs * jnp.exp(ms - m[:, None]), axis=1)
+    m = jnp.where(m == _FMIN, NEG_INF, m)
+
+    # acceptance tests of drafts 0..k-1
+    ic = jnp.minimum(ii, max(k - 1, 0))
+    dmask = ii < k
+    d = pltriton.load(d_ref.at[b, ic], mask=dmask, other=-1)
+    dc = jnp.clip(d, 0, v - 1)
+    x_d = pltriton.load(lg_ref.at[b, ic, dc], mask=dmask, other=0.0).astype(jnp.float32) * inv_t
+    thr = pltriton.load(thr_ref.at[b, jnp.minimum(ii, k)], mask=ii <= k, other=NEG_INF) if use_thr else None
+    p_d = jnp.exp(x_d - m) / z
+    if use_thr:
+        p_d = jnp.where(x_d >= thr, p_d, 0.0)
+    q_d = pltriton.load(q_ref.at[b, ic, dc], mask=dmask, other=1.0).astype(jnp.float32) if has_q else 1.0
+    u = rng.uniform(seed, pos0 + ii, 0, rng.STREAM_ACCEPT)
+    valid = (ii < n) & (d >= 0) & (d < v)
+    acc = valid & jnp.where(greedy, d == amax, (q_d > 0) & (u * q_d < p_d))
+    a = jnp.min(jnp.where(acc, _BIG, ii))  # first rejected (or invalid) index; <= n
+    at = ii == a
+    rejected = a < n
+    d_a = jnp.max(jnp.where(at, d, -1))
+    excl = jnp.where(rejected & (not has_q), d_a, -1)
+    m_a = jnp.max(jnp.where(at, m, NEG_INF))
+    z_a = jnp.sum(jnp.where(at, z, 0.0))
+    thr_a = jnp.max(jnp.where(at, thr, NEG_INF)) if use_thr else None
+
+    @pl.when(s == 0)
+    def _():
+        na_ref[b] = a
+        ga_ref[b] = jnp.max(jnp.where(at, amax, -1))
+        uq_ref[b] = (rejected & has_q).astype(jnp.int32)
+
+    # race over split s of row a
     lanes = jnp.arange(tile, dtype=jnp.int32)
     base = s * chunk
-    qrow = jnp.minimum(row, max(k - 1, 0))
+    pos = pos0 + a
+    qrow = jnp.minimum(a, max(k - 1, 0))
 
     def body(t, carry):
         pbv, pbi, qbv, qbi = carry
-        off = base + t * tile
-        idx = off + lanes
+        idx = base + t * tile + lanes
         valid = idx < v
-        x = pltriton.load(lg_ref.at[b, row, pl.ds(off, tile)], mask=valid, other=NEG_INF).astype(jnp.float32)
-        x = x * inv_t
-        keep = valid if not use_thr else valid & (x >= thr)
+        x = pltriton.load(lg_ref.at[b, a, pl.ds(base + t * tile, tile)], mask=valid,
+                          other=NEG_INF).astype(jnp.float32) * inv_t
+        keep = valid if not use_thr else valid & (x >= thr_a)
         g = rng.gumbel(seed, pos, idx)
-        pbv, pbi = _tile_argmax(jnp.where(keep & (idx != excl), x + g, NEG_INF), idx, pbv, pbi)
+        pbv, pbi = _lane_argmax(jnp.where(keep & (idx != excl), x + g, NEG_INF), idx, pbv, pbi)
         if has_q:
-            q = pltriton.load(q_ref.at[b, qrow, pl.ds(off, tile)], mask=valid, other=0.0).astype(jnp.float32)
-            p = jnp.where(keep, jnp.exp(x - m) / z, 0.0)
+            q = pltriton.load(q_ref.at[b, qrow, pl.ds(base + t * tile, tile)], mask=valid,
+                              other=0.0).astype(jnp.float32)
+            p = jnp.where(keep, jnp.exp(x - m_a) / z_a, 0.0)
             res = jnp.maximum(p - q, 0.0)
             sq = jnp.where(res > 0, jnp.log(jnp.where(res > 0, res, 1.0)) + g, NEG_INF)
-            qbv, qbi = _tile_argmax(sq, idx, qbv, qbi)
+            qbv, qbi = _lane_argmax(sq, idx, qbv, qbi)
         return pbv, pbi, qbv, qbi
 
-    init = (jnp.float32(NEG_INF), jnp.int32(0), jnp.float32(NEG_INF), jnp.int32(0))
-    steps = jnp.where(act_ref[b] != 0, chunk // tile, 0)  # greedy rows: no pass
-    pbv, pbi, qbv, qbi = jax.lax.fori_loop(0, steps, body, init)
-    if not has_q:  # untouched carries are forwarded as literals, which the Triton store cannot take
-        qbv, qbi = pbv, pbi
-    pv_ref[b, s], pi_ref[b, s], qv_ref[b, s], qi_ref[b, s] = pbv, pbi, qbv, qbi
+    neg = jnp.full((tile,), NEG_INF, jnp.float32)
+    zero = jnp.zeros((tile,), jnp.int32)
+    g_int = gr_ref[b]  # 1 = greedy row: no pass (bounds are traced int32 values so scf.for types match)
+    steps = (1 - g_int) * (chunk // tile)
+    pbv, pbi, qbv, qbi = jax.lax.fori_loop(g_int * 0, steps, body, (neg, zero, neg, zero))
+    pv_ref[b, s], pi_ref[b, s] = _reduce_argmax(pbv, pbi)
+    if has_q:
+        qv_ref[b, s], qi_ref[b, s] = _reduce_argmax(qbv, qbi)
+    else:  # untouched carries are forwarded as literals, which the Triton store cannot take
+        qv_ref[b, s], qi_ref[b, s] = pv_ref[b, s], pi_ref[b, s]
 
 
 def _combine_argmax(vals, idxs):
@@ -139,67 +209,63 @@ def _full(shape):
     return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
 
 
-def position_stats(logits, inv_t, thr, *, use_thr: bool, tile: int = TILE, num_warps: int = 4,
-                   num_stages: int = 2):
-    """Kernel version of `reference.position_stats`: (amax [B, R] i32, m [B, R], z [B, R])."""
+def _stats(logits, inv_t, thr, *, tile, num_warps, num_stages):
     b, r, v = logits.shape
-    tile = min(tile, next_pow2(v))
     ns, chunk = _splits(v, b * r, tile)
     f32 = jnp.float32
-    outs = [jax.ShapeDtypeStruct((b, r, ns), d) for d in (f32, jnp.int32, f32, f32)]
-    av, ai, m_s, z_s = pl.pallas_call(
-        functools.partial(_stats_kernel, v=v, chunk=chunk, tile=tile, use_thr=use_thr),
-        grid=(b, r, ns), out_shape=outs,
-        in_specs=[_full(logits.shape), _full((b,)), _full((b, r))],
+    outs = [jax.ShapeDtypeStruct((b, r, ns), dt) for dt in (f32, jnp.int32, f32, f32)]
+    ins = [logits, inv_t] + ([thr] if thr is not None else [])
+    return pl.pallas_call(
+        functools.partial(_stats_kernel, v=v, chunk=chunk, tile=tile, use_thr=thr is not None),
+        grid=(b, r, ns), out_shape=outs, in_specs=[_full(x.shape) for x in ins],
         out_specs=[_full(o.shape) for o in outs], name="pjax_accept_stats",
         **call_kwargs(num_warps, num_stages),
-    )(logits, inv_t, thr)
+    )(*ins)
+
+
+def position_stats(logits, inv_t, thr, *, tile: int = None, num_warps: int = 4, num_stages: int = 2):
+    """Kernel version of `reference.position_stats` (splits merged in XLA; used by tests and benchmarks)."""
+    tile = min(tile or TILE, next_pow2(logits.shape[-1]))
+    av, ai, m_s, z_s = _stats(logits, inv_t, thr, tile=tile, num_warps=num_warps, num_stages=num_stages)
     _, amax = _combine_argmax(av, ai)
     m = jnp.max(m_s, axis=-1)
     z = jnp.sum(z_s * jnp.exp(m_s - m[..., None]), axis=-1)
-    m = jnp.where(m == _FMIN, NEG_INF, m)  # no kept lane: same as the reference
-    return amax, m, z
+    return amax, jnp.where(m == _FMIN, NEG_INF, m), z
 
 
-def race(logits, draft_probs, w: ref.Walk, *, active, inv_t, thr, m, z, seeds, positions, use_thr: bool,
-         tile: int = TILE, num_warps: int = 4, num_stages: int = 2):
-    """Kernel version of `reference.race` for rows where `active` (stochastic); others return garbage."""
-    b, r, v = logits.shape
-    k = r - 1
+def accept(logits, draft_ids, draft_probs=None, *, temperature, top_k=None, top_p=None, seeds, positions,
+           num_drafts=None, tile: int = None, num_warps: int = 4, num_stages: int = 2) -> AcceptResult:
+    """Same contract and outputs as `pjax.kernels.acceptance.reference.accept`."""
+    b, k, v = ref.check_inputs(logits, draft_ids, draft_probs, temperature, seeds, positions, num_drafts, top_k,
+                               top_p)
+    seeds = jnp.asarray(seeds).astype(jnp.uint32)
+    positions = jnp.asarray(positions, jnp.int32)
+    greedy, inv_t = ref.inverse_temperature(temperature)
+    use_thr = top_k is not None or top_p is not None
+    thr = ref.truncation_threshold(ref.scaled(logits, inv_t), top_k, top_p) if use_thr else None
+    tile = min(tile or TILE, next_pow2(v))
+    av, ai, m_s, z_s = _stats(logits, inv_t, thr, tile=tile, num_warps=num_warps, num_stages=num_stages)
+    ns1 = av.shape[-1]
     has_q = draft_probs is not None and k > 0
-    tile = min(tile, next_pow2(v))
-    ns, chunk = _splits(v, b, tile)
-    g = ref.gather_rows
-    row_args = [w.row, w.excl, active.astype(jnp.int32), inv_t, g(thr, w.row), g(m, w.row), g(z, w.row),
-                seeds, positions + w.row]
-    ins = [logits] + ([draft_probs] if has_q else []) + row_args
-    outs = [jax.ShapeDtypeStruct((b, ns), d) for d in (jnp.float32, jnp.int32, jnp.float32, jnp.int32)]
-    pv, pi, qv, qi = pl.pallas_call(
-        functools.partial(_race_kernel, v=v, k=k, chunk=chunk, tile=tile, use_thr=use_thr, has_q=has_q),
-        grid=(b, ns), out_shape=outs, in_specs=[_full(x.shape) for x in ins],
-        out_specs=[_full(o.shape) for o in outs], name="pjax_accept_race",
+    ns2, chunk = _splits(v, b, tile)
+    n = jnp.full((b,), k, jnp.int32) if num_drafts is None else num_drafts.astype(jnp.int32)
+    ins = ([logits] + ([draft_probs] if has_q else [])
+           + [draft_ids.astype(jnp.int32), n, greedy.astype(jnp.int32), inv_t, seeds, positions]
+           + ([thr] if use_thr else []) + [av, ai, m_s, z_s])
+    i32, f32 = jnp.int32, jnp.float32
+    outs = [jax.ShapeDtypeStruct((b, ns2), dt) for dt in (f32, i32, f32, i32)] + [
+        jax.ShapeDtypeStruct((b,), i32)] * 3
+    pv, pi, qv, qi, a, amax_a, use_q = pl.pallas_call(
+        functools.partial(_race_kernel, v=v, k=k, ns1=ns1, nsp=next_pow2(ns1), kp=next_pow2(k + 1), chunk=chunk,
+                          tile=tile, use_thr=use_thr, has_q=has_q),
+        grid=(b, ns2), out_shape=outs, in_specs=[_full(x.shape) for x in ins],
+        out_specs=[_full(o.shape) for o in outs], name="pjax_accept_walk_race",
         **call_kwargs(num_warps, num_stages),
     )(*ins)
     _, tok = _combine_argmax(pv, pi)
     if has_q:
         qbest, tok_q = _combine_argmax(qv, qi)
-        tok = jnp.where(w.use_q & (qbest > NEG_INF), tok_q, tok)
-    return tok.astype(jnp.int32)
-
-
-def accept(logits, draft_ids, draft_probs=None, *, temperature, top_k=None, top_p=None, seeds, positions,
-           num_drafts=None) -> AcceptResult:
-    """Same contract and outputs as `pjax.kernels.acceptance.reference.accept`."""
-    ref.check_inputs(logits, draft_ids, draft_probs, temperature, seeds, positions, num_drafts, top_k, top_p)
-    seeds = jnp.asarray(seeds).astype(jnp.uint32)
-    positions = jnp.asarray(positions, jnp.int32)
-    greedy, inv_t = ref.inverse_temperature(temperature)
-    use_thr = top_k is not None or top_p is not None
-    thr = ref.truncation_threshold(ref.scaled(logits, inv_t), top_k, top_p)
-    amax, m, z = position_stats(logits, inv_t, thr, use_thr=use_thr)
-    w = ref.accept_walk(logits, draft_ids, draft_probs, greedy=greedy, inv_t=inv_t, thr=thr, amax=amax, m=m, z=z,
-                        seeds=seeds, positions=positions, num_drafts=num_drafts)
-    tok = race(logits, draft_probs, w, active=~greedy, inv_t=inv_t, thr=thr, m=m, z=z, seeds=seeds,
-               positions=positions, use_thr=use_thr)
-    nxt = jnp.where(greedy, ref.gather_rows(amax, w.row), tok)
+        tok = jnp.where((use_q != 0) & (qbest > NEG_INF), tok_q, tok)
+    nxt = jnp.where(greedy, amax_a, tok)
+    w = ref.Walk(a, a, None, None, None)
     return ref.assemble(draft_ids, w, nxt)

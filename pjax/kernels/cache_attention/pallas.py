@@ -101,8 +101,8 @@ def num_splits(b: int, nkv: int, s: int, bk: int) -> int:
 
 
 def cache_attention(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, sinks=None, kv_len=None,
-                    block_k: int = BLOCK_K, splits: Optional[int] = None, num_warps: int = 4,
-                    num_stages: int = 2):
+                    block_k: int = BLOCK_K, splits: Optional[int] = None, num_warps: Optional[int] = None,
+                    num_stages: int = 3):
     """Same contract as `pjax.kernels.cache_attention.reference.cache_attention`."""
     check_inputs(q, k, v, q_pos, kv_len, sinks)
     b, t, nh, hd = q.shape
@@ -112,6 +112,7 @@ def cache_attention(q, k, v, q_pos, *, scale: float, window: Optional[int] = Non
     hdp = max(16, next_pow2(hd))
     bk = max(16, min(block_k, next_pow2(s_len)))
     ns = splits or num_splits(b, nkv, s_len, bk)
+    num_warps = num_warps or (4 if m_rows < 128 else 8)
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     has_len = kv_len is not None
     kern = functools.partial(_kernel, t=t, g=g, s_len=s_len, hd=hd, hdp=hdp, m_rows=m_rows, bk=bk, ns=ns,

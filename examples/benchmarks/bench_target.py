@@ -1,0 +1,223 @@
+"""Target-model step latency next to the HBM roofline (batch 1, random bf16 weights built on the device).
+
+    PYTHONPATH=. python3 examples/benchmarks/bench_target.py            # GPU: Llama-3.1-8B and Qwen3-30B-A3B shapes
+    PYTHONPATH=. python3 examples/benchmarks/bench_target.py --tiny     # CPU smoke test (tiny shapes)
+
+Steps (each one jitted program, KV cache donated, context ~1K):
+  decode  1 token  -> float32 logits of that token            (plain autoregressive step)
+  extend  K+1 = 8  -> float32 logits of all 8 tokens            (speculative verification step)
+Timing: warm-up, then >= 30 calls, each synchronised; the median is reported (p10/p90 alongside), plus
+the mean of a back-to-back (pipelined) run of the same length.
+Roofline: bytes that must be read per step / measured device copy bandwidth (a jitted `2 * x` over a
+large bf16 buffer; bandwidth = (read + write bytes) / time). Bytes = weights touched (every matrix except
+the embedding table, of which only the looked-up rows; MoE layers: the experts actually selected —
+top_k for one token, the expected number of distinct experts E(1 - (1 - k/E)^T) under uniform routing for
+T tokens) + the whole KV cache buffer read by attention + the new K/V written.
+Prints a markdown table; writes JSON to $OUT/bench_target.json when $OUT is set (or to --json PATH).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from pjax.cache import init_cache  # noqa: E402
+from pjax.config import LayerSpec, ModelConfig, MoeSpec, RopeSpec  # noqa: E402
+from pjax.target import Target, abstract_target, forward, logits_from_hidden  # noqa: E402
+
+
+def llama(layers=32, h=4096, inter=14336, heads=32, kv=8, hd=128, vocab=128256) -> ModelConfig:
+    rope = RopeSpec(kind="llama3", theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=8192)
+    return ModelConfig(model_type="llama", vocab_size=vocab, hidden_size=h, intermediate_size=inter, num_heads=heads,
+                       layers=tuple(LayerSpec(hd, kv, rope) for _ in range(layers)), rms_norm_eps=1e-5)
+
+
+def qwen3_moe(layers=48, h=2048, heads=32, kv=4, hd=128, experts=128, top_k=8, moe_inter=768,
+              vocab=151936) -> ModelConfig:
+    rope = RopeSpec(theta=1e6)
+    return ModelConfig(model_type="qwen3_moe", vocab_size=vocab, hidden_size=h, intermediate_size=6144,
+                       num_heads=heads, layers=tuple(LayerSpec(hd, kv, rope, moe=True) for _ in range(layers)),
+                       qk_norm=True, moe=MoeSpec(experts, top_k, moe_inter, norm_topk_prob=True))
+
+
+MODELS = {
+    "llama3.1-8b": lambda: llama(),
+    "qwen3-30b-a3b": lambda: qwen3_moe(),
+}
+TINY = {
+    "llama-tiny": lambda: llama(layers=1, h=64, inter=128, heads=4, kv=2, hd=16, vocab=257),
+    "qwen3-moe-tiny": lambda: qwen3_moe(layers=1, h=64, heads=4, kv=2, hd=16, experts=8, top_k=2, moe_inter=32,
+                                        vocab=257),
+}
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _normal(key, shape, dtype):
+    return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+def random_target(cfg: ModelConfig, dtype, seed=0) -> Target:
+    """Random weights generated on the default device one leaf at a time (nothing built on the host; peak
+    memory = the weights plus one float32 leaf): normal(0, 0.02) matrices, ones for norms, zeros for biases."""
+    abstract = abstract_target(cfg, dtype)
+    leaves, treedef = jax.tree.flatten_with_path(abstract.params)
+    key, out = jax.random.key(seed), []
+    for i, (path, leaf) in enumerate(leaves):
+        name = str(getattr(path[-1], "key", path[-1]))
+        if name in ("weight", "layer_scalar"):
+            out.append(jnp.ones(leaf.shape, leaf.dtype))
+        elif "bias" in name or name == "sinks":
+            out.append(jnp.zeros(leaf.shape, leaf.dtype))
+        else:
+            out.append(_normal(jax.random.fold_in(key, i), tuple(leaf.shape), leaf.dtype))
+    return Target(cfg, abstract.graphdef, jax.tree.unflatten(treedef, out))
+
+
+def make_step(last_only: bool):
+    """(target, tokens [B,T], positions [B,T], cache) -> (float32 logits, cache); cache donated."""
+    def step(target, tokens, positions, cache):
+        out = forward(target, tokens, positions, cache)
+        hidden = out.hidden[:, -1:] if last_only else out.hidden  # logits only where they are needed
+        return logits_from_hidden(target, hidden), out.cache
+    return jax.jit(step, donate_argnums=(3,))
+
+
+def nbytes(tree) -> int:
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
+
+
+def step_bytes(target: Target, cache, tokens: int) -> dict:
+    """Bytes a step must move: weights touched, KV read (the whole cache buffer), KV written."""
+    cfg, p = target.config, target.params
+    emb = p["embed_tokens"]["embedding"]
+    row = emb.shape[1] * emb.dtype.itemsize
+    weights = nbytes(p) - nbytes(emb) + tokens * row + (nbytes(emb) if cfg.tie_word_embeddings else 0)
+    if cfg.moe is not None:
+        e, k = cfg.moe.num_experts, cfg.moe.top_k
+        touched = e * (1 - (1 - k / e) ** tokens)  # distinct experts per layer (exactly k for one token)
+        for layer, spec in zip(p["layers"].values() if isinstance(p["layers"], dict) else p["layers"], cfg.layers):
+            if spec.moe:
+                experts = sum(nbytes(layer["mlp"][n]) for n in ("gate_up", "down", "gate_up_bias", "down_bias")
+                              if layer["mlp"].get(n) is not None)
+                weights -= experts * (1 - touched / e)
+    kv_read = nbytes(cache)
+    per_token = sum(2 * s.num_kv_heads * s.head_dim for s in cfg.layers) * cache[0].k.dtype.itemsize
+    return {"weight_bytes": int(weights), "kv_read_bytes": kv_read, "kv_write_bytes": tokens * per_token,
+            "bytes": int(weights) + kv_read + tokens * per_token}
+
+
+def copy_bandwidth(nbytes_: int, repeats: int) -> float:
+    """Measured device bandwidth in bytes/s: jitted `2 * x` over a bf16 buffer (read + write)."""
+    x = jnp.ones((nbytes_ // 2,), jnp.bfloat16)
+    f = jax.jit(lambda a: a * jnp.asarray(2, a.dtype))
+    jax.block_until_ready(f(x))
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(f(x))
+        ts.append(time.perf_counter() - t)
+    del x
+    return 2 * nbytes_ / statistics.median(ts)
+
+
+def time_step(step, target, tokens, positions, cache, *, warmup: int, repeats: int):
+    """Returns (per-call seconds list, pipelined mean seconds, cache)."""
+    for _ in range(warmup):
+        out, cache = step(target, tokens, positions, cache)
+    jax.block_until_ready(out)
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        out, cache = step(target, tokens, positions, cache)
+        jax.block_until_ready(out)
+        ts.append(time.perf_counter() - t)
+    t = time.perf_counter()
+    for _ in range(repeats):
+        out, cache = step(target, tokens, positions, cache)
+    jax.block_until_ready(out)
+    return ts, (time.perf_counter() - t) / repeats, cache
+
+
+def bench_model(name, cfg, *, context, k1, warmup, repeats, bandwidth, dtype) -> list[dict]:
+    target = random_target(cfg, dtype)
+    cache = init_cache(cfg, 1, context + k1, dtype)
+    rows = []
+    for kind, t in (("decode", 1), ("extend", k1)):
+        step = make_step(last_only=(t == 1))
+        tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (1, t)), jnp.int32)
+        positions = jnp.asarray(context + np.arange(t)[None], jnp.int32)
+        b = step_bytes(target, cache, t)
+        ts, pipelined, cache = time_step(step, target, tokens, positions, cache, warmup=warmup, repeats=repeats)
+        med = statistics.median(ts)
+        roof = b["bytes"] / bandwidth
+        rows.append(dict(model=name, step=kind, tokens=t, context=context, median_ms=1e3 * med,
+                         p10_ms=1e3 * float(np.percentile(ts, 10)), p90_ms=1e3 * float(np.percentile(ts, 90)),
+                         pipelined_ms=1e3 * pipelined, roofline_ms=1e3 * roof, roofline_fraction=roof / med,
+                         params=int(sum(x.size for x in jax.tree.leaves(target.params))), **b))
+        print(f"  {name} {kind}: {1e3 * med:.3f} ms (roofline {1e3 * roof:.3f} ms)", flush=True)
+    del target, cache
+    return rows
+
+
+def markdown(rows, bandwidth) -> str:
+    lines = [f"measured copy bandwidth: {bandwidth / 1e9:.0f} GB/s", "",
+             "| model | step | tokens | context | median ms | p10-p90 ms | pipelined ms | GB read | roofline ms "
+             "| fraction of roofline |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['step']} | {r['tokens']} | {r['context']} | {r['median_ms']:.3f} | "
+                     f"{r['p10_ms']:.3f}-{r['p90_ms']:.3f} | {r['pipelined_ms']:.3f} | {r['bytes'] / 1e9:.3f} | "
+                     f"{r['roofline_ms']:.3f} | {r['roofline_fraction']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
+    ap.add_argument("--models", default=None, help="comma-separated subset of " + ", ".join([*MODELS, *TINY]))
+    ap.add_argument("--context", type=int, default=None, help="tokens already in the cache (default 1024; tiny 32)")
+    ap.add_argument("--k", type=int, default=7, help="speculative tokens K (extend step = K+1 tokens)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed calls (default 30, tiny 3)")
+    ap.add_argument("--warmup", type=int, default=None, help="warm-up calls (default 5, tiny 1)")
+    ap.add_argument("--json", default=None, help="JSON output path (default $OUT/bench_target.json)")
+    a = ap.parse_args(argv)
+    table = TINY if a.tiny else MODELS
+    names = a.models.split(",") if a.models else list(table)
+    known = {**MODELS, **TINY}
+    for n in names:
+        if n not in known:
+            ap.error(f"unknown model {n!r} (choose from {sorted(known)})")
+    context = a.context or (32 if a.tiny else 1024)
+    repeats = a.repeats or (3 if a.tiny else 30)
+    warmup = a.warmup or (1 if a.tiny else 5)
+    dev = jax.devices()[0]
+    print(f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}", flush=True)
+    bandwidth = copy_bandwidth((16 << 20) if a.tiny else (2 << 30), 5 if a.tiny else 20)
+    rows = []
+    for n in names:
+        rows += bench_model(n, known[n](), context=context, k1=a.k + 1, warmup=warmup, repeats=repeats,
+                            bandwidth=bandwidth, dtype=jnp.bfloat16)
+    report = {"device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__,
+              "copy_bandwidth_Bps": bandwidth, "rows": rows}
+    print(markdown(rows, bandwidth))
+    path = a.json or (os.path.join(os.environ["OUT"], "bench_target.json") if os.environ.get("OUT") else None)
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(report, indent=1))
+        print(f"wrote {path}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

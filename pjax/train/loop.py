@@ -1,0 +1,102 @@
+"""The training loop: progress bar, periodic metrics (loss, per-depth accuracy, tokens/s),
+checkpointing with exact resume, export of the trained head."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Optional
+
+import jax
+import numpy as np
+
+from pjax.models.drafter import Drafter
+from pjax.target import Target
+from pjax.train.data import RowStream
+from pjax.train.state import Checkpointer, TrainConfig, TrainState, drafter_from_state, init_train_state
+from pjax.train.step import make_train_step, replicate, shard_batch
+
+
+@dataclasses.dataclass
+class TrainResult:
+    drafter: Drafter
+    state: TrainState
+    history: list  # one dict per log interval: step, loss, acc (per depth), acc_all, tokens_per_s, lr, grad_norm
+
+
+def summarize(step: int, metrics: list, seconds: float) -> dict:
+    """Aggregate per-step metric dicts (host numpy) of one log interval."""
+    correct = np.sum([m["correct"] for m in metrics], axis=0)
+    total = np.sum([m["total"] for m in metrics], axis=0)
+    out = dict(step=step, loss=float(np.mean([m["loss"] for m in metrics])),
+               acc=[float(c / t) if t else float("nan") for c, t in zip(correct, total)],
+               acc_all=float(correct.sum() / max(total.sum(), 1.0)),
+               tokens_per_s=float(np.sum([m["tokens"] for m in metrics]) / max(seconds, 1e-9)),
+               lr=float(metrics[-1]["lr"]), grad_norm=float(np.mean([m["grad_norm"] for m in metrics])))
+    if "cond_correct" in metrics[0]:
+        cc = np.sum([m["cond_correct"] for m in metrics], axis=0)
+        ct = np.sum([m["cond_total"] for m in metrics], axis=0)
+        out["cond_acc"] = [float(c / t) if t else float("nan") for c, t in zip(cc, ct)]
+    return out
+
+
+def format_metrics(m: dict) -> str:
+    accs = " ".join(f"{a:.2f}" for a in m["acc"])
+    return (f"step {m['step']} loss {m['loss']:.4f} acc[{accs}] tok/s {m['tokens_per_s']:.0f} "
+            f"lr {m['lr']:.2e} |g| {m['grad_norm']:.3f}")
+
+
+def train_drafter(target: Target, drafter: Drafter, stream: RowStream, cfg: TrainConfig, *,
+                  steps: Optional[int] = None, mesh=None, checkpoint_dir=None, save_every: Optional[int] = None,
+                  resume: bool = True, log_every: int = 10, progress: bool = True,
+                  log_fn: Optional[Callable[[dict], None]] = None, state: Optional[TrainState] = None) -> TrainResult:
+    """Train `drafter` (start point: random init, `init_drafter_for_target` or `convert.load_drafter`)
+    on `stream` against the frozen `target` until step `steps` (default cfg.total_steps).
+
+    With `checkpoint_dir`, an existing checkpoint is restored first (resume=True) and the state is
+    saved every `save_every` steps and at the end. Returns the trained head, final state, metrics."""
+    cfg.validate()
+    if stream.batch_rows != cfg.batch_rows or stream.total_seq_len != cfg.total_seq_len:
+        raise ValueError(f"stream yields {stream.batch_rows} x {stream.total_seq_len} batches but the config says "
+                         f"batch_rows={cfg.batch_rows}, total_seq_len={cfg.total_seq_len}")
+    steps = cfg.total_steps if steps is None else int(steps)
+    ckpt = Checkpointer(checkpoint_dir) if checkpoint_dir is not None else None
+    if state is None:
+        state = replicate(init_train_state(drafter, cfg), mesh)
+        if ckpt is not None and resume and ckpt.latest_step() is not None:
+            state = ckpt.restore(state)
+    target = replicate(target, mesh)
+    shell = replicate(Drafter(drafter.config, drafter.graphdef, None, drafter.d2t), mesh)
+    step_fn = make_train_step(cfg, mesh)
+    start = int(jax.device_get(state.step))
+    history, pending = [], []
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=steps, initial=start, desc=f"train {cfg.objective}", dynamic_ncols=True)
+    t0 = time.perf_counter()
+    for i in range(start, steps):
+        batch = shard_batch(stream.batch(int(jax.device_get(state.data_position))), mesh)
+        state, m = step_fn(state, shell, target, batch)
+        pending.append(m)
+        done = i + 1
+        if done % log_every == 0 or done == steps:
+            host = jax.device_get(pending)
+            now = time.perf_counter()
+            summary = summarize(done, host, now - t0)
+            history.append(summary)
+            pending, t0 = [], now
+            if bar is not None:
+                bar.set_postfix_str(format_metrics(summary).split(" ", 2)[2])
+            if log_fn is not None:
+                log_fn(summary)
+        if bar is not None:
+            bar.update(1)
+        if ckpt is not None and save_every and done % save_every == 0 and done != steps:
+            ckpt.save(state)
+    if bar is not None:
+        bar.close()
+    if ckpt is not None and int(jax.device_get(state.step)) > start:
+        ckpt.save(state)
+    if ckpt is not None:
+        ckpt.close()
+    return TrainResult(drafter_from_state(drafter, state), state, history)

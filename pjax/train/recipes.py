@@ -1,0 +1,70 @@
+"""Ready-made runs. `tiny_run` trains a tiny byte-level target on a small corpus (by default Python
+standard-library sources, present on every machine), then a P-EAGLE (or EAGLE-3) head against it —
+the "main job" of the README and the end-to-end CI test. Runs in well under a minute on 2 CPU cores."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from pjax.config import LayerSpec, ModelConfig, RopeSpec
+from pjax.models.drafter import Drafter
+from pjax.target import Target, init_target
+from pjax.train.cod import CodConfig
+from pjax.train.data import (ByteTokenizer, RowStream, build_vocab_mapping, default_corpus_files, load_documents,
+                             token_frequencies)
+from pjax.train.loop import train_drafter
+from pjax.train.optim import OptimConfig
+from pjax.train.state import TrainConfig, drafter_config_for_target, init_drafter_for_target
+from pjax.train.target_lm import train_target_lm
+
+
+def tiny_target_config(vocab_size: int = 260, hidden: int = 64, layers: int = 4) -> ModelConfig:
+    spec = LayerSpec(head_dim=16, num_kv_heads=2, rope=RopeSpec(theta=10000.0))
+    return ModelConfig("llama", vocab_size, hidden, 2 * hidden, 4, (spec,) * layers, rms_norm_eps=1e-6).validate()
+
+
+@dataclasses.dataclass
+class TinyRun:
+    target: Target
+    drafter: Drafter
+    tokenizer: ByteTokenizer
+    target_history: list  # [(step, loss)]
+    head_history: list  # summaries from train_drafter
+    docs: list
+
+
+def tiny_run(*, corpus_files: Optional[Sequence[str]] = None, objective: str = "peagle", seq_len: int = 128,
+             batch_rows: int = 8, target_steps: int = 300, head_steps: int = 300, num_depths: int = 4,
+             ttt_steps: int = 3, head_layers: int = 1, draft_vocab_size: Optional[int] = None, seed: int = 0,
+             max_files: int = 12, checkpoint_dir=None, progress: bool = False, log_every: int = 25,
+             log_fn=None, mesh=None, target: Optional[Target] = None) -> TinyRun:
+    """Train a tiny target (unless given) and a head on it; returns both plus the metric histories."""
+    tok = ByteTokenizer()
+    files = list(corpus_files) if corpus_files else default_corpus_files(max_files)
+    docs = load_documents(files, tok)
+    tcfg = tiny_target_config(tok.vocab_size)
+    target_hist = []
+    if target is None:
+        target = init_target(tcfg, jax.random.key(seed), jnp.float32)
+        stream = RowStream(docs, seq_len, batch_rows, seed=seed)
+        target, target_hist = train_target_lm(target, stream, target_steps, progress=progress,
+                                              log_every=log_every, log_fn=log_fn)
+    vd = draft_vocab_size or tok.vocab_size
+    d2t = None
+    if vd < tok.vocab_size:
+        d2t, _ = build_vocab_mapping(token_frequencies(docs), vd, tok.vocab_size)
+    dcfg = drafter_config_for_target(target.config, num_layers=head_layers, draft_vocab_size=vd,
+                                     mask_token_id=tok.mask_token_id, aux_layer_ids=(1, 2, 3),
+                                     model_kind=objective, num_depths=num_depths if objective == "peagle" else None)
+    drafter = init_drafter_for_target(target, dcfg, jax.random.key(seed + 1), d2t=d2t)
+    cfg = TrainConfig(objective=objective, total_seq_len=seq_len, batch_rows=batch_rows, total_steps=head_steps,
+                      cod=CodConfig(num_depths=num_depths, max_anchors=None), ttt_steps=ttt_steps,
+                      optim=OptimConfig(lr=3e-3, warmup_steps=10, train_embeddings=objective == "peagle"),
+                      seed=seed)
+    stream = RowStream(docs, seq_len, batch_rows, seed=seed + 100)
+    res = train_drafter(target, drafter, stream, cfg, checkpoint_dir=checkpoint_dir, progress=progress,
+                        log_every=log_every, log_fn=log_fn, mesh=mesh)
+    return TinyRun(target, res.drafter, tok, target_hist, res.history, docs)
