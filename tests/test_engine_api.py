@@ -89,9 +89,32 @@ def test_prefill_draft_layout_matches_spec_example():
     assert not valid[0, n:].any()
 
 
+def test_select_drafts_maps_draft_vocab(models):
+    """Draft-vocabulary lanes map to target ids through d2t, for argmax drafts and for q (sample mode)."""
+    from pjax.decode.draft import select_drafts
+    target, _ = models
+    drafter = make_drafter(target, draft_vocab_size=20)
+    t_ids = np.arange(20) + np.asarray(drafter.d2t)
+    assert drafter.d2t is not None and len(set(t_ids)) == 20 and t_ids.max() < V
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(2, 3, 20)) * 3, jnp.float32)
+    samp = Sampling(jnp.asarray([0.0, 1.0]), jnp.zeros(2, jnp.int32), jnp.ones(2), jnp.asarray([1, 2], jnp.uint32))
+    pos = jnp.asarray([[5, 6, 7], [5, 6, 7]])
+    spec = pjax.decode.EngineSpec(3, "parallel", 8)
+    d, q = select_drafts(drafter, logits, samp, pos, spec)
+    assert q is None and d.tolist() == t_ids[np.argmax(np.asarray(logits), -1)].tolist()
+    d, q = select_drafts(drafter, logits, samp, pos, dataclasses.replace(spec, draft_sampling="sample"))
+    q = np.asarray(q)
+    assert d[0].tolist() == t_ids[np.argmax(np.asarray(logits[0]), -1)].tolist()  # greedy row: argmax, one-hot q
+    np.testing.assert_allclose(q[0][np.arange(3), d[0]], 1.0)
+    ref = np.asarray(jax.nn.softmax(logits[1], -1))
+    np.testing.assert_allclose(q[1][:, t_ids], ref, rtol=1e-6)
+    np.testing.assert_allclose(q[1].sum(-1), 1.0, rtol=1e-6)
+    assert np.all(np.isin(np.asarray(d[1]), t_ids))
+
+
 def test_emit_eos_length_capacity():
-    spec = pjax.decode.EngineSpec(num_speculative_tokens=3, drafting="parallel", max_new_tokens=6,
-                                  eos_token_ids=(7, 8))
+    spec = pjax.decode.EngineSpec(num_speculative_tokens=3, drafting="parallel", max_new_tokens=6)
+    eos = jnp.asarray([[7, 8]] * 4)
     b, n_buf = 4, spec.out_len
     state = DecodeState(None, None, None, None, None, None, jnp.full((b, n_buf), -1, jnp.int32),
                         jnp.asarray([0, 0, 4, 0]), jnp.zeros(b, bool), jnp.zeros(b, jnp.int32), *([None] * 5))
@@ -99,7 +122,7 @@ def test_emit_eos_length_capacity():
     count = jnp.asarray([4, 4, 3, 2])
     new_pos = jnp.asarray([10, 10, 10, 20])
     out, num_out, done, stop = _emit(state, tokens, count, new_pos, jnp.asarray([True, True, True, False]), spec,
-                                     capacity=10)
+                                     capacity=10, eos=eos)
     # row 0: EOS at index 2 -> 3 tokens; row 1: fills capacity; row 2: length cut (4 + 2 = 6); row 3: inactive
     assert num_out.tolist() == [3, 4, 6, 0]
     assert stop.tolist() == [1, 3, 2, 0] and done.tolist() == [True, True, True, False]
@@ -136,11 +159,10 @@ def always_accept(target, drafter):
     return dataclasses.replace(target, params=tp), dataclasses.replace(drafter, params=dp)
 
 
-@pytest.mark.parametrize("drafting", ["parallel", "sequential"])
-def test_stats_all_accepted(models, drafting):
+def test_stats_all_accepted(models):
     target, drafter = always_accept(*models)
     k, new = 3, 12
-    res = gen(target, drafter, PROMPTS, max_new_tokens=new, num_speculative_tokens=k, drafting=drafting)
+    res = gen(target, drafter, PROMPTS, max_new_tokens=new, num_speculative_tokens=k)
     assert res.tokens == [[0] * new] * 3
     s = res.stats
     rounds = -(-(new - 1) // (k + 1))  # prefill emits 1 token, each round K + 1
@@ -148,8 +170,7 @@ def test_stats_all_accepted(models, drafting):
     assert s["num_drafts"] == 3 * rounds and s["num_accepted_tokens"] == 3 * rounds * k
     assert s["mean_acceptance_length"] == k + 1 and s["acceptance_rates"] == [1.0] * k
     assert s["output_tokens"] == 3 * new and s["output_tokens_per_s"] > 0 and s["wall_time_s"] > 0
-    res = gen(target, drafter, PROMPTS, max_new_tokens=new, num_speculative_tokens=k, drafting=drafting,
-              eos_token_id=0)
+    res = gen(target, drafter, PROMPTS, max_new_tokens=new, num_speculative_tokens=k, eos_token_id=0)
     assert res.tokens == [[0]] * 3 and res.stats["stop_reasons"] == ["eos"] * 3 and res.stats["rounds"] == 0
 
 
@@ -173,10 +194,15 @@ def test_seeded_alone_equals_in_batch(models):
     assert batch.tokens == again.tokens
     other = gen(target, drafter, PROMPTS, seed=[11, 99, 13], **SAMPLED)
     assert other.tokens[0] == batch.tokens[0] and other.tokens[1] != batch.tokens[1]
-    # a different batch (other neighbours, other order, longer padding and cache) leaves row 1 unchanged
+    # alone, or in another batch (other neighbours and order), request (PROMPTS[1], seed 12) is unchanged
     alone = gen(target, drafter, [PROMPTS[1]], seed=12, **SAMPLED)
-    mixed = gen(target, drafter, [list(range(1, 21)), PROMPTS[1]], seed=[5, 12], **SAMPLED)
-    assert alone.tokens[0] == batch.tokens[1] == mixed.tokens[1]
+    mixed = gen(target, drafter, [PROMPTS[2], [7, 7, 7, 7], PROMPTS[1]], seed=[5, 6, 12], **SAMPLED)
+    assert alone.tokens[0] == batch.tokens[1] == mixed.tokens[2]
+    # greedy and sampled rows in one batch: the greedy row equals plain greedy decoding
+    greedy = gen(target, drafter, PROMPTS, **dict(SAMPLED, temperature=0.0))
+    mixed_t = gen(target, drafter, PROMPTS, seed=[11, 12, 13], **dict(SAMPLED, temperature=[1.0, 0.0, 1.0]))
+    assert mixed_t.tokens[1] == greedy.tokens[1] and mixed_t.tokens[0] == batch.tokens[0]
+    assert greedy.tokens != batch.tokens
 
 
 def test_host_loop_equals_device_loop(models):
@@ -215,7 +241,7 @@ def test_bench_engine_tiny(tmp_path, monkeypatch):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     monkeypatch.setenv("OUT", str(tmp_path))
-    result = mod.main(["--tiny"])
+    result = mod.main(["--tiny", "--ks", "2", "--calls", "1", "--rounds", "2"])
     assert (tmp_path / "bench_engine.json").exists()
     assert {"drafter_pass", "round", "loop"} <= set(result)
 

@@ -55,8 +55,10 @@ FAST = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" e
 FAST_KEY = tuple(sorted(FAST.items()))
 
 
-def make_drafter(target, seed=1, aux=(1, 0, 2), mask_token_id=V - 1, num_layers=1, **kw):
-    """Random P-EAGLE head (init_drafter) matching `target`'s vocabulary and width."""
+def make_drafter(target, seed=1, aux=(1, 0, 2), mask_token_id="last", num_layers=1, **kw):
+    """Random P-EAGLE head (init_drafter) matching `target`'s vocabulary and width (mask token: the last id)."""
+    if mask_token_id == "last":
+        mask_token_id = target.config.vocab_size - 1
     h = target.config.hidden_size
     layer = ModelConfig("llama", target.config.vocab_size, h, 2 * h, 4,
                         tuple(LayerSpec(8, 2, RopeSpec(theta=10000.0)) for _ in range(num_layers)), rms_norm_eps=1e-5)
@@ -81,14 +83,15 @@ def hf_greedy(model, prompts, new):
 
 @functools.lru_cache(maxsize=None)
 def build(name, tmp_root):
-    """(target, random drafter, transformers' greedy continuation of PROMPTS, 40 tokens)."""
+    """(target, random drafter, transformers' greedy continuation of PROMPTS)."""
     model_cls, cfg_cls, kw = FAMILIES[name]
     torch.manual_seed(0)
     model = randomize(model_cls(cfg_cls(**kw)).float().eval(), std=0.2)
     path = tmp_root / name
     model.save_pretrained(path)
     target = convert.load_target(path, dtype=jnp.float32)
-    return target, make_drafter(target), hf_greedy(model, PROMPTS, 40)
+    new = 40 if name == "llama" else NEW  # llama: 30 tokens + room for the oracle drafts of the injection test
+    return target, make_drafter(target, draft_vocab_size=64), hf_greedy(model, PROMPTS, new)  # Vd < V: d2t map
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,10 @@ into verify / accept / draft, and N rounds in one on-device loop vs N separate j
     PYTHONPATH=. python3 examples/benchmarks/bench_engine.py --tiny    # CPU smoke test (tiny shapes)
 
 Weights are random bf16 (timing only; acceptance is ~0, so every round emits one token and writes the
-same slot layout). Every step is one jitted program; caches are threaded through calls (donated on GPU).
+same slot layout); the head has a 32000-token draft vocabulary (d2t map) like the Llama-3.1-8B EAGLE-3
+heads. Caches start at `--context` positions (values are zeros: costs do not depend on them); the XLA
+attention path reads the whole cache buffer, so the printed capacity sets the attention cost. Every step
+is one jitted program; caches are threaded through calls (donated on GPU).
 Timing: warm-up, then `--calls` synchronised calls, median (ms) reported, p10/p90 in the JSON.
 
 1. drafter step for K = 1..11: parallel = one drafter forward over 2K slots (accepted + bonus + K-1
@@ -37,10 +40,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import pjax  # noqa: E402
 from pjax.config import LayerSpec, ModelConfig, RopeSpec  # noqa: E402
-from pjax.decode import Sampling, make_spec, prefill, spec_round, verify  # noqa: E402
+from pjax.cache import init_cache  # noqa: E402
+from pjax.decode import DecodeState, Sampling, make_spec, spec_round, verify  # noqa: E402
 from pjax.decode import draft as D  # noqa: E402
 from pjax.decode.step import _accept  # noqa: E402
-from pjax.models.drafter import DrafterConfig, combine, init_drafter  # noqa: E402
+from pjax.models.drafter import DrafterConfig, combine, init_drafter, init_drafter_cache  # noqa: E402
 
 
 def llama_cfg(layers, h, inter, heads, kv, hd, vocab) -> ModelConfig:
@@ -50,26 +54,31 @@ def llama_cfg(layers, h, inter, heads, kv, hd, vocab) -> ModelConfig:
                        layers=tuple(LayerSpec(hd, kv, rope) for _ in range(layers)), rms_norm_eps=1e-5)
 
 
-SHAPES = {  # (target layers, H, I, heads, kv heads, head dim, vocab), head layers
-    "llama3.1-8b": ((32, 4096, 14336, 32, 8, 128, 128256), 4),
-    "tiny": ((2, 64, 128, 4, 2, 16, 257), 2),
+SHAPES = {  # (target layers, H, I, heads, kv heads, head dim, vocab), head layers, draft vocab
+    "llama3.1-8b": ((32, 4096, 14336, 32, 8, 128, 128256), 4, 32000),  # Vd as the Llama-3.1-8B EAGLE-3 heads
+    "tiny": ((2, 64, 128, 4, 2, 16, 257), 2, 200),
 }
 
 
 def build(name: str, dtype):
-    (layers, h, inter, heads, kv, hd, vocab), head_layers = SHAPES[name]
+    """Random target and P-EAGLE head of the named shape."""
+    (layers, h, inter, heads, kv, hd, vocab), head_layers, draft_vocab = SHAPES[name]
     tcfg = llama_cfg(layers, h, inter, heads, kv, hd, vocab)
     target = pjax.init_target(tcfg, jax.random.key(0), dtype)
     n = layers
     dcfg = DrafterConfig(layer=llama_cfg(head_layers, h, inter, heads, kv, hd, vocab), num_aux=3,
-                         target_hidden_size=h, draft_vocab_size=vocab, mask_token_id=vocab - 1,
+                         target_hidden_size=h, draft_vocab_size=draft_vocab, mask_token_id=vocab - 1,
                          aux_layer_ids=(min(2, n), n // 2, max(n - 3, 0)) if n >= 3 else (0, 1, 2))
     drafter = init_drafter(dcfg, jax.random.key(1), dtype)
     return target, drafter
 
 
+DONATE = jax.default_backend() != "cpu"  # CPU ignores donation (and warns)
+
+
 def timed(fn, state, calls: int, warmup: int = 2):
-    """fn(state) -> state; returns (median, p10, p90) ms of synchronised calls, and the final state."""
+    """fn(state) -> state, threaded through the calls; returns ((median, p10, p90) ms of synchronised
+    calls, final state)."""
     for _ in range(warmup):
         state = fn(state)
     jax.block_until_ready(state)
@@ -83,109 +92,135 @@ def timed(fn, state, calls: int, warmup: int = 2):
     return (statistics.median(ts), float(q[0]), float(q[1])), state
 
 
-def _donate(*names):
-    return names if jax.default_backend() != "cpu" else ()
+def synthetic_state(target, drafter, spec, batch: int, capacity: int, pos: int) -> DecodeState:
+    """A decode state at position `pos` with zero caches (costs do not depend on the cached values)."""
+    b, k = batch, spec.k
+    z = functools.partial(jnp.zeros, dtype=jnp.int32)
+    return DecodeState(
+        target_cache=init_cache(target.config, b, capacity, target.dtype),
+        drafter_cache=init_drafter_cache(drafter, b, capacity, drafter.dtype), last=z((b,)),
+        pos=jnp.full((b,), pos, jnp.int32), drafts=z((b, k)), draft_probs=None,
+        out=jnp.full((b, spec.out_len), -1, jnp.int32), num_out=z((b,)), done=jnp.zeros((b,), bool),
+        stop=z((b,)), rounds=z((b,)), num_drafts=z((b,)), num_draft_tokens=z((b,)), accepted=z((b,)),
+        accepted_at=z((b, k)))
+
+
+def draft_only(drafter, cache, aux, verify_tokens, num_accepted, next_token, start_pos, sampling, spec):
+    """The draft step of a round: fc over the K+1 verify features, drafter pass(es), lm_head, argmax."""
+    comb = combine(drafter, aux)
+    active = jnp.ones(num_accepted.shape, bool)
+    drafts, _, cache = D.draft_round(drafter, cache, comb, verify_tokens, num_accepted, next_token, start_pos,
+                                     active, sampling, spec)
+    return cache, drafts
+
+
+def verify_only(target, cache, last, drafts, pos, spec):
+    """The verify step: target over [last, d_1..d_K], float32 logits, aux features."""
+    b = last.shape[0]
+    st = DecodeState(cache, None, last, pos, drafts, *([None] * 10))
+    nd = jnp.full((b,), spec.k, jnp.int32)
+    logits, aux, cache, _ = verify(target, st, nd, jnp.ones((b,), bool), spec)
+    return cache, logits, aux
+
+
+def rounds_in_loop(target, drafter, state, sampling, spec, rounds):
+    """`rounds` rounds in one program (fori_loop, a while_loop with a counter: no host round-trip)."""
+    return jax.lax.fori_loop(0, rounds, lambda i, s: spec_round(target, drafter, s, sampling, spec=spec), state)
+
+
+def jitted(compiler_options=None):
+    """The timed programs (caches donated on GPU)."""
+    jit = functools.partial(jax.jit, compiler_options=compiler_options)
+    don = (1,) if DONATE else ()
+    return dict(
+        draft=jit(draft_only, static_argnames=("spec",), donate_argnums=don),
+        verify=jit(verify_only, static_argnames=("spec",), donate_argnums=don),
+        accept=jit(_accept, static_argnames=("spec",)),
+        round=jit(spec_round, static_argnames=("spec",), donate_argnames=("state",) if DONATE else ()),
+        loop=jit(rounds_in_loop, static_argnames=("spec", "rounds"), donate_argnames=("state",) if DONATE else ()))
 
 
 class Bench:
-    def __init__(self, target, drafter, batch: int, context: int, budget: int, dtype):
-        self.target, self.drafter, self.b, self.ctx, self.dtype = target, drafter, batch, context, dtype
-        self.capacity = -(-(context + budget) // 128) * 128
+    def __init__(self, target, drafter, batch: int, context: int, capacity: int, compiler_options=None):
+        self.target, self.drafter, self.b, self.ctx, self.capacity = target, drafter, batch, context, capacity
+        self.fn = jitted(compiler_options)
         b = batch
         self.sampling = Sampling(jnp.zeros(b), jnp.zeros(b, jnp.int32), jnp.ones(b), jnp.arange(b, dtype=jnp.uint32))
-        self.prompts = jax.random.randint(jax.random.key(2), (b, context), 0, target.config.vocab_size - 1)
 
-    def spec(self, k, drafting, max_new=1 << 20):
-        return make_spec(self.target, self.drafter, max_new_tokens=max_new, num_speculative_tokens=k,
+    def spec(self, k, drafting):
+        return make_spec(self.target, self.drafter, max_new_tokens=4096, num_speculative_tokens=k,
                          drafting=drafting)
 
-    def prefill(self, spec):
-        fn = jax.jit(prefill, static_argnames=("spec", "capacity", "cache_dtype"))
-        lengths = jnp.full((self.b,), self.ctx, jnp.int32)
-        return fn(self.target, self.drafter, self.prompts, lengths, self.sampling, spec=spec, capacity=self.capacity)
+    def state(self, spec):
+        return synthetic_state(self.target, self.drafter, spec, self.b, self.capacity, self.ctx)
+
+    def _features(self, k):
+        h = self.target.config.hidden_size
+        aux = 0.1 * jax.random.normal(jax.random.key(3), (self.b, k + 1, 3 * h), jnp.float32)
+        return aux.astype(self.target.dtype)
 
     def draft_step(self, k, drafting, calls):
-        """One drafter step after a verify at the prompt end (n = 0 accepted: 2K slots in parallel mode)."""
+        """One draft step after a verify at the context end with n = 0 accepted (2K parallel slots)."""
         spec = self.spec(k, drafting)
-        st = self.prefill(spec)
-        b, h = self.b, self.target.config.hidden_size
-        aux = jnp.zeros((b, k + 1, 3 * h), self.dtype) + 0.1
-        vt = jnp.concatenate([st.last[:, None], st.drafts], axis=1)
-        n = jnp.zeros((b,), jnp.int32)
-        active = jnp.ones((b,), bool)
-
-        @functools.partial(jax.jit, donate_argnums=_donate(0) and (0,))
-        def step(cache):
-            comb = combine(self.drafter, aux)
-            drafts, _, cache = D.draft_round(self.drafter, cache, comb, vt, n, st.last, st.pos, active,
-                                             self.sampling, spec)
-            return cache, drafts
-
-        def run(carry):
-            cache, _ = step(carry[0])
-            return cache, None
-        res, _ = timed(run, (st.drafter_cache, None), calls)
+        st = self.state(spec)
+        aux = self._features(k)
+        vt = jnp.zeros((self.b, k + 1), jnp.int32)
+        n = jnp.zeros((self.b,), jnp.int32)
+        draft = self.fn["draft"]
+        res, _ = timed(lambda c: draft(self.drafter, c, aux, vt, n, st.last, st.pos, self.sampling, spec=spec)[0],
+                       st.drafter_cache, calls)
         return res
 
     def round_parts(self, k, drafting, calls):
         spec = self.spec(k, drafting)
-        st = self.prefill(spec)
+        st = self.state(spec)
         t, d, samp = self.target, self.drafter, self.sampling
-        active = jnp.ones((self.b,), bool)
+        fn = self.fn
+        out = {}
+        keep = {}
+
+        def ver(c):
+            c, keep["logits"], keep["aux"] = fn["verify"](t, c, st.last, st.drafts, st.pos, spec=spec)
+            return c
+        out["verify"], tcache = timed(ver, st.target_cache, calls)
+        logits = keep["logits"]
         nd = jnp.full((self.b,), k, jnp.int32)
 
-        @functools.partial(jax.jit, donate_argnums=_donate(0) and (0,))
-        def ver(tcache):
-            logits, aux, tcache, _ = verify(t, dataclasses.replace(st, target_cache=tcache), nd, active, spec)
-            return tcache, (logits, aux)
-        out = {}
-        out["verify"], (tc, (logits, aux)) = timed(lambda c: ver(c[0]), (st.target_cache, None), calls)
-        st = dataclasses.replace(st, target_cache=tc)
-        acc = jax.jit(lambda lg: _accept(lg, st.drafts, None, samp, st.pos + 1, nd, spec))
-        out["accept"], _ = timed(lambda r: acc(logits), None, calls)
-        res = acc(logits)
+        def acc(_):
+            return fn["accept"](logits, st.drafts, None, samp, st.pos + 1, nd, spec=spec)
+        out["accept"], res = timed(acc, None, calls)
         vt = jnp.concatenate([st.last[:, None], st.drafts], axis=1)
-
-        @functools.partial(jax.jit, donate_argnums=_donate(0) and (0,))
-        def dr(dcache):
-            comb = combine(d, aux)
-            drafts, _, dcache = D.draft_round(d, dcache, comb, vt, res.num_accepted, res.next_token, st.pos,
-                                              active, samp, spec)
-            return dcache, drafts
-        out["draft"], _ = timed(lambda c: dr(c[0]), (st.drafter_cache, None), calls)
-        rnd = jax.jit(functools.partial(spec_round, spec=spec), donate_argnums=_donate(2) and (2,))
-        out["round"], _ = timed(lambda s: rnd(t, d, s, samp), st, calls)
+        out["draft"], dcache = timed(
+            lambda c: fn["draft"](d, c, keep["aux"], vt, res.num_accepted, res.next_token, st.pos, samp, spec=spec)[0],
+            st.drafter_cache, calls)
+        st = dataclasses.replace(st, target_cache=tcache, drafter_cache=dcache)
+        out["round"], _ = timed(lambda s: fn["round"](t, d, s, samp, spec=spec), st, calls)
         return out
 
     def loops(self, k, drafting, rounds, calls):
         """ms per round: N rounds in one fori_loop program vs N jitted calls (async / synced per round)."""
         spec = self.spec(k, drafting)
         t, d, samp = self.target, self.drafter, self.sampling
-        st0 = self.prefill(spec)
-        one = jax.jit(functools.partial(spec_round, spec=spec))
+        st = self.state(spec)
+        one, many = self.fn["round"], self.fn["loop"]
 
-        @jax.jit
-        def many(s):
-            return jax.lax.fori_loop(0, rounds, lambda i, x: spec_round(t, d, x, samp, spec=spec), s)
+        def device(s):
+            return many(t, d, s, samp, spec=spec, rounds=rounds)
 
-        def device(_):
-            return many(st0)
-
-        def async_calls(_):
-            s = st0
+        def async_calls(s):
             for _ in range(rounds):
-                s = one(t, d, s, samp)
+                s = one(t, d, s, samp, spec=spec)
             return s
 
-        def synced_calls(_):
-            s = st0
+        def synced_calls(s):
             for _ in range(rounds):
-                s = one(t, d, s, samp)
+                s = one(t, d, s, samp, spec=spec)
                 bool(s.done.all())  # what a host loop checking stop conditions pays every round
             return s
         out = {}
-        for name, fn in (("while_loop", device), ("separate_calls", async_calls), ("separate_calls_synced", synced_calls)):
-            (med, p10, p90), _ = timed(fn, None, calls, warmup=1)
+        for name, fn in (("while_loop", device), ("separate_calls", async_calls),
+                         ("separate_calls_synced", synced_calls)):
+            (med, p10, p90), st = timed(fn, st, calls, warmup=1)
             out[name] = (med / rounds, p10 / rounds, p90 / rounds)
         return out
 
@@ -213,18 +248,25 @@ def main(argv=None):
     args = ap.parse_args(argv)
     tiny = args.tiny
     name = "tiny" if tiny else "llama3.1-8b"
-    ks = [int(x) for x in args.ks.split(",")] if args.ks else ([1, 3] if tiny else list(range(1, 12)))
+    ks = [int(x) for x in args.ks.split(",")] if args.ks else ([1, 2] if tiny else list(range(1, 12)))
     context = args.context or (16 if tiny else 2048)
     rounds = args.rounds or (3 if tiny else 64)
     calls = args.calls or (2 if tiny else 30)
     dtype = jnp.float32 if tiny else jnp.bfloat16
+    t0 = time.perf_counter()
     target, drafter = build(name, dtype)
+    jax.block_until_ready((target, drafter))
+    print(f"built random {name} target + head in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     kmax = max(ks)
-    bench = Bench(target, drafter, args.batch, context, budget=(rounds + 2 * calls + 8) * (kmax + 1) + 2 * kmax,
-                  dtype=dtype)
+    # room for every threaded round (acceptance ~0: one position per round); full rows stop cleanly and
+    # keep the same per-round cost, so the timings do not depend on it
+    loop_calls = max(1, calls // 5)
+    capacity = -(-(context + 3 * rounds * (loop_calls + 1) + 4 * (kmax + 1) + 64) // 128) * 128
+    fast = {"xla_backend_optimization_level": 0} if tiny and jax.default_backend() == "cpu" else None
+    bench = Bench(target, drafter, args.batch, context, capacity, compiler_options=fast)
     result = {"model": name, "device": str(jax.devices()[0]), "jax": jax.__version__, "batch": args.batch,
-              "context": context, "calls": calls, "drafter_pass": {"parallel": {}, "sequential": {}},
-              "round": {}, "loop": {}}
+              "context": context, "capacity": capacity, "calls": calls, "rounds": rounds,
+              "drafter_pass": {"parallel": {}, "sequential": {}}, "round": {}, "loop": {}}
     print(f"# bench_engine: {name}, batch {args.batch}, context {context}, {jax.devices()[0]}\n")
     print("| K | parallel draft ms | sequential draft ms | parallel / parallel K=1 |")
     print("|---|---|---|---|")
@@ -238,7 +280,7 @@ def main(argv=None):
     print("\n| mode | K | verify ms | accept ms | draft ms | sum | round (one program) ms |")
     print("|---|---|---|---|---|---|---|")
     for drafting in ("parallel", "sequential"):
-        for k in sorted({ks[0], kmax}):
+        for k in ([kmax] if tiny else sorted({ks[0], kmax})):
             parts = bench.round_parts(k, drafting, calls)
             result["round"][f"{drafting}_k{k}"] = parts
             s = parts["verify"][0] + parts["accept"][0] + parts["draft"][0]
@@ -248,7 +290,7 @@ def main(argv=None):
           "host sync |")
     print("|---|---|---|---|---|")
     for drafting in ("parallel",):
-        lp = bench.loops(kmax, drafting, rounds, max(1, calls // 5))
+        lp = bench.loops(kmax, drafting, rounds, loop_calls)
         result["loop"][f"{drafting}_k{kmax}"] = lp
         print(f"| {drafting} | {kmax} | {lp['while_loop'][0]:.3f} | {lp['separate_calls'][0]:.3f} | "
               f"{lp['separate_calls_synced'][0]:.3f} |")

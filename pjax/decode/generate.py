@@ -44,6 +44,7 @@ def _jitted(name: str, donate: bool, options: tuple = ()):
 
 
 _COMPILED: dict = {}
+_MAX_COMPILED = 64  # executables kept (oldest dropped first)
 
 
 def _compiled(name, args, kwargs, options: tuple = ()):
@@ -57,6 +58,8 @@ def _compiled(name, args, kwargs, options: tuple = ()):
         return hit, 0.0
     t0 = time.perf_counter()
     exe = _jitted(name, _donate() and name != "prefill", options).lower(*args, **kwargs).compile()
+    if len(_COMPILED) >= _MAX_COMPILED:
+        _COMPILED.pop(next(iter(_COMPILED)))
     _COMPILED[key] = exe
     return exe, time.perf_counter() - t0
 
@@ -68,6 +71,22 @@ def _per_row(value, n: int, name: str, dtype, default):
             raise ValueError(f"{name}: {len(v)} values for {n} prompts")
         return np.asarray(v, dtype)
     return np.full((n,), v, dtype)
+
+
+def _eos_table(eos_token_id, n: int, vocab: int) -> np.ndarray:
+    """Stop ids [n, E] int32 (-1 padded, E >= 1 so that adding stop ids does not recompile)."""
+    if eos_token_id is None:
+        ids = []
+    elif isinstance(eos_token_id, (int, np.integer)):
+        ids = [int(eos_token_id)]
+    else:
+        ids = [int(e) for e in eos_token_id]
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise ValueError(f"eos_token_id {bad} outside the vocabulary [0, {vocab})")
+    table = np.full((n, max(1, len(ids))), -1, np.int32)
+    table[:, :len(ids)] = ids
+    return table
 
 
 def _check_prompts(prompts, vocab: int):
@@ -87,7 +106,7 @@ def _check_prompts(prompts, vocab: int):
 
 
 def make_spec(target, drafter, *, max_new_tokens: int, num_speculative_tokens: int, drafting: str,
-              eos_token_id=None, draft_sampling: str = "argmax", implementation: str = "auto") -> EngineSpec:
+              draft_sampling: str = "argmax", implementation: str = "auto") -> EngineSpec:
     """Validate the settings and the (target, drafter) pair; returns the static EngineSpec."""
     if drafting not in DRAFTING_MODES:
         raise ValueError(f"drafting={drafting!r}: expected one of {DRAFTING_MODES}")
@@ -105,14 +124,8 @@ def make_spec(target, drafter, *, max_new_tokens: int, num_speculative_tokens: i
                              f"(got {num_speculative_tokens!r})")
         aux = D.check_compatible(target, drafter, k, drafting)
         mask_id = drafter.config.mask_token_id if drafter.config.mask_token_id is not None else 0
-    if eos_token_id is None:
-        eos = ()
-    elif isinstance(eos_token_id, (int, np.integer)):
-        eos = (int(eos_token_id),)
-    else:
-        eos = tuple(int(e) for e in eos_token_id)
     return EngineSpec(num_speculative_tokens=k, drafting=drafting, max_new_tokens=int(max_new_tokens),
-                      eos_token_ids=eos, draft_sampling=draft_sampling, aux_layer_ids=tuple(aux),
+                      draft_sampling=draft_sampling, aux_layer_ids=tuple(aux),
                       mask_token_id=int(mask_id), implementation=implementation)
 
 
@@ -144,7 +157,7 @@ def generate(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_token
     compile_time_s, output_tokens_per_s.
     """
     spec = make_spec(target, drafter, max_new_tokens=max_new_tokens, num_speculative_tokens=num_speculative_tokens,
-                     drafting=drafting, eos_token_id=eos_token_id, draft_sampling=draft_sampling,
+                     drafting=drafting, draft_sampling=draft_sampling,
                      implementation=implementation)
     if loop not in ("device", "host"):
         raise ValueError(f"loop={loop!r}: expected 'device' or 'host'")
@@ -175,7 +188,8 @@ def generate(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_token
     spec = dataclasses.replace(spec, use_top_k=bool((tk > 0).any()), use_top_p=bool((tp < 1).any()))
     seeds = _per_row(seed, n, "seed", np.int64, 0)
     sampling = Sampling(jnp.asarray(temp), jnp.asarray(tk), jnp.asarray(tp),
-                        jnp.asarray((seeds % (1 << 32)).astype(np.uint32)))
+                        jnp.asarray((seeds % (1 << 32)).astype(np.uint32)),
+                        jnp.asarray(_eos_table(eos_token_id, n, target.config.vocab_size)))
 
     compile_s = 0.0
     opts = tuple(sorted((compiler_options or {}).items()))

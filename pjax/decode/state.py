@@ -36,7 +36,6 @@ class EngineSpec:
     num_speculative_tokens: int
     drafting: str
     max_new_tokens: int
-    eos_token_ids: tuple[int, ...] = ()
     draft_sampling: str = "argmax"
     aux_layer_ids: tuple[int, ...] = ()
     mask_token_id: int = 0
@@ -56,18 +55,22 @@ class EngineSpec:
 
 @dataclasses.dataclass
 class Sampling:
-    """Per-row sampling parameters (pytree; all [B], or scalars for the single-sequence API).
+    """Per-row sampling and stop parameters (pytree; leading axis B, dropped for the single-sequence API).
 
-    temperature f32 (0 => greedy), top_k i32 (0 => off), top_p f32 (1 => off), seed u32 (the counter
-    hash key: with positions it fixes every random draw, independent of batch composition).
+    temperature [B] f32 (0 => greedy), top_k [B] i32 (0 => off), top_p [B] f32 (1 => off), seed [B] u32
+    (the counter-hash key: with positions it fixes every random draw, independent of batch composition),
+    eos [B, E] i32 stop token ids (-1 = unused slot) or None (runtime data: changing them does not
+    recompile).
     """
     temperature: Any
     top_k: Any
     top_p: Any
     seed: Any
+    eos: Any = None
 
 
-jax.tree_util.register_dataclass(Sampling, data_fields=["temperature", "top_k", "top_p", "seed"], meta_fields=[])
+jax.tree_util.register_dataclass(Sampling, data_fields=["temperature", "top_k", "top_p", "seed", "eos"],
+                                 meta_fields=[])
 
 
 @dataclasses.dataclass

@@ -6,6 +6,8 @@ and `round_single` are the same computation for one sequence (no batch axis) for
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -33,17 +35,19 @@ def _sample_one(logits, sampling, positions, spec):
     return res.next_token
 
 
-def _emit(state: DecodeState, tokens, count, new_pos, active, spec: EngineSpec, capacity: int):
+def _emit(state: DecodeState, tokens, count, new_pos, active, spec: EngineSpec, capacity: int, eos=None):
     """Append tokens[b, :count[b]] to the output, apply EOS / length / capacity stops.
 
-    tokens [B, J] i32, count [B] i32 (>= 1 for active rows), new_pos [B] position of the new pending token.
+    tokens [B, J] i32, count [B] i32 (>= 1 for active rows), new_pos [B] position of the new pending
+    token, eos [B, E] i32 stop ids (-1 unused) or None.
     """
     j = tokens.shape[1]
     idx = jnp.arange(j, dtype=jnp.int32)[None]
     count = jnp.where(active, count, 0)
     stop = state.stop
-    if spec.eos_token_ids:
-        is_eos = jnp.isin(tokens, jnp.asarray(spec.eos_token_ids, jnp.int32)) & (idx < count[:, None])
+    if eos is not None:
+        is_eos = jnp.any((tokens[:, :, None] == eos[:, None, :]) & (eos[:, None, :] >= 0), axis=-1)
+        is_eos &= idx < count[:, None]
         hit = jnp.any(is_eos, axis=1)
         first = jnp.argmax(is_eos, axis=1).astype(jnp.int32)
         count = jnp.where(hit, first + 1, count)
@@ -90,29 +94,20 @@ def prefill(target, drafter, prompts, lengths, sampling: Sampling, *, spec: Engi
         accepted=jnp.zeros((b,), jnp.int32), accepted_at=jnp.zeros((b, k), jnp.int32))
     active = jnp.ones((b,), bool)
     o, num_out, done, stop = _emit(state, first[:, None], jnp.ones((b,), jnp.int32), lengths, active, spec,
-                                   capacity)
-    state = _replace(state, out=o, num_out=num_out, done=done, stop=stop)
+                                   capacity, sampling.eos)
+    state = dataclasses.replace(state, out=o, num_out=num_out, done=done, stop=stop)
     if spec.drafting == "none":
         return state
     dm = D._drafter_api()
-    dcache = dm.init_drafter_cache(drafter, b, capacity, cache_dtype or drafter_dtype(drafter))
+    dcache = dm.init_drafter_cache(drafter, b, capacity, cache_dtype or drafter.dtype)
     comb = dm.combine(drafter, out.aux)
     drafts, q, dcache = D.draft_prefill(drafter, dcache, comb, prompts, lengths, first, ~done, sampling, spec)
-    return _replace(state, drafter_cache=dcache, drafts=drafts, draft_probs=q)
-
-
-def drafter_dtype(drafter):
-    return jax.tree.leaves(drafter.params)[0].dtype
-
-
-def _replace(state, **kw):
-    import dataclasses
-    return dataclasses.replace(state, **kw)
+    return dataclasses.replace(state, drafter_cache=dcache, drafts=drafts, draft_probs=q)
 
 
 def verify(target, state: DecodeState, num_drafts, active, spec: EngineSpec):
     """Target pass over [last, d_1..d_K] at positions pos..pos+K (rows beyond num_drafts or inactive
-    write no KV). Returns (logits [B, K+1, V] f32, aux [B, K+1, A*Ht] or None, cache)."""
+    write no KV). Returns (logits [B, K+1, V] f32, aux [B, K+1, A*Ht] or None, cache, tokens [B, K+1])."""
     k = spec.k
     tokens = jnp.concatenate([state.last[:, None], state.drafts], axis=1)
     idx = jnp.arange(k + 1, dtype=jnp.int32)[None]
@@ -132,10 +127,10 @@ def spec_round(target, drafter, state: DecodeState, sampling: Sampling, *, spec:
     res = _accept(logits, state.drafts, state.draft_probs, sampling, state.pos + 1, num_drafts, spec)
     n = jnp.where(active, res.num_accepted, 0).astype(jnp.int32)
     new_pos = state.pos + n + 1
-    out, num_out, done, stop = _emit(state, res.tokens, n + 1, new_pos, active, spec, capacity)
+    out, num_out, done, stop = _emit(state, res.tokens, n + 1, new_pos, active, spec, capacity, sampling.eos)
     has = active & (num_drafts > 0)
     acc_at = (jnp.arange(k, dtype=jnp.int32)[None] < n[:, None]) & has[:, None]
-    new = _replace(
+    new = dataclasses.replace(
         state, target_cache=tcache, out=out, num_out=num_out, done=done, stop=stop,
         last=jnp.where(active, res.next_token, state.last).astype(jnp.int32),
         pos=jnp.where(active, new_pos, state.pos),
@@ -153,7 +148,7 @@ def spec_round(target, drafter, state: DecodeState, sampling: Sampling, *, spec:
     drafts = jnp.where(keep, drafts, state.drafts)
     if q is not None:
         q = jnp.where(keep[..., None], q, state.draft_probs)
-    return _replace(new, drafter_cache=dcache, drafts=drafts, draft_probs=q)
+    return dataclasses.replace(new, drafter_cache=dcache, drafts=drafts, draft_probs=q)
 
 
 def decode_loop(target, drafter, state: DecodeState, sampling: Sampling, *, spec: EngineSpec):
