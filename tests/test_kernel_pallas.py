@@ -98,3 +98,29 @@ def test_kernels_lower_to_triton_for_cuda():
         q_, k_, v_, p_, scale=0.1, window=64, sinks=sk, kv_len=l_),
         bf(2, 8, 32, 128), bf(2, 512, 8, 128), bf(2, 512, 8, 128), jax.ShapeDtypeStruct((2, 8), jnp.int32),
         jax.ShapeDtypeStruct((2,), jnp.int32), jax.ShapeDtypeStruct((32,), jnp.float32))
+
+
+def test_target_cached_forward_with_attention_kernel(monkeypatch):
+    """pjax.nn.Attention's cached path dispatches to the kernel under implementation="auto" on GPU; force
+    that choice here (interpret mode) and compare the target's logits with the XLA path."""
+    from pjax import forward, init_cache, init_target, logits_from_hidden
+    from pjax.config import LayerSpec, ModelConfig, RopeSpec
+    from pjax.kernels import _dispatch
+
+    cfg = ModelConfig("llama", 64, 32, 64, 4, (LayerSpec(8, 2, RopeSpec(), sliding_window=6),), rms_norm_eps=1e-5)
+    target = init_target(cfg, jax.random.key(0), scale=0.2)
+    tokens = jax.random.randint(jax.random.key(1), (2, 4), 0, 64)
+    pos = jnp.array([[3, 4, 5, 6], [9, 10, 11, 12]], jnp.int32)
+
+    def run():
+        cache = init_cache(cfg, 2, 16, jnp.float32)
+        prefix = jnp.broadcast_to(jnp.arange(9, dtype=jnp.int32), (2, 9))
+        cache = forward(target, jnp.ones((2, 9), jnp.int32), prefix, cache).cache
+        return logits_from_hidden(target, forward(target, tokens, pos, cache).hidden)
+
+    ref = run()
+    monkeypatch.setattr(_dispatch, "pallas_gpu_available", lambda: True)
+    jax.clear_caches()
+    out = run()
+    jax.clear_caches()
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-4, rtol=2e-4)

@@ -9,8 +9,9 @@ from pjax.kernels import _dispatch
 from pjax.kernels.acceptance import reference
 from pjax.kernels.acceptance.reference import AcceptResult
 
-# Set from the H200 measurements (examples/benchmarks/bench_kernels.py): does "auto" pick the kernel on GPU?
-AUTO_PALLAS = False
+# H200 (JAX 0.11.2, 2026-11-21, examples/benchmarks/bench_kernels.py): the two-kernel version was 1.5-1.8x
+# faster than the first kernel version, which was on par with XLA; see docs/benchmarks.md.
+AUTO_PALLAS = True
 
 
 @functools.partial(jax.jit, static_argnames=("implementation",))

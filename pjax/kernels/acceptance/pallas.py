@@ -37,8 +37,9 @@ from pjax.kernels._pallas_util import call_kwargs, next_pow2
 from pjax.kernels.acceptance import reference as ref
 from pjax.kernels.acceptance.reference import AcceptResult
 
-TILE = 2048  # vocabulary lanes per loop step (power of two)
-TARGET_PROGRAMS = 264  # ~2 programs per H200 SM: split the vocabulary until the grid is this large
+TILE = 1024  # vocabulary lanes per load (power of two)
+UNROLL = 4  # loads issued back to back per loop step (bytes in flight per thread: the loops are latency bound)
+TARGET_PROGRAMS = 1024  # ~8 programs per H200 SM: split the vocabulary until the grid is this large
 NEG_INF = float("-inf")
 _BIG = np.int32(2 ** 31 - 1)
 _FMIN = np.float32(np.finfo(np.float32).min)
@@ -65,7 +66,7 @@ def _reduce_argmax(best_v, best_i, axis=None):
     return top, jnp.min(jnp.where(best_v == top_b, best_i, _BIG), axis=axis)
 
 
-def _stats_kernel(lg_ref, inv_t_ref, *refs, v, chunk, tile, use_thr):
+def _stats_kernel(lg_ref, inv_t_ref, *refs, v, chunk, tile, unroll, use_thr):
     """Program (b, i, s): raw argmax and kept (max, sum-exp) of logits[b, i, split s]."""
     if use_thr:
         thr_ref, av_ref, ai_ref, m_ref, z_ref = refs
@@ -80,21 +81,26 @@ def _stats_kernel(lg_ref, inv_t_ref, *refs, v, chunk, tile, use_thr):
     def body(t, carry):
         # per-lane accumulators; one exp per element: z <- z * e^(m - x) + 1 if x > m else z + e^(x - m)
         bv, bi, m, z = carry
-        idx = base + t * tile + lanes
-        valid = idx < v
-        raw = pltriton.load(lg_ref.at[b, i, pl.ds(base + t * tile, tile)], mask=valid,
-                            other=NEG_INF).astype(jnp.float32)
-        bv, bi = _lane_argmax(raw, idx, bv, bi)
-        x = raw * inv_t
-        keep = valid if thr is None else valid & (x >= thr)
-        xm = jnp.where(keep, x, NEG_INF)
-        e = jnp.exp(-jnp.abs(xm - m))
-        up = xm > m
-        return bv, bi, jnp.where(up, xm, m), jnp.where(up, z * e + 1.0, z + e)
+        start = pl.multiple_of(base + t * (unroll * tile), tile)
+        raws, idxs = [], []
+        for u in range(unroll):  # issue all loads first
+            idx = start + u * tile + lanes
+            idxs.append(idx)
+            raws.append(pltriton.load(lg_ref.at[b, i, pl.ds(start + u * tile, tile)], mask=idx < v, other=NEG_INF))
+        for idx, raw in zip(idxs, raws):
+            raw = raw.astype(jnp.float32)
+            bv, bi = _lane_argmax(raw, idx, bv, bi)
+            x = raw * inv_t
+            keep = idx < v if thr is None else (idx < v) & (x >= thr)
+            xm = jnp.where(keep, x, NEG_INF)
+            e = jnp.exp(-jnp.abs(xm - m))
+            up = xm > m
+            m, z = jnp.where(up, xm, m), jnp.where(up, z * e + 1.0, z + e)
+        return bv, bi, m, z
 
     init = (jnp.full((tile,), NEG_INF, jnp.float32), jnp.zeros((tile,), jnp.int32),
             jnp.full((tile,), _FMIN, jnp.float32), jnp.zeros((tile,), jnp.float32))
-    bv, bi, m, z = jax.lax.fori_loop(0, chunk // tile, body, init)
+    bv, bi, m, z = jax.lax.fori_loop(0, chunk // (unroll * tile), body, init)
     top, arg = _reduce_argmax(bv, bi)
     mm = jnp.max(m)
     av_ref[b, i, s] = top
@@ -103,7 +109,7 @@ def _stats_kernel(lg_ref, inv_t_ref, *refs, v, chunk, tile, use_thr):
     z_ref[b, i, s] = jnp.sum(z * jnp.exp(m - mm))
 
 
-def _race_kernel(*refs, v, k, ns1, nsp, kp, chunk, tile, use_thr, has_q):
+def _race_kernel(*refs, v, k, ns1, nsp, kp, chunk, tile, unroll, use_thr, has_q):
     """Program (b, s): merge row b's statistics, run the acceptance walk (as `reference.accept_walk`),
     then the exponential race over split s of the row where the next token is drawn."""
     refs = list(refs)
@@ -171,26 +177,30 @@ def _race_kernel(*refs, v, k, ns1, nsp, kp, chunk, tile, use_thr, has_q):
 
     def body(t, carry):
         pbv, pbi, qbv, qbi = carry
-        idx = base + t * tile + lanes
-        valid = idx < v
-        x = pltriton.load(lg_ref.at[b, a, pl.ds(base + t * tile, tile)], mask=valid,
-                          other=NEG_INF).astype(jnp.float32) * inv_t
-        keep = valid if not use_thr else valid & (x >= thr_a)
-        g = rng.gumbel(seed, pos, idx)
-        pbv, pbi = _lane_argmax(jnp.where(keep & (idx != excl), x + g, NEG_INF), idx, pbv, pbi)
-        if has_q:
-            q = pltriton.load(q_ref.at[b, qrow, pl.ds(base + t * tile, tile)], mask=valid,
-                              other=0.0).astype(jnp.float32)
-            p = jnp.where(keep, jnp.exp(x - m_a) / z_a, 0.0)
-            res = jnp.maximum(p - q, 0.0)
-            sq = jnp.where(res > 0, jnp.log(jnp.where(res > 0, res, 1.0)) + g, NEG_INF)
-            qbv, qbi = _lane_argmax(sq, idx, qbv, qbi)
+        start = pl.multiple_of(base + t * (unroll * tile), tile)
+        xs, qs, idxs = [], [], []
+        for u in range(unroll):  # issue all loads first
+            idx = start + u * tile + lanes
+            idxs.append(idx)
+            xs.append(pltriton.load(lg_ref.at[b, a, pl.ds(start + u * tile, tile)], mask=idx < v, other=NEG_INF))
+            if has_q:
+                qs.append(pltriton.load(q_ref.at[b, qrow, pl.ds(start + u * tile, tile)], mask=idx < v, other=0.0))
+        for u, idx in enumerate(idxs):
+            x = xs[u].astype(jnp.float32) * inv_t
+            keep = idx < v if not use_thr else (idx < v) & (x >= thr_a)
+            g = rng.gumbel(seed, pos, idx)
+            pbv, pbi = _lane_argmax(jnp.where(keep & (idx != excl), x + g, NEG_INF), idx, pbv, pbi)
+            if has_q:
+                p = jnp.where(keep, jnp.exp(x - m_a) / z_a, 0.0)
+                res = jnp.maximum(p - qs[u].astype(jnp.float32), 0.0)
+                sq = jnp.where(res > 0, jnp.log(jnp.where(res > 0, res, 1.0)) + g, NEG_INF)
+                qbv, qbi = _lane_argmax(sq, idx, qbv, qbi)
         return pbv, pbi, qbv, qbi
 
     neg = jnp.full((tile,), NEG_INF, jnp.float32)
     zero = jnp.zeros((tile,), jnp.int32)
     g_int = gr_ref[b]  # 1 = greedy row: no pass (bounds are traced int32 values so scf.for types match)
-    steps = (1 - g_int) * (chunk // tile)
+    steps = (1 - g_int) * (chunk // (unroll * tile))
     pbv, pbi, qbv, qbi = jax.lax.fori_loop(g_int * 0, steps, body, (neg, zero, neg, zero))
     pv_ref[b, s], pi_ref[b, s] = _reduce_argmax(pbv, pbi)
     if has_q:
@@ -209,24 +219,31 @@ def _full(shape):
     return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
 
 
-def _stats(logits, inv_t, thr, *, tile, num_warps, num_stages):
+def _stats(logits, inv_t, thr, *, tile, unroll, num_warps, num_stages):
     b, r, v = logits.shape
-    ns, chunk = _splits(v, b * r, tile)
+    ns, chunk = _splits(v, b * r, tile * unroll)
     f32 = jnp.float32
     outs = [jax.ShapeDtypeStruct((b, r, ns), dt) for dt in (f32, jnp.int32, f32, f32)]
     ins = [logits, inv_t] + ([thr] if thr is not None else [])
     return pl.pallas_call(
-        functools.partial(_stats_kernel, v=v, chunk=chunk, tile=tile, use_thr=thr is not None),
+        functools.partial(_stats_kernel, v=v, chunk=chunk, tile=tile, unroll=unroll, use_thr=thr is not None),
         grid=(b, r, ns), out_shape=outs, in_specs=[_full(x.shape) for x in ins],
         out_specs=[_full(o.shape) for o in outs], name="pjax_accept_stats",
         **call_kwargs(num_warps, num_stages),
     )(*ins)
 
 
-def position_stats(logits, inv_t, thr, *, tile: int = None, num_warps: int = 4, num_stages: int = 2):
+def _tile_unroll(v, tile, unroll):
+    tile = min(tile or TILE, next_pow2(v))
+    return tile, max(1, min(unroll or UNROLL, pl.cdiv(v, tile)))
+
+
+def position_stats(logits, inv_t, thr, *, tile: int = None, unroll: int = None, num_warps: int = 4,
+                   num_stages: int = 1):
     """Kernel version of `reference.position_stats` (splits merged in XLA; used by tests and benchmarks)."""
-    tile = min(tile or TILE, next_pow2(logits.shape[-1]))
-    av, ai, m_s, z_s = _stats(logits, inv_t, thr, tile=tile, num_warps=num_warps, num_stages=num_stages)
+    tile, unroll = _tile_unroll(logits.shape[-1], tile, unroll)
+    av, ai, m_s, z_s = _stats(logits, inv_t, thr, tile=tile, unroll=unroll, num_warps=num_warps,
+                              num_stages=num_stages)
     _, amax = _combine_argmax(av, ai)
     m = jnp.max(m_s, axis=-1)
     z = jnp.sum(z_s * jnp.exp(m_s - m[..., None]), axis=-1)
@@ -234,7 +251,8 @@ def position_stats(logits, inv_t, thr, *, tile: int = None, num_warps: int = 4, 
 
 
 def accept(logits, draft_ids, draft_probs=None, *, temperature, top_k=None, top_p=None, seeds, positions,
-           num_drafts=None, tile: int = None, num_warps: int = 4, num_stages: int = 2) -> AcceptResult:
+           num_drafts=None, tile: int = None, unroll: int = None, num_warps: int = 4,
+           num_stages: int = 1) -> AcceptResult:
     """Same contract and outputs as `pjax.kernels.acceptance.reference.accept`."""
     b, k, v = ref.check_inputs(logits, draft_ids, draft_probs, temperature, seeds, positions, num_drafts, top_k,
                                top_p)
@@ -243,11 +261,12 @@ def accept(logits, draft_ids, draft_probs=None, *, temperature, top_k=None, top_
     greedy, inv_t = ref.inverse_temperature(temperature)
     use_thr = top_k is not None or top_p is not None
     thr = ref.truncation_threshold(ref.scaled(logits, inv_t), top_k, top_p) if use_thr else None
-    tile = min(tile or TILE, next_pow2(v))
-    av, ai, m_s, z_s = _stats(logits, inv_t, thr, tile=tile, num_warps=num_warps, num_stages=num_stages)
+    tile, unroll = _tile_unroll(v, tile, unroll)
+    av, ai, m_s, z_s = _stats(logits, inv_t, thr, tile=tile, unroll=unroll, num_warps=num_warps,
+                              num_stages=num_stages)
     ns1 = av.shape[-1]
     has_q = draft_probs is not None and k > 0
-    ns2, chunk = _splits(v, b, tile)
+    ns2, chunk = _splits(v, b, tile * unroll)
     n = jnp.full((b,), k, jnp.int32) if num_drafts is None else num_drafts.astype(jnp.int32)
     ins = ([logits] + ([draft_probs] if has_q else [])
            + [draft_ids.astype(jnp.int32), n, greedy.astype(jnp.int32), inv_t, seeds, positions]
@@ -257,7 +276,7 @@ def accept(logits, draft_ids, draft_probs=None, *, temperature, top_k=None, top_
         jax.ShapeDtypeStruct((b,), i32)] * 3
     pv, pi, qv, qi, a, amax_a, use_q = pl.pallas_call(
         functools.partial(_race_kernel, v=v, k=k, ns1=ns1, nsp=next_pow2(ns1), kp=next_pow2(k + 1), chunk=chunk,
-                          tile=tile, use_thr=use_thr, has_q=has_q),
+                          tile=tile, unroll=unroll, use_thr=use_thr, has_q=has_q),
         grid=(b, ns2), out_shape=outs, in_specs=[_full(x.shape) for x in ins],
         out_specs=[_full(o.shape) for o in outs], name="pjax_accept_walk_race",
         **call_kwargs(num_warps, num_stages),

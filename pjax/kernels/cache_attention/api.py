@@ -9,8 +9,8 @@ import jax
 from pjax.kernels import _dispatch
 from pjax.kernels.cache_attention import reference
 
-# Set from the H200 measurements (examples/benchmarks/bench_kernels.py).
-AUTO_PALLAS = False
+# H200 (JAX 0.11.2, 2026-11-21): 1.1-5.3x faster than XLA on all measured verify/draft shapes.
+AUTO_PALLAS = True
 MAX_QUERY_ROWS = 128  # T * nh / nkv rows held in one program; larger (prefill) stays on XLA
 
 
