@@ -31,6 +31,7 @@ from speculators.models.peagle.data import generate_cod_sample_indices  # noqa: 
 from speculators.proposals.greedy import GreedyTokenProposalConfig  # noqa: E402
 
 V, H, S = 64, 32, 24
+FAST = {"xla_backend_optimization_level": 0}  # CPU: much faster compiles of these tiny programs
 
 
 def rel(a, b):
@@ -134,22 +135,19 @@ def test_peagle_loss_and_grad_parity(tmp_path, arch, vd, flags, monkeypatch):
                            loss_config=resolve_loss_config("kl_div", "eager"))
     tloss.backward()
     args = (input_ids, hs, vl, lm, doc, anchor.numpy(), depth.numpy())
-
-    def f(params, **kw):
-        return peagle_loss_and_metrics(with_params(drafter, params), target, *args, **kw)
-
-    (loss, met), grads = jax.value_and_grad(f, has_aux=True)(drafter.params)
+    loss_fn = jax.value_and_grad(lambda p: peagle_loss(with_params(drafter, p), target, *args, num_depths=4))
+    loss, grads = jax.jit(loss_fn, compiler_options=FAST)(drafter.params)
     assert rel(loss, tloss.item()) <= 1e-4
-    assert float(peagle_loss(drafter, target, *args)) == pytest.approx(float(loss), rel=1e-6)
     errs = grad_errors(model, grads)
     assert max(errs.values()) <= 1e-3, errs
-    for d in range(4):
-        assert float(met["correct"][d]) == tmet[f"position_{d}_acc_sum"].item()
-        assert float(met["total"][d]) == tmet[f"position_{d}_acc_total"].item()
-    # the dense mask and the query/element-chunked structured path agree
-    dense, _ = f(drafter.params, dense=True)
-    chunked, _ = f(drafter.params, attn_chunk=7, loss_chunk=5)
-    assert rel(dense, loss) <= 1e-5 and rel(chunked, loss) <= 1e-5
+    if arch == "qwen3":  # metrics, and the query- and element-chunked path (dense mask: test_train_cod)
+        chunked, met = jax.jit(lambda p: peagle_loss_and_metrics(
+            with_params(drafter, p), target, *args, num_depths=4, attn_chunk=7, loss_chunk=5),
+            compiler_options=FAST)(drafter.params)
+        assert rel(chunked, loss) <= 1e-5
+        for d in range(4):
+            assert float(met["correct"][d]) == tmet[f"position_{d}_acc_sum"].item()
+            assert float(met["total"][d]) == tmet[f"position_{d}_acc_total"].item()
 
 
 def test_eagle3_ttt_loss_and_grad_parity(tmp_path):
@@ -165,7 +163,7 @@ def test_eagle3_ttt_loss_and_grad_parity(tmp_path):
         return eagle3_row_loss(with_params(drafter, params), target, input_ids[0], hs[0], vl[0], lm[0], doc[0],
                                ttt_steps=3, ttt_step_loss_decay=0.8, attn_chunk=10)
 
-    (loss, met), grads = jax.value_and_grad(f, has_aux=True)(drafter.params)
+    (loss, met), grads = jax.jit(jax.value_and_grad(f, has_aux=True), compiler_options=FAST)(drafter.params)
     assert rel(loss, tloss.item()) <= 1e-4
     errs = grad_errors(model, grads)
     assert max(errs.values()) <= 1e-3, errs

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from pjax.nn import MASK_VALUE
 from pjax.train.cod import CodLayout
 
-DEFAULT_CHUNK_ELEMENTS = 1 << 26  # scores per query chunk (heads * chunk * keys) before chunking kicks in
+DEFAULT_CHUNK_ELEMENTS = 1 << 28  # float32 scores per query chunk (heads * chunk * keys): 1 GiB
 
 
 def cod_dense_mask(layout: CodLayout, document_ids, window: Optional[int] = None):

@@ -13,7 +13,7 @@ from pjax.models.drafter import Drafter
 from pjax.target import Target
 from pjax.train.data import RowStream
 from pjax.train.state import Checkpointer, TrainConfig, TrainState, drafter_from_state, init_train_state
-from pjax.train.step import make_train_step, replicate, shard_batch
+from pjax.train.step import make_mesh, make_train_step, replicate, shard_batch
 
 
 @dataclasses.dataclass
@@ -48,17 +48,20 @@ def format_metrics(m: dict) -> str:
 def train_drafter(target: Target, drafter: Drafter, stream: RowStream, cfg: TrainConfig, *,
                   steps: Optional[int] = None, mesh=None, checkpoint_dir=None, save_every: Optional[int] = None,
                   resume: bool = True, log_every: int = 10, progress: bool = True,
-                  log_fn: Optional[Callable[[dict], None]] = None, state: Optional[TrainState] = None) -> TrainResult:
+                  log_fn: Optional[Callable[[dict], None]] = None, state: Optional[TrainState] = None,
+                  compiler_options: Optional[dict] = None) -> TrainResult:
     """Train `drafter` (start point: random init, `init_drafter_for_target` or `convert.load_drafter`)
     on `stream` against the frozen `target` until step `steps` (default cfg.total_steps).
 
     With `checkpoint_dir`, an existing checkpoint is restored first (resume=True) and the state is
-    saved every `save_every` steps and at the end. Returns the trained head, final state, metrics."""
+    saved every `save_every` steps and at the end. mesh: a 1-D "data" mesh (`make_mesh`) for data
+    parallelism; default one device. Returns the trained head, final state, metrics."""
     cfg.validate()
     if stream.batch_rows != cfg.batch_rows or stream.total_seq_len != cfg.total_seq_len:
         raise ValueError(f"stream yields {stream.batch_rows} x {stream.total_seq_len} batches but the config says "
                          f"batch_rows={cfg.batch_rows}, total_seq_len={cfg.total_seq_len}")
     steps = cfg.total_steps if steps is None else int(steps)
+    mesh = make_mesh(jax.devices()[:1]) if mesh is None else mesh  # explicit placement: restored == fresh state
     ckpt = Checkpointer(checkpoint_dir) if checkpoint_dir is not None else None
     if state is None:
         state = replicate(init_train_state(drafter, cfg), mesh)
@@ -66,8 +69,9 @@ def train_drafter(target: Target, drafter: Drafter, stream: RowStream, cfg: Trai
             state = ckpt.restore(state)
     target = replicate(target, mesh)
     shell = replicate(Drafter(drafter.config, drafter.graphdef, None, drafter.d2t), mesh)
-    step_fn = make_train_step(cfg, mesh)
+    step_fn = make_train_step(cfg, mesh, compiler_options=compiler_options)
     start = int(jax.device_get(state.step))
+    position = int(jax.device_get(state.data_position))  # tracked on the host: no per-step device sync
     history, pending = [], []
     bar = None
     if progress:
@@ -75,8 +79,9 @@ def train_drafter(target: Target, drafter: Drafter, stream: RowStream, cfg: Trai
         bar = tqdm(total=steps, initial=start, desc=f"train {cfg.objective}", dynamic_ncols=True)
     t0 = time.perf_counter()
     for i in range(start, steps):
-        batch = shard_batch(stream.batch(int(jax.device_get(state.data_position))), mesh)
+        batch = shard_batch(stream.batch(position), mesh)
         state, m = step_fn(state, shell, target, batch)
+        position += 1
         pending.append(m)
         done = i + 1
         if done % log_every == 0 or done == steps:

@@ -81,10 +81,13 @@ def cod_inputs(drafter: Drafter, input_ids, hidden_states, layout: CodLayout):
     real = d == 0
     tokens = input_ids[r]
     feats = hidden_states[r]
-    if cfg.has_mask_hidden and cfg.mask_token_id is not None:
-        mh = drafter.params["mask_hidden"].reshape(-1).astype(feats.dtype)
-        feats = jnp.where(real[:, None], feats, mh[None])
-        tokens = jnp.where(real, tokens, jnp.asarray(cfg.mask_token_id, tokens.dtype))
+    if not (cfg.has_mask_hidden and cfg.mask_token_id is not None):
+        raise ValueError(f"P-EAGLE training needs a head with mask_hidden and a mask_token_id; this {cfg.model_kind} "
+                         f"head has mask_hidden={cfg.has_mask_hidden}, mask_token_id={cfg.mask_token_id} "
+                         "(train EAGLE-3 heads with the eagle3 objective)")
+    mh = drafter.params["mask_hidden"].reshape(-1).astype(feats.dtype)
+    feats = jnp.where(real[:, None], feats, mh[None])
+    tokens = jnp.where(real, tokens, jnp.asarray(cfg.mask_token_id, tokens.dtype))
     return tokens.astype(jnp.int32), combine(drafter, feats), r.astype(jnp.int32)
 
 
@@ -166,6 +169,16 @@ def _num_depths(depth, num_depths):
     return int(np.max(np.asarray(depth))) + 1
 
 
+def _check_prefix(anchor_pos, depth, s):
+    """Concrete layouts must start with the S depth-0 elements at anchors 0..S-1 (speculators order)."""
+    if isinstance(anchor_pos, jax.core.Tracer) or isinstance(depth, jax.core.Tracer):
+        return
+    a, d = np.asarray(anchor_pos), np.asarray(depth)
+    if a.shape[0] < s or not (np.array_equal(a[:s], np.arange(s)) and not d[:s].any()):
+        raise ValueError(f"layout must begin with the {s} depth-0 elements at anchors 0..{s - 1} (as speculators' "
+                         f"generate_cod_sample_indices emits); got anchors {a[:8].tolist()}... depths {d[:8].tolist()}...")
+
+
 def peagle_loss_and_metrics(drafter: Drafter, target: Target, input_ids, hidden_states, verifier_last_hidden_states,
                             loss_mask, document_ids, anchor_pos, depth, *, valid=None, num_depths=None,
                             loss_type="kl", attn_chunk=None, loss_chunk=None, dense=False):
@@ -174,6 +187,7 @@ def peagle_loss_and_metrics(drafter: Drafter, target: Target, input_ids, hidden_
     vl, lm = _row(verifier_last_hidden_states, "verifier_last_hidden_states", 1), _row(loss_mask, "loss_mask", 0)
     doc = _row(document_ids, "document_ids", 0)
     k = _num_depths(depth, num_depths)
+    _check_prefix(anchor_pos, depth, ids.shape[0])
     layout = layout_from_arrays(anchor_pos, depth, valid)
     loss, correct, weight = row_loss_terms(drafter, target, ids, hs, vl, lm, doc, layout, num_depths=k,
                                            loss_type=loss_type, attn_chunk=attn_chunk, loss_chunk=loss_chunk,

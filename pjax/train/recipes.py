@@ -40,7 +40,8 @@ def tiny_run(*, corpus_files: Optional[Sequence[str]] = None, objective: str = "
              batch_rows: int = 8, target_steps: int = 300, head_steps: int = 300, num_depths: int = 4,
              ttt_steps: int = 3, head_layers: int = 1, draft_vocab_size: Optional[int] = None, seed: int = 0,
              max_files: int = 12, checkpoint_dir=None, progress: bool = False, log_every: int = 25,
-             log_fn=None, mesh=None, target: Optional[Target] = None) -> TinyRun:
+             log_fn=None, mesh=None, target: Optional[Target] = None,
+             compiler_options: Optional[dict] = None) -> TinyRun:
     """Train a tiny target (unless given) and a head on it; returns both plus the metric histories."""
     tok = ByteTokenizer()
     files = list(corpus_files) if corpus_files else default_corpus_files(max_files)
@@ -51,7 +52,7 @@ def tiny_run(*, corpus_files: Optional[Sequence[str]] = None, objective: str = "
         target = init_target(tcfg, jax.random.key(seed), jnp.float32)
         stream = RowStream(docs, seq_len, batch_rows, seed=seed)
         target, target_hist = train_target_lm(target, stream, target_steps, progress=progress,
-                                              log_every=log_every, log_fn=log_fn)
+                                              log_every=log_every, log_fn=log_fn, compiler_options=compiler_options)
     vd = draft_vocab_size or tok.vocab_size
     d2t = None
     if vd < tok.vocab_size:
@@ -66,5 +67,5 @@ def tiny_run(*, corpus_files: Optional[Sequence[str]] = None, objective: str = "
                       seed=seed)
     stream = RowStream(docs, seq_len, batch_rows, seed=seed + 100)
     res = train_drafter(target, drafter, stream, cfg, checkpoint_dir=checkpoint_dir, progress=progress,
-                        log_every=log_every, log_fn=log_fn, mesh=mesh)
+                        log_every=log_every, log_fn=log_fn, mesh=mesh, compiler_options=compiler_options)
     return TinyRun(target, res.drafter, tok, target_hist, res.history, docs)

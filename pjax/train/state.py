@@ -57,6 +57,13 @@ class TrainConfig:
         return self
 
     @property
+    def effective_optim(self) -> OptimConfig:
+        """EAGLE-3 embeddings get no gradient (speculators): keep them out of the optimiser (no decay)."""
+        if self.objective == "eagle3" and self.optim.train_embeddings:
+            return dataclasses.replace(self.optim, train_embeddings=False)
+        return self.optim
+
+    @property
     def num_depths(self) -> int:
         return self.ttt_steps if self.objective == "eagle3" else self.cod.num_depths
 
@@ -77,7 +84,7 @@ jax.tree_util.register_dataclass(TrainState, data_fields=["step", "params", "opt
 def init_train_state(drafter: Drafter, cfg: TrainConfig) -> TrainState:
     tx = make_optimizer(cfg.optim, cfg.total_steps)
     params = jax.tree.map(jnp.copy, drafter.params)  # the train step donates its state: never alias the caller's
-    p_t, _ = split_params(params, trainable_mask(params, cfg.optim))
+    p_t, _ = split_params(params, trainable_mask(params, cfg.effective_optim))
     key = jax.random.key_data(jax.random.key(cfg.seed))
     return TrainState(jnp.zeros((), jnp.int32), params, tx.init(p_t), key, jnp.zeros((), jnp.int32))
 

@@ -106,7 +106,7 @@ def loss_and_grads(params_t, frozen, shell: Drafter, target: Target, rows: dict,
 
 def train_step(state: TrainState, shell: Drafter, target: Target, batch: dict, cfg: TrainConfig):
     """One optimisation step (pure; jit with `make_train_step`). Returns (state, metrics)."""
-    mask = trainable_mask(state.params, cfg.optim)
+    mask = trainable_mask(state.params, cfg.effective_optim)
     params_t, frozen = split_params(state.params, mask)
     base = jax.random.wrap_key_data(state.rng)
     step_key = jax.random.fold_in(base, state.step)
@@ -116,7 +116,7 @@ def train_step(state: TrainState, shell: Drafter, target: Target, batch: dict, c
     updates, opt_state = tx.update(grads, state.opt_state, params_t)
     params_t = optax.apply_updates(params_t, updates)
     new = TrainState(state.step + 1, merge_params(params_t, frozen), opt_state, state.rng, state.data_position + 1)
-    metrics = dict(loss=loss, correct=m["correct"], total=m["total"], grad_norm=optax.global_norm(grads),
+    metrics = dict(loss=loss, correct=m["correct"], total=m["total"], grad_norm=_global_norm(grads),
                    lr=learning_rate_schedule(cfg.optim, cfg.total_steps)(state.step),
                    tokens=jnp.sum((batch["document_ids"] != -1).astype(jnp.int32)))
     for k in ("cond_correct", "cond_total"):
@@ -125,20 +125,34 @@ def train_step(state: TrainState, shell: Drafter, target: Target, batch: dict, c
     return new, metrics
 
 
+def _global_norm(tree):
+    tree_mod = getattr(optax, "tree", None)
+    return tree_mod.norm(tree) if tree_mod is not None and hasattr(tree_mod, "norm") else optax.global_norm(tree)
+
+
 def make_mesh(devices=None) -> jax.sharding.Mesh:
     """1-D data-parallel mesh over `devices` (default: all)."""
     devices = jax.devices() if devices is None else list(devices)
     return jax.sharding.Mesh(np.asarray(devices, dtype=object).reshape(-1), (DATA_AXIS,))
 
 
-@functools.lru_cache(maxsize=16)
-def make_train_step(cfg: TrainConfig, mesh: Optional[jax.sharding.Mesh] = None, donate: bool = True):
+def make_train_step(cfg: TrainConfig, mesh: Optional[jax.sharding.Mesh] = None, donate: bool = True,
+                    compiler_options: Optional[dict] = None):
     """jit(train_step) for a config; with a mesh, batch rows are sharded over "data" and the state,
-    head and target replicated (batch_rows must divide by the mesh size). Cached per (cfg, mesh), so
-    repeated runs reuse one compilation."""
+    head and target replicated (batch_rows must divide by the mesh size). Cached per arguments, so
+    repeated runs reuse one compilation. compiler_options: XLA options (e.g.
+    {"xla_backend_optimization_level": 0} for fast CPU compiles in tests)."""
+    opts = None if compiler_options is None else tuple(sorted(compiler_options.items()))
+    return _make_train_step(cfg, mesh, donate, opts)
+
+
+@functools.lru_cache(maxsize=16)
+def _make_train_step(cfg: TrainConfig, mesh, donate: bool, opts):
     cfg.validate()
     fn = functools.partial(train_step, cfg=cfg)
     kw = dict(donate_argnums=(0,)) if donate else {}
+    if opts is not None:
+        kw["compiler_options"] = dict(opts)
     if mesh is None:
         return jax.jit(fn, **kw)
     n = mesh.devices.size

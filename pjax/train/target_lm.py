@@ -28,11 +28,16 @@ def lm_loss(params, target: Target, tokens, document_ids):
     return jnp.sum(nll * ok) / jnp.maximum(jnp.sum(ok), 1)
 
 
-@functools.partial(jax.jit, static_argnames=("tx",), donate_argnums=(0, 1))
 def _lm_step(params, opt_state, target: Target, tokens, document_ids, tx):
     loss, g = jax.value_and_grad(lm_loss)(params, target, tokens, document_ids)
     updates, opt_state = tx.update(g, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
+
+
+@functools.lru_cache(maxsize=8)
+def _jit_lm_step(opts):
+    kw = {} if opts is None else dict(compiler_options=dict(opts))
+    return jax.jit(_lm_step, static_argnames=("tx",), donate_argnums=(0, 1), **kw)
 
 
 class _Tx:
@@ -58,9 +63,10 @@ class _Tx:
 
 def train_target_lm(target: Target, stream: RowStream, steps: int, *, lr: float = 3e-3, warmup: int = 20,
                     weight_decay: float = 0.0, progress: bool = False, log_every: int = 50,
-                    log_fn=None) -> tuple[Target, list]:
+                    log_fn=None, compiler_options: Optional[dict] = None) -> tuple[Target, list]:
     """Train all target params for `steps` batches of `stream`; returns (target, [(step, loss), ...])."""
     tx = _Tx(lr, steps, warmup, weight_decay)
+    step = _jit_lm_step(None if compiler_options is None else tuple(sorted(compiler_options.items())))
     params = jax.tree.map(jnp.array, target.params)
     opt_state = tx.init(params)
     shell = Target(target.config, target.graphdef, None)
@@ -71,7 +77,7 @@ def train_target_lm(target: Target, stream: RowStream, steps: int, *, lr: float 
     losses = []
     for i in range(steps):
         b = stream.batch(i)
-        params, opt_state, loss = _lm_step(params, opt_state, shell, jnp.asarray(b["tokens"]),
+        params, opt_state, loss = step(params, opt_state, shell, jnp.asarray(b["tokens"]),
                                            jnp.asarray(b["document_ids"]), tx)
         losses.append(loss)
         if (i + 1) % log_every == 0 or i + 1 == steps:
