@@ -67,6 +67,10 @@ def test_cod_same_document_and_budget():
     a, d, ok = (np.asarray(x) for x in (lay.anchor_pos, lay.depth, lay.valid))
     deep = ok & (d > 0)
     assert (doc[a[deep]] == doc[a[deep] + d[deep]]).all()
+    # spec D.3 measured counts (S=4096, 3896 loss-valid): 2726/1908/1335/934/778; max_anchors=512: 357/249/174/121
+    np.testing.assert_array_equal(depth_count_table(4096, cfg)[1:6, 3896], [2726, 1908, 1335, 934, 778])
+    capped = depth_count_table(4096, CodConfig(num_depths=5, max_anchors=512))
+    np.testing.assert_array_equal(capped[1:, 512], [357, 249, 174, 121])
     caps = cod_capacities(S, cfg)
     assert caps[0] == S and caps[1] == int((S - 1) * 0.7)  # worst case over loss masks: static
     assert sum(caps) == lay.anchor_pos.shape[0]

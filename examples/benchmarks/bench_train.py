@@ -12,6 +12,13 @@ frozen target forward over the packed row (bf16, features online), EAGLE shift, 
 master weights, --draft-vocab draft vocabulary), AdamW update. Random weights and synthetic rows
 (3 documents per row, 75% of tokens supervised). tokens/s = row tokens per step / median step time.
 Prints a markdown table; writes JSON to $OUT/bench_train.json when $OUT is set.
+
+Partitioning with static shapes: segment s runs the depth-0 prefix [0, end_s) plus a block per depth
+sized for the worst case (one element per anchor of its range), one segment at a time (a loop over a
+switch), so peak activation memory is the largest segment's. With K = 8 and no anchor cap a single
+pass holds ~3.4 x L elements, the last of 4 segments ~2.6 x L, of 8 segments ~2.2 x L (CPU compile
+of a small config, L = 2048: peak temporaries 482 / 378 / 292 MiB for 1 / 4 / 8 segments). Compile
+time grows with the number of segments (one program per segment).
 """
 from __future__ import annotations
 

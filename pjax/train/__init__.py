@@ -2,7 +2,7 @@
 from pjax.models.drafter import cod_attention_mask, draft_logits
 from pjax.train.attention import CodMask, DocCausalMask, cod_dense_mask
 from pjax.train.cod import (CodConfig, CodLayout, cod_budget, cod_capacities, cod_sample, layout_from_arrays,
-                            partition_layout, segment_bounds)
+                            partition_layout, partition_segment, segment_bounds)
 from pjax.train.data import (ByteTokenizer, Document, RowStream, build_vocab_mapping, chat_document,
                              default_corpus_files, eagle_shift, load_documents, pack_documents,
                              shift_and_pack_features, text_document, token_frequencies)
@@ -24,6 +24,6 @@ __all__ = [
     "draft_logits", "drafter_config_for_target", "drafter_from_state", "eagle3_loss", "eagle3_row_loss",
     "eagle_shift", "init_drafter_for_target", "init_train_state", "layout_from_arrays", "load_documents",
     "make_mesh", "make_optimizer", "make_train_step", "pack_documents", "partition_layout", "peagle_loss",
-    "peagle_loss_and_metrics", "segment_bounds", "shift_and_pack_features", "target_features", "text_document",
+    "peagle_loss_and_metrics", "partition_segment", "segment_bounds", "shift_and_pack_features", "target_features", "text_document",
     "tiny_run", "tiny_target_config", "token_frequencies", "train_drafter", "train_step", "train_target_lm",
 ]

@@ -191,37 +191,38 @@ jax.tree_util.register_dataclass(Segment, data_fields=["layout", "owned"], meta_
 def partition_layout(layout: CodLayout, seq_len: int, num_segments: int,
                      capacities: Optional[tuple[int, ...]] = None) -> list[Segment]:
     """Split a layout whose first `seq_len` elements are depth 0 at anchors 0..S-1 (as `cod_sample`
-    produces) into `num_segments` forwards with static shapes.
+    produces) into `num_segments` forwards with static shapes (see `partition_segment`)."""
+    return [partition_segment(layout, seq_len, num_segments, s, capacities) for s in range(num_segments)]
 
-    Segment s holds the depth-0 prefix [0, end_s) (owning [start_s, end_s)) and the deeper elements
-    whose segment is s (all owned), packed per depth into blocks of min(cap_d, end_s - start_s + 1).
-    `capacities` = the per-depth block sizes of a `cod_sample` layout (`cod_capacities`); None treats
-    all deeper elements as one block (any explicit layout; segments are then larger).
-    """
+
+def partition_segment(layout: CodLayout, seq_len: int, num_segments: int, index: int,
+                      capacities: Optional[tuple[int, ...]] = None) -> Segment:
+    """Segment `index` of a layout (spec D.5): the depth-0 prefix [0, end) (owning [start, end)) and
+    the deeper elements whose segment is `index` (all owned), packed per depth into blocks of
+    min(cap_d, end - start + 1). `capacities` = the per-depth block sizes of a `cod_sample` layout
+    (`cod_capacities`); None treats all deeper elements as one block (any explicit layout; segments
+    are then larger)."""
     n = layout.size
     deep_a, deep_d, deep_v = layout.anchor_pos[seq_len:], layout.depth[seq_len:], layout.valid[seq_len:]
     seg_of = element_segment(deep_a, deep_d, seq_len, num_segments)
-    blocks = _deep_blocks(n - seq_len, capacities)
-    out = []
-    for s, (start, end) in enumerate(segment_bounds(seq_len, num_segments)):
-        width = end - start + 1
-        anchors = [jnp.arange(end, dtype=jnp.int32)]
-        depths = [jnp.zeros((end,), jnp.int32)]
-        valids = [jnp.ones((end,), bool)]
-        owned = [jnp.arange(end) >= start]
-        for (lo, hi) in blocks:
-            # one element per anchor and depth: a depth block never needs more than `width` slots
-            size = min(hi - lo, width) if capacities is not None else hi - lo
-            sel = (seg_of[lo:hi] == s) & deep_v[lo:hi]
-            idx = jnp.nonzero(sel, size=size, fill_value=0)[0]
-            ok = jnp.arange(size) < jnp.sum(sel.astype(jnp.int32))
-            anchors.append(jnp.where(ok, deep_a[lo:hi][idx], 0))
-            depths.append(jnp.where(ok, deep_d[lo:hi][idx], 1))
-            valids.append(ok)
-            owned.append(ok)
-        out.append(Segment(CodLayout(jnp.concatenate(anchors), jnp.concatenate(depths), jnp.concatenate(valids)),
-                           jnp.concatenate(owned)))
-    return out
+    start, end = segment_bounds(seq_len, num_segments)[index]
+    width = end - start + 1
+    anchors = [jnp.arange(end, dtype=jnp.int32)]
+    depths = [jnp.zeros((end,), jnp.int32)]
+    valids = [jnp.ones((end,), bool)]
+    owned = [jnp.arange(end) >= start]
+    for (lo, hi) in _deep_blocks(n - seq_len, capacities):
+        # one element per anchor and depth: a depth block never needs more than `width` slots
+        size = min(hi - lo, width) if capacities is not None else hi - lo
+        sel = (seg_of[lo:hi] == index) & deep_v[lo:hi]
+        idx = jnp.nonzero(sel, size=size, fill_value=0)[0]
+        ok = jnp.arange(size) < jnp.sum(sel.astype(jnp.int32))
+        anchors.append(jnp.where(ok, deep_a[lo:hi][idx], 0))
+        depths.append(jnp.where(ok, deep_d[lo:hi][idx], 1))
+        valids.append(ok)
+        owned.append(ok)
+    return Segment(CodLayout(jnp.concatenate(anchors), jnp.concatenate(depths), jnp.concatenate(valids)),
+                   jnp.concatenate(owned))
 
 
 def _deep_blocks(num_deep: int, capacities):

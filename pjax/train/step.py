@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pjax.models.drafter import Drafter
 from pjax.target import Target
-from pjax.train.cod import cod_capacities, cod_sample, partition_layout, segment_bounds
+from pjax.train.cod import cod_capacities, cod_sample, partition_segment, segment_bounds
 from pjax.train.data import eagle_shift
 from pjax.train.eagle3 import eagle3_row_loss
 from pjax.train.features import target_features
@@ -56,7 +56,7 @@ def _peagle_row(dr, target, row, layout, cfg: TrainConfig, owned=None, denom=Non
 
 def loss_and_grads(params_t, frozen, shell: Drafter, target: Target, rows: dict, cfg: TrainConfig):
     """(mean row loss, grads over the trainable leaves, metrics). Partitioned when num_segments > 1:
-    one forward/backward per segment, run in sequence (optimization barriers), gradients summed."""
+    one forward/backward per segment, run one after another in a loop, gradients summed."""
     dtype = None if cfg.compute_dtype is None else jnp.dtype(cfg.compute_dtype)
 
     def drafter_of(p):
@@ -83,25 +83,34 @@ def loss_and_grads(params_t, frozen, shell: Drafter, target: Target, rows: dict,
         (loss, m), g = jax.value_and_grad(fn, has_aux=True)(params_t)
         return loss, g, m
 
-    s = cfg.total_seq_len
+    s, nseg = cfg.total_seq_len, cfg.num_segments
     caps = cod_capacities(s, cfg.cod)
-    segments = jax.vmap(lambda lay: partition_layout(lay, s, cfg.num_segments, caps))(layout)
     denom = jax.vmap(lambda r, lay: jnp.sum(r["loss_mask"][lay.anchor_pos + lay.depth].astype(jnp.float32)
                                             * lay.valid))(rows, layout)
-    total_loss, grads, metrics = 0.0, None, None
-    for (_, end), seg in zip(segment_bounds(s, cfg.num_segments), segments):
-        def fn(p, seg=seg, end=end):
-            dr = drafter_of(p)
-            loss, m = jax.vmap(lambda r, sg, dn: _peagle_row(dr, target, r, sg.layout, cfg, sg.owned, dn, end))(
-                rows, seg, denom)
-            return jnp.mean(loss), jax.tree.map(lambda x: jnp.sum(x, 0), m)
-        if grads is not None:  # run segments one after another so only one is alive at a time
-            params_t, grads = jax.lax.optimization_barrier((params_t, grads))
-        (loss, m), g = jax.value_and_grad(fn, has_aux=True)(params_t)
-        total_loss = total_loss + loss
-        grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
-        metrics = m if metrics is None else jax.tree.map(jnp.add, metrics, m)
-    return total_loss, grads, metrics
+
+    def branch(index, end):
+        def run(p, rows, denom):
+            def fn(p):
+                dr = drafter_of(p)
+                seg = jax.vmap(lambda lay: partition_segment(lay, s, nseg, index, caps))(rows["layout"])
+                loss, m = jax.vmap(lambda r, sg, dn: _peagle_row(dr, target, r, sg.layout, cfg, sg.owned, dn, end))(
+                    rows, seg, denom)
+                return jnp.mean(loss), jax.tree.map(lambda x: jnp.sum(x, 0), m)
+            (loss, m), g = jax.value_and_grad(fn, has_aux=True)(p)
+            return loss, g, m
+        return run
+
+    # One segment at a time: a loop whose body switches to the segment's (static-shape) program, so
+    # only one segment's activations are ever alive (an unrolled sequence lets XLA overlap them).
+    branches = [branch(i, end) for i, (_, end) in enumerate(segment_bounds(s, nseg))]
+    zero = jax.eval_shape(branches[-1], params_t, rows, denom)
+    init = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), zero)
+
+    def body(i, acc):
+        out = jax.lax.switch(i, branches, params_t, rows, denom)
+        return jax.tree.map(jnp.add, acc, out)
+    loss, grads, metrics = jax.lax.fori_loop(0, nseg, body, init)
+    return loss, grads, metrics
 
 
 def train_step(state: TrainState, shell: Drafter, target: Target, batch: dict, cfg: TrainConfig):
