@@ -9,8 +9,8 @@ from pjax.kernels import _dispatch
 from pjax.kernels.acceptance import reference
 from pjax.kernels.acceptance.reference import AcceptResult
 
-# H200 (JAX 0.11.2, 2026-11-21, examples/benchmarks/bench_kernels.py): the two-kernel version was 1.5-1.8x
-# faster than the first kernel version, which was on par with XLA; see docs/benchmarks.md.
+# H200 (JAX 0.11.2, 2026-11-21, examples/benchmarks/bench_kernels.py): 1.0-1.4x faster than XLA in 12 of 16
+# shapes, slower for all-greedy batch 64 (0.79x) and batch 1 at V=201K (0.85x); see docs/benchmarks.md.
 AUTO_PALLAS = True
 
 
@@ -28,7 +28,7 @@ def accept(logits, draft_ids, draft_probs=None, *, temperature, top_k=None, top_
     impl = _dispatch.resolve(implementation, auto_pallas=AUTO_PALLAS)
     kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds, positions=positions,
               num_drafts=num_drafts)
-    if impl == "xla":
+    if impl == "xla" or draft_ids.shape[1] == 0:  # K = 0 is a plain sample: nothing to fuse
         return reference.accept(logits, draft_ids, draft_probs, **kw)
     from pjax.kernels.acceptance import pallas
     return pallas.accept(logits, draft_ids, draft_probs, **kw)
