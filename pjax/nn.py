@@ -238,7 +238,7 @@ class MoE(nnx.Module):
                 w = w / jnp.sum(w, axis=-1, keepdims=True)
         return w.astype(x.dtype), idx
 
-    def _expert_out(self, h, e_ids, x_rows, matmul):
+    def _expert_out(self, e_ids, x_rows, matmul):
         """Shared expert math on gathered rows: activation and down projection with biases."""
         inter = self.spec.intermediate_size
         gu = matmul(x_rows, self.gate_up[...])
@@ -260,7 +260,7 @@ class MoE(nnx.Module):
                 sel = wts[idx]  # [N, k, in, out]
                 eq = "nkf,nkfo->nko" if second else "nf,nkfo->nko"
                 return jnp.einsum(eq, a, sel, preferred_element_type=jnp.float32).astype(a.dtype)
-            out = self._expert_out(None, idx, x, matmul)  # [N, k, H]
+            out = self._expert_out(idx, x, matmul)  # [N, k, H]
             y = jnp.einsum("nk,nkh->nh", w.astype(jnp.float32), out.astype(jnp.float32))
         else:  # prefill / training: sort token-expert pairs by expert, grouped matmul
             flat = idx.reshape(-1)
@@ -271,7 +271,7 @@ class MoE(nnx.Module):
 
             def matmul(a, wts, second=False):
                 return jax.lax.ragged_dot(a, wts, sizes, preferred_element_type=jnp.float32).astype(a.dtype)
-            out_sorted = self._expert_out(None, e_sorted, rows, matmul)  # [N*k, H]
+            out_sorted = self._expert_out(e_sorted, rows, matmul)  # [N*k, H]
             out = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(n, k, -1)
             y = jnp.einsum("nk,nkh->nh", w.astype(jnp.float32), out.astype(jnp.float32))
         return y.astype(x.dtype).reshape(shape)

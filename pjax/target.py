@@ -68,7 +68,7 @@ def init_target(config: ModelConfig, key, dtype=jnp.float32, scale: float = 0.02
             cur += n
         flats = [scale * jax.random.normal(jax.random.fold_in(k, i), (max(b, 1),), jnp.float32)
                  for i, b in enumerate(buckets)]
-        out, bi, off, cur = [], 0, 0, 0
+        out, bi, off = [], 0, 0
         for (p, l), n in zip(leaves, sizes):
             kd = kind(p)
             if kd == "normal":
