@@ -72,7 +72,8 @@ def _log(m):
 
 
 def acceptance_report(target, drafter, docs, *, k, objective, prompts=8, prompt_len=64, new_tokens=64):
-    """Greedy speculative decoding on corpus snippets; returns pjax.generate stats (+ the baseline)."""
+    """Greedy speculative decoding on corpus snippets vs plain greedy decoding with the same target:
+    returns the speculative run's stats plus `identical_to_plain` and the plain run's tokens/s."""
     import pjax
     ps = []
     for d in docs[::max(1, len(docs) // prompts)][:prompts]:
@@ -80,7 +81,9 @@ def acceptance_report(target, drafter, docs, *, k, objective, prompts=8, prompt_
         ps.append([int(t) for t in d.tokens[start:start + prompt_len]])
     drafting = "parallel" if objective == "peagle" else "sequential"
     res = pjax.generate(target, drafter, ps, max_new_tokens=new_tokens, num_speculative_tokens=k, drafting=drafting)
-    return res.stats
+    plain = pjax.generate(target, None, ps, max_new_tokens=new_tokens, drafting="none")
+    return dict(res.stats, identical_to_plain=res.tokens == plain.tokens,
+                plain_output_tokens_per_s=plain.stats["output_tokens_per_s"])
 
 
 def tiny_job(argv=None, objective="peagle") -> dict:
@@ -100,12 +103,14 @@ def tiny_job(argv=None, objective="peagle") -> dict:
         k = a.num_depths if a.objective == "peagle" else a.ttt_steps
         stats = acceptance_report(run.target, run.drafter, run.docs, k=k, objective=a.objective)
         report["acceptance_length"] = stats.get("mean_acceptance_length")
+        report["identical_to_plain"] = stats["identical_to_plain"]
         report["generate_stats"] = {key: v for key, v in stats.items() if isinstance(v, (int, float, list))}
     last = run.head_history[-1]
     print(f"head: loss {last['loss']:.4f}, per-depth acc {[round(x, 3) for x in last['acc']]}; "
           f"exported to {report['export']}")
     if "acceptance_length" in report:
-        print(f"speculative decoding (greedy, K={k}): mean acceptance length {report['acceptance_length']:.3f}")
+        print(f"speculative decoding (greedy, K={k}): mean acceptance length {report['acceptance_length']:.3f}; "
+              f"tokens identical to plain greedy decoding: {report['identical_to_plain']}")
     return report
 
 
