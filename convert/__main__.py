@@ -53,17 +53,10 @@ def run_inspect(args) -> int:
 
     from convert.native import load_native_target, param_count, read_marker
     from convert.safetensors_io import Checkpoint
-    from convert.target import NATIVE_MARKER, load_hf_params, read_hf_config
-    from pjax.config import ConfigError
-    from pjax.models.families import config_from_hf
+    from convert.target import NATIVE_MARKER, load_hf_params, read_target_config
 
     path = Path(args.path)
-    hf = read_hf_config(path)
-    try:
-        cfg = config_from_hf(hf, where=str(path / "config.json"))
-    except ConfigError as e:
-        from convert.errors import CheckpointError
-        raise CheckpointError(str(e)) from None
+    hf, cfg = read_target_config(path)
     report = {"path": str(path), "model_type": cfg.model_type, "num_layers": cfg.num_layers,
               "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size}
     if (path / NATIVE_MARKER).exists():

@@ -324,9 +324,15 @@ def load_target(path, dtype=jnp.bfloat16) -> Target:
     if (path / NATIVE_MARKER).exists():
         from convert.native import load_native_target
         return load_native_target(path, dtype)
+    hf, cfg = read_target_config(path)
+    return load_hf_params(path, cfg, hf, dtype)
+
+
+def read_target_config(path) -> tuple[dict, ModelConfig]:
+    """(raw config.json dict, parsed ModelConfig); config problems are reported as CheckpointError."""
+    path = Path(path)
     hf = read_hf_config(path)
     try:
-        cfg = config_from_hf(hf, where=str(path / "config.json"))
+        return hf, config_from_hf(hf, where=str(path / "config.json"))
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
-    return load_hf_params(path, cfg, hf, dtype)
