@@ -3,14 +3,17 @@
     PYTHONPATH=. python3 examples/benchmarks/bench_kernels.py            # GPU: full table (~5 min on an H200)
     PYTHONPATH=. python3 examples/benchmarks/bench_kernels.py --smoke    # CPU: tiny shapes, interpret mode
 
-Timing: each op is unrolled R times inside one jitted program (R ~ 0.5 GB of input / op bytes, 5..20), each
-copy on its own input buffers (distinct values, so XLA can neither merge nor overlap-share copies), warmed
-up, then called N times; the reported time is median(call) / R, so Python dispatch is amortised (it still
-adds a few us to the smallest ops, equally to both implementations). Attention copies share K/V (only q
-differs); a bandwidth above the HBM peak is flagged as an invalid measurement.
+Timing: each op is unrolled inside one jitted program, each copy on its own input buffers (distinct values,
+so XLA can neither merge nor overlap-share copies); a program with R copies and one with 2R copies are
+warmed up and called N times each, and the reported time is the slope (median(2R) - median(R)) / R: the
+fixed cost of a call (Python dispatch, the host round trip of the final sync, ~0.1-4 ms on the H200
+machine) cancels, what remains is device time per op including its launch gaps inside a program
+(R ~ 0.25 GB of input / op bytes, 4..20). Attention copies share K/V (only q differs); a bandwidth above
+the HBM peak is flagged as an invalid measurement.
 Do not feed all copies the same buffers (even through optimization_barrier): on an H200 with JAX 0.11.2
-that gave attention "bandwidths" of 13-16 TB/s, i.e. copies were merged or overlapped. Ratio = xla / pallas measured in the same run. Attention bandwidth = K/V bytes read
-(2 * B * context * nkv * hd * 2 bytes) / time. Prints markdown tables; --json writes all rows.
+that gave attention "bandwidths" of 13-16 TB/s, i.e. copies were merged or overlapped. Ratio = xla / pallas
+measured in the same run. Attention bandwidth = K/V bytes read (2 * B * context * nkv * hd * 2 bytes) / time.
+Prints markdown tables; --json writes all rows.
 """
 from __future__ import annotations
 
@@ -41,20 +44,28 @@ def log(*a):
 
 
 def timed(op, arg_sets, *, calls: int) -> float:
-    """Median seconds of one op call: the op runs once per element of `arg_sets` inside one jitted program."""
-    f = jax.jit(lambda sets: [op(*a) for a in sets])
-    jax.block_until_ready(f(arg_sets))
-    jax.block_until_ready(f(arg_sets))
-    ts = []
-    for _ in range(calls):
-        t = time.perf_counter()
-        jax.block_until_ready(f(arg_sets))
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) / len(arg_sets)
+    """Device seconds of one op call: slope between programs running it len(arg_sets) // 2 and
+    len(arg_sets) times (one copy per element of `arg_sets`), so the fixed per-call cost cancels."""
+    half = len(arg_sets) // 2
+
+    def median_call(sets):
+        f = jax.jit(lambda s: [op(*a) for a in s])
+        jax.block_until_ready(f(sets))
+        jax.block_until_ready(f(sets))
+        ts = []
+        for _ in range(calls):
+            t = time.perf_counter()
+            jax.block_until_ready(f(sets))
+            ts.append(time.perf_counter() - t)
+        return statistics.median(ts)
+
+    t_half, t_all = median_call(arg_sets[:half]), median_call(arg_sets[: 2 * half])
+    return (t_all - t_half) / half
 
 
-def auto_reps(nbytes: float, lo: int = 5, hi: int = 20) -> int:
-    return int(max(lo, min(hi, round(0.5e9 / max(nbytes, 1)))))
+def auto_reps(nbytes: float, lo: int = 4, hi: int = 40) -> int:
+    """Copies R of the smaller timing program (the larger runs 2R)."""
+    return int(max(lo, min(hi, round(0.25e9 / max(nbytes, 1)))))
 
 
 HBM_PEAK_TBPS = 4.8  # H200 datasheet
@@ -91,10 +102,10 @@ def acc_inputs(b, k, v, *, dtype=jnp.bfloat16, temp=1.0, trunc=False, seed=0):
 
 @guarded
 def bench_acceptance(b, k, v, *, reps, calls, temp=1.0, trunc=False, label="", tile=None, warps=None, unroll=None,
-                     target=None, xla=True):
+                     target=None, stages=None, xla=True):
     logits, drafts, kw = acc_inputs(b, k, v, temp=temp, trunc=trunc)
     reps = reps or auto_reps(logits.size * 2)
-    cfg = {x: y for x, y in (("tile", tile), ("num_warps", warps), ("unroll", unroll)) if y}
+    cfg = {x: y for x, y in (("tile", tile), ("num_warps", warps), ("unroll", unroll), ("num_stages", stages)) if y}
     old_target = acc_pallas.TARGET_PROGRAMS
     acc_pallas.TARGET_PROGRAMS = target or old_target
 
@@ -106,7 +117,7 @@ def bench_acceptance(b, k, v, *, reps, calls, temp=1.0, trunc=False, label="", t
     r = jax.jit(run("xla"))(*args)
     p = jax.jit(run("pallas"))(*args)
     same = float(np.mean(np.all(np.asarray(r.tokens) == np.asarray(p.tokens), axis=1)))
-    sets = [(logits + jnp.asarray(i * 1e-3, logits.dtype), drafts, kw["positions"] + i) for i in range(reps)]
+    sets = [(logits + jnp.asarray(i * 1e-3, logits.dtype), drafts, kw["positions"] + i) for i in range(2 * reps)]
     t_x = timed(run("xla"), sets, calls=calls) if xla else float("nan")
     t_p = timed(run("pallas"), sets, calls=calls)
     del sets
@@ -126,7 +137,7 @@ def bench_acceptance(b, k, v, *, reps, calls, temp=1.0, trunc=False, label="", t
 # ---------------------------------------------------------------- metadata
 @guarded
 def bench_metadata(b, k, *, reps, calls):
-    reps = reps or 100
+    reps = reps or 200
     rs = np.random.default_rng(0)
     args = (jnp.asarray(rs.integers(0, k + 1, b), jnp.int32), jnp.asarray(rs.integers(0, 10 ** 5, (b, k + 1)), jnp.int32),
             jnp.asarray(rs.integers(0, 10 ** 5, b), jnp.int32), jnp.asarray(rs.integers(0, 10 ** 4, b), jnp.int32))
@@ -135,7 +146,7 @@ def bench_metadata(b, k, *, reps, calls):
     fp = lambda *a: meta_pallas.build_draft_inputs(*a, **kw)
     r, p = jax.jit(fx)(*args), jax.jit(fp)(*args)
     exact = all(bool(np.array_equal(np.asarray(x), np.asarray(y))) for x, y in zip(r, p))
-    sets = [(args[0], args[1], args[2], args[3] + i) for i in range(reps)]
+    sets = [(args[0], args[1], args[2], args[3] + i) for i in range(2 * reps)]
     t_x = timed(fx, sets, calls=calls)
     t_p = timed(fp, sets, calls=calls)
     row = dict(op="metadata", B=b, K=k, xla_us=t_x * 1e6, pallas_us=t_p * 1e6, ratio=t_x / t_p, exact=exact)
@@ -146,7 +157,7 @@ def bench_metadata(b, k, *, reps, calls):
 
 # ---------------------------------------------------------------- attention
 @guarded
-def bench_attention(b, ctx, t, *, reps, calls, nh=32, nkv=8, hd=128, cfg=None, xla=True, label=""):
+def bench_attention(b, ctx, t, *, reps, calls, nh=32, nkv=8, hd=128, cfg=None, xla=True, label="", kernel_only=False):
     key = jax.random.key(1)
     kq, kk, kv_ = jax.random.split(key, 3)
     q = jax.random.normal(kq, (b, t, nh, hd), jnp.bfloat16)
@@ -157,11 +168,13 @@ def bench_attention(b, ctx, t, *, reps, calls, nh=32, nkv=8, hd=128, cfg=None, x
     reps = reps or auto_reps(2 * k.size * 2)
     fx = lambda q_, k_, v_: attn_ref.cache_attention(q_, k_, v_, q_pos, scale=hd ** -0.5)
     fp = lambda q_, k_, v_: attn_pallas.cache_attention(q_, k_, v_, q_pos, scale=hd ** -0.5, **cfg)
+    if kernel_only:  # the split kernel without its XLA merge epilogue
+        fp = lambda q_, k_, v_: attn_pallas.partials(q_, k_, v_, q_pos, scale=hd ** -0.5, **cfg)
     args = (q, k, v)
-    sets = [(q + jnp.asarray(i * 1e-3, q.dtype), k, v) for i in range(reps)]
+    sets = [(q + jnp.asarray(i * 1e-3, q.dtype), k, v) for i in range(2 * reps)]
     p = jax.jit(fp)(*args)
     row = dict(op="attention", B=b, ctx=ctx, T=t, cfg=cfg, label=label, reps=reps)
-    if xla:
+    if xla and not kernel_only:
         r = jax.jit(fx)(*args)
         row["max_abs_err"] = float(jnp.max(jnp.abs(r.astype(jnp.float32) - p.astype(jnp.float32))))
         row["xla_us"] = timed(fx, sets, calls=calls) * 1e6
@@ -179,6 +192,17 @@ def bench_attention(b, ctx, t, *, reps, calls, nh=32, nkv=8, hd=128, cfg=None, x
         f"{row.get('max_abs_err', float('nan')):.4f} | {cfg} |")
     del q, k, v, sets
     return row
+
+
+@guarded
+def bench_read(nbytes, *, reps, calls):
+    """Ceiling at this size: one XLA reduction over a bf16 buffer of `nbytes` (slope timing)."""
+    x = jax.random.normal(jax.random.key(2), (nbytes // 2 // 4096, 4096), jnp.bfloat16)
+    reps = reps or auto_reps(nbytes)
+    sets = [(x + jnp.asarray(i, x.dtype),) for i in range(2 * reps)] if nbytes < 2 ** 29 else [(x,)] * 2
+    t = timed(lambda y: jnp.sum(y, axis=0, dtype=jnp.float32), sets, calls=calls)
+    ROWS.append(dict(op="read", MB=nbytes / 1e6, us=t * 1e6, TBps=nbytes / t / 1e12))
+    log(f"| read (XLA sum) | {nbytes / 1e6:.1f} MB | {t * 1e6:.1f} us | {nbytes / t / 1e12:.2f} TB/s |")
 
 
 def main():
@@ -227,18 +251,31 @@ def main():
                         continue
                     bench_attention(b, ctx, t, reps=reps, calls=calls, **attn_geo)
     if "tune" in only and not a.smoke:
-        log("\n## variants (pallas only)")
-        for b in (1, 64):  # the first-version acceptance configuration, for comparison
-            bench_acceptance(b, 7, 128256, reps=reps, calls=calls, label="variant", tile=2048, unroll=1, target=264,
-                             xla=False)
-        for b, t in ((1, 8), (8, 8)):
-            for bk, nw, st, sp in ((64, 4, 2, None), (64, 4, 3, 66), (64, 4, 3, 132), (128, 4, 2, 16)):
+        log("\n## variants\n\n| op | B | K | V | mode | xla us | pallas us | xla/pallas | rows equal | pallas TB/s | cfg |"
+            "\n|---|---|---|---|---|---|---|---|---|---|---|")
+        for temp in (0.0, 1.0):
+            for b in (64, 1):
+                bench_acceptance(b, 7, 128256, reps=reps, calls=calls, temp=temp)
+            for tile, unroll, st, nw, tp in ((1024, 2, 1, 4, 1024), (1024, 8, 1, 4, 1024), (1024, 4, 2, 4, 1024),
+                                             (1024, 4, 3, 4, 1024), (2048, 4, 1, 8, 1024), (1024, 4, 1, 4, 2048),
+                                             (1024, 4, 1, 4, 528), (512, 4, 2, 4, 2048)):
+                if not over_budget(a.budget):
+                    bench_acceptance(64, 7, 128256, reps=reps, calls=calls, temp=temp, label=f"variant t={temp}", tile=tile,
+                                     unroll=unroll, stages=st, warps=nw, target=tp, xla=False)
+        log("\n| op | B | context | T | xla us | pallas us | xla/pallas | xla TB/s | pallas TB/s | max abs err | cfg |"
+            "\n|---|---|---|---|---|---|---|---|---|---|---|")
+        bench_attention(1, 16384, 8, reps=reps, calls=calls, xla=False, label="kernel only", kernel_only=True)
+        for b, t in ((1, 8), (1, 22)):
+            for bk, nw, st, sp in ((64, 4, 3, 66), (64, 4, 4, 66), (64, 4, 3, 132), (32, 4, 4, 132),
+                                   (128, 8, 3, 33), (128, 8, 3, 66), (64, 8, 3, 66)):
                 if over_budget(a.budget):
                     continue
-                cfg = dict(block_k=bk, num_warps=nw, num_stages=st)
-                if sp:
-                    cfg["splits"] = sp
-                bench_attention(b, 16384, t, reps=reps, calls=calls, xla=False, label="variant", cfg=cfg)
+                bench_attention(b, 16384, t, reps=reps, calls=calls, xla=False, label="variant",
+                                cfg=dict(block_k=bk, num_warps=nw, num_stages=st, splits=sp))
+        bench_attention(1, 16384, 8, reps=reps, calls=calls, xla=False, label="kernel only 66/3", kernel_only=True,
+                        cfg=dict(splits=66))
+        bench_read(67_108_864, reps=reps, calls=calls)  # the K/V bytes of one batch-1 16K layer
+        bench_read(1 << 30, reps=reps, calls=calls)
     log(f"\n# done in {time.time() - T0:.0f} s")
     if a.json:
         with open(a.json, "w") as f:

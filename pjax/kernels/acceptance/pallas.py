@@ -2,9 +2,10 @@
 
 Why: the XLA reference reads the [B, K+1, V] logits once per reduction it cannot fuse (argmax, max,
 sum-exp) and launches several fusions; here
-1. `stats` reads every logit exactly once (grid B x (K+1) x vocab splits; per-lane running max /
-   argmax / sum-exp over vocabulary tiles with one exp per element, reduced across lanes once at the
-   end; greedy and stochastic rows in the same launch) and writes 4 floats per (row, position, split);
+1. `stats` reads every logit exactly once (grid B x (K+1) x vocab splits; per-lane running values over
+   vocabulary tiles, reduced across lanes once at the end; greedy and stochastic rows in the same launch,
+   each taking only the loop it needs: greedy rows a raw argmax, stochastic rows the kept max / sum-exp
+   with one exp per element) and writes 4 numbers per (row, position, split);
 2. `walk_race` (grid B x vocab splits): each program merges its row's split statistics, runs the
    acceptance walk (the arithmetic of `reference.accept_walk`: p(d_i) from one gathered logit per
    draft, counter-hash u_i) and then reads only the row where the request draws its next token (plus
@@ -66,8 +67,9 @@ def _reduce_argmax(best_v, best_i, axis=None):
     return top, jnp.min(jnp.where(best_v == top_b, best_i, _BIG), axis=axis)
 
 
-def _stats_kernel(lg_ref, inv_t_ref, *refs, v, chunk, tile, unroll, use_thr):
-    """Program (b, i, s): raw argmax and kept (max, sum-exp) of logits[b, i, split s]."""
+def _stats_kernel(lg_ref, gr_ref, inv_t_ref, *refs, chunk, tile, unroll, use_thr):
+    """Program (b, i, s) over logits[b, i, split s]: greedy rows the raw argmax only, stochastic rows the
+    kept (max, sum-exp) only -- the walk never uses the other pair, so each row pays for one of them."""
     if use_thr:
         thr_ref, av_ref, ai_ref, m_ref, z_ref = refs
     else:
@@ -77,30 +79,40 @@ def _stats_kernel(lg_ref, inv_t_ref, *refs, v, chunk, tile, unroll, use_thr):
     thr = thr_ref[b, i] if use_thr else None
     lanes = jnp.arange(tile, dtype=jnp.int32)
     base = s * chunk
+    v_len = lg_ref.shape[-1]
 
-    def body(t, carry):
-        # per-lane accumulators; one exp per element: z <- z * e^(m - x) + 1 if x > m else z + e^(x - m)
-        bv, bi, m, z = carry
+    def tiles(t):
+        """The unroll tiles of loop step t, loads issued back to back: [(first index, raw f32)]. The
+        vocabulary tail loads as -inf, which neither argmax nor the kept sum can pick up."""
         start = pl.multiple_of(base + t * (unroll * tile), tile)
-        raws, idxs = [], []
-        for u in range(unroll):  # issue all loads first
-            idx = start + u * tile + lanes
-            idxs.append(idx)
-            raws.append(pltriton.load(lg_ref.at[b, i, pl.ds(start + u * tile, tile)], mask=idx < v, other=NEG_INF))
-        for idx, raw in zip(idxs, raws):
-            raw = raw.astype(jnp.float32)
-            bv, bi = _lane_argmax(raw, idx, bv, bi)
-            x = raw * inv_t
-            keep = idx < v if thr is None else (idx < v) & (x >= thr)
-            xm = jnp.where(keep, x, NEG_INF)
-            e = jnp.exp(-jnp.abs(xm - m))
-            up = xm > m
-            m, z = jnp.where(up, xm, m), jnp.where(up, z * e + 1.0, z + e)
-        return bv, bi, m, z
+        raws = [pltriton.load(lg_ref.at[b, i, pl.ds(start + u * tile, tile)], mask=start + u * tile + lanes < v_len,
+                              other=NEG_INF) for u in range(unroll)]
+        return [(start + u * tile, r.astype(jnp.float32)) for u, r in enumerate(raws)]
 
-    init = (jnp.full((tile,), NEG_INF, jnp.float32), jnp.zeros((tile,), jnp.int32),
-            jnp.full((tile,), _FMIN, jnp.float32), jnp.zeros((tile,), jnp.float32))
-    bv, bi, m, z = jax.lax.fori_loop(0, chunk // (unroll * tile), body, init)
+    def greedy_body(t, carry):
+        bv, bi = carry
+        for first, raw in tiles(t):
+            bv, bi = _lane_argmax(raw, first + lanes, bv, bi)
+        return bv, bi
+
+    def sampled_body(t, carry):
+        # per-lane online softmax with one exp per element: z <- z e^(m - x) + 1 if x > m else z + e^(x - m)
+        m, z = carry
+        for _, raw in tiles(t):
+            x = raw * inv_t
+            if use_thr:
+                x = jnp.where(x >= thr, x, NEG_INF)
+            e = jnp.exp(-jnp.abs(x - m))
+            up = x > m
+            m, z = jnp.where(up, x, m), jnp.where(up, z * e + 1.0, z + e)
+        return m, z
+
+    steps = chunk // (unroll * tile)
+    g = gr_ref[b]  # 1 = greedy row; loop bounds are traced int32 values so both scf.for types match
+    bv, bi = jax.lax.fori_loop(g * 0, g * steps, greedy_body,
+                               (jnp.full((tile,), NEG_INF, jnp.float32), jnp.zeros((tile,), jnp.int32)))
+    m, z = jax.lax.fori_loop(g * 0, (1 - g) * steps, sampled_body,
+                             (jnp.full((tile,), _FMIN, jnp.float32), jnp.zeros((tile,), jnp.float32)))
     top, arg = _reduce_argmax(bv, bi)
     mm = jnp.max(m)
     av_ref[b, i, s] = top
@@ -219,14 +231,14 @@ def _full(shape):
     return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
 
 
-def _stats(logits, inv_t, thr, *, tile, unroll, num_warps, num_stages):
+def _stats(logits, greedy, inv_t, thr, *, tile, unroll, num_warps, num_stages):
     b, r, v = logits.shape
     ns, chunk = _splits(v, b * r, tile * unroll)
     f32 = jnp.float32
     outs = [jax.ShapeDtypeStruct((b, r, ns), dt) for dt in (f32, jnp.int32, f32, f32)]
-    ins = [logits, inv_t] + ([thr] if thr is not None else [])
+    ins = [logits, greedy, inv_t] + ([thr] if thr is not None else [])
     return pl.pallas_call(
-        functools.partial(_stats_kernel, v=v, chunk=chunk, tile=tile, unroll=unroll, use_thr=thr is not None),
+        functools.partial(_stats_kernel, chunk=chunk, tile=tile, unroll=unroll, use_thr=thr is not None),
         grid=(b, r, ns), out_shape=outs, in_specs=[_full(x.shape) for x in ins],
         out_specs=[_full(o.shape) for o in outs], name="pjax_accept_stats",
         **call_kwargs(num_warps, num_stages),
@@ -236,18 +248,6 @@ def _stats(logits, inv_t, thr, *, tile, unroll, num_warps, num_stages):
 def _tile_unroll(v, tile, unroll):
     tile = min(tile or TILE, next_pow2(v))
     return tile, max(1, min(unroll or UNROLL, pl.cdiv(v, tile)))
-
-
-def position_stats(logits, inv_t, thr, *, tile: int = None, unroll: int = None, num_warps: int = 4,
-                   num_stages: int = 1):
-    """Kernel version of `reference.position_stats` (splits merged in XLA; used by tests and benchmarks)."""
-    tile, unroll = _tile_unroll(logits.shape[-1], tile, unroll)
-    av, ai, m_s, z_s = _stats(logits, inv_t, thr, tile=tile, unroll=unroll, num_warps=num_warps,
-                              num_stages=num_stages)
-    _, amax = _combine_argmax(av, ai)
-    m = jnp.max(m_s, axis=-1)
-    z = jnp.sum(z_s * jnp.exp(m_s - m[..., None]), axis=-1)
-    return amax, jnp.where(m == _FMIN, NEG_INF, m), z
 
 
 def accept(logits, draft_ids, draft_probs=None, *, temperature, top_k=None, top_p=None, seeds, positions,
@@ -262,14 +262,15 @@ def accept(logits, draft_ids, draft_probs=None, *, temperature, top_k=None, top_
     use_thr = top_k is not None or top_p is not None
     thr = ref.truncation_threshold(ref.scaled(logits, inv_t), top_k, top_p) if use_thr else None
     tile, unroll = _tile_unroll(v, tile, unroll)
-    av, ai, m_s, z_s = _stats(logits, inv_t, thr, tile=tile, unroll=unroll, num_warps=num_warps,
+    g_int = greedy.astype(jnp.int32)
+    av, ai, m_s, z_s = _stats(logits, g_int, inv_t, thr, tile=tile, unroll=unroll, num_warps=num_warps,
                               num_stages=num_stages)
     ns1 = av.shape[-1]
     has_q = draft_probs is not None and k > 0
     ns2, chunk = _splits(v, b, tile * unroll)
     n = jnp.full((b,), k, jnp.int32) if num_drafts is None else num_drafts.astype(jnp.int32)
     ins = ([logits] + ([draft_probs] if has_q else [])
-           + [draft_ids.astype(jnp.int32), n, greedy.astype(jnp.int32), inv_t, seeds, positions]
+           + [draft_ids.astype(jnp.int32), n, g_int, inv_t, seeds, positions]
            + ([thr] if use_thr else []) + [av, ai, m_s, z_s])
     i32, f32 = jnp.int32, jnp.float32
     outs = [jax.ShapeDtypeStruct((b, ns2), dt) for dt in (f32, i32, f32, i32)] + [

@@ -100,11 +100,9 @@ def num_splits(b: int, nkv: int, s: int, bk: int) -> int:
     return max(1, min(pl.cdiv(s, bk), pl.cdiv(TARGET_PROGRAMS, b * nkv)))
 
 
-def cache_attention(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, sinks=None, kv_len=None,
-                    block_k: int = BLOCK_K, splits: Optional[int] = None, num_warps: Optional[int] = None,
-                    num_stages: int = 3):
-    """Same contract as `pjax.kernels.cache_attention.reference.cache_attention`."""
-    check_inputs(q, k, v, q_pos, kv_len, sinks)
+def partials(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, kv_len=None, block_k: int = BLOCK_K,
+             splits: Optional[int] = None, num_warps: Optional[int] = None, num_stages: int = 3):
+    """The kernel alone: unnormalised per-split results (o [B, ns, nkv, M, hdp], m, l [B, ns, nkv, M])."""
     b, t, nh, hd = q.shape
     s_len, nkv = k.shape[1], k.shape[2]
     g = nh // nkv
@@ -122,12 +120,18 @@ def cache_attention(q, k, v, q_pos, *, scale: float, window: Optional[int] = Non
             jax.ShapeDtypeStruct((b, ns, nkv, m_rows), f32)]
     ins = [q, k, v, q_pos.astype(jnp.int32)] + ([jnp.asarray(kv_len, jnp.int32)] if has_len else [])
     full = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
-    o_s, m_s, l_s = pl.pallas_call(
+    return pl.pallas_call(
         kern, grid=(b, nkv, ns), out_shape=outs, in_specs=[full(x.shape) for x in ins],
         out_specs=[full(o.shape) for o in outs], name="pjax_cache_attention",
         **call_kwargs(num_warps, num_stages),
     )(*ins)
-    # merge the splits (and the sinks) in float32: rows r = (query t, head j in group)
+
+
+def merge(o_s, m_s, l_s, *, t: int, nh: int, hd: int, sinks=None, dtype=jnp.bfloat16):
+    """Merge the splits (and the sinks) in float32 -> [B, T, nh, hd]; rows r = (query t, head j in group)."""
+    b, _, nkv, m_rows, _ = o_s.shape
+    g = nh // nkv
+    f32 = jnp.float32
     m_all = jnp.max(m_s, axis=1)  # [B, nkv, M]
     if sinks is not None:
         sk = jnp.zeros((nkv, m_rows), f32).at[:, : t * g].set(
@@ -140,4 +144,15 @@ def cache_attention(q, k, v, q_pos, *, scale: float, window: Optional[int] = Non
         denom = denom + jnp.exp(sk[None] - m_safe)
     o = jnp.sum(w[..., None] * o_s, axis=1) / jnp.where(denom == 0, 1.0, denom)[..., None]
     o = o[:, :, : t * g, :hd].reshape(b, nkv, t, g, hd).transpose(0, 2, 1, 3, 4)
-    return o.reshape(b, t, nh, hd).astype(q.dtype)
+    return o.reshape(b, t, nh, hd).astype(dtype)
+
+
+def cache_attention(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, sinks=None, kv_len=None,
+                    block_k: int = BLOCK_K, splits: Optional[int] = None, num_warps: Optional[int] = None,
+                    num_stages: int = 3):
+    """Same contract as `pjax.kernels.cache_attention.reference.cache_attention`."""
+    check_inputs(q, k, v, q_pos, kv_len, sinks)
+    parts = partials(q, k, v, q_pos, scale=scale, window=window, kv_len=kv_len, block_k=block_k, splits=splits,
+                     num_warps=num_warps, num_stages=num_stages)
+    _, t, nh, hd = q.shape
+    return merge(*parts, t=t, nh=nh, hd=hd, sinks=sinks, dtype=q.dtype)
