@@ -70,7 +70,8 @@ def test_acceptance_kernel_equals_reference(monkeypatch, b, k, v, dtype, with_q,
     (2, 6, 6, 3, 24, 80, jnp.bfloat16, 16, False, True),  # draft 2K=6, head_dim not a power of two, window
     (1, 22, 2, 2, 64, 70, jnp.float32, 8, True, False),  # draft 2K=22, MHA, window + sinks
 ])
-def test_cache_attention_kernel_matches_reference(b, t, nh, nkv, hd, s, dtype, window, sinks, kv_len):
+@pytest.mark.parametrize("fused_merge", [True, False])
+def test_cache_attention_kernel_matches_reference(b, t, nh, nkv, hd, s, dtype, window, sinks, kv_len, fused_merge):
     rs = np.random.default_rng(s)
     q = jnp.asarray(rs.normal(size=(b, t, nh, hd)), dtype)
     k = jnp.asarray(rs.normal(size=(b, s, nkv, hd)), dtype)
@@ -81,7 +82,8 @@ def test_cache_attention_kernel_matches_reference(b, t, nh, nkv, hd, s, dtype, w
               sinks=jnp.asarray(rs.normal(size=nh), jnp.float32) if sinks else None,
               kv_len=jnp.asarray(np.minimum(start + t + rs.integers(0, 4, b), s), jnp.int32) if kv_len else None)
     ref = cache_attention(q, k, v, q_pos, **kw, implementation="xla").astype(jnp.float32)
-    out = jax.jit(lambda *a: attn_pallas.cache_attention(*a, **kw, block_k=16))(q, k, v, q_pos).astype(jnp.float32)
+    out = jax.jit(lambda *a: attn_pallas.cache_attention(*a, **kw, block_k=16, fused_merge=fused_merge))(
+        q, k, v, q_pos).astype(jnp.float32)
     tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=tol, rtol=tol)
 

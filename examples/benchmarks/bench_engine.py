@@ -16,7 +16,9 @@ over the groups reported, p10/p90 in the JSON.
    mask slots), sequential = one forward over the K+1 accepted/bonus slots then K-1 one-token passes;
    both include feature fusion (fc), the lm_head on the K sampled slots and argmax.
 2. one full round (verify -> accept -> draft, one program) and its parts timed separately:
-   verify (target over K+1 tokens + float32 logits + aux features), accept, draft.
+   verify (target over K+1 tokens + float32 logits + aux features), accept, draft; on a GPU also the
+   device spans (profiler kernel timestamps, `devtime.py`) of the round, the accept program and the
+   drafter-input metadata program, and their share of the round.
 3. N rounds: one lax.fori_loop program, N back-to-back jitted calls (async dispatch), and N calls that
    read the stop flags after every round (the host round-trip a Python loop needs).
 Prints markdown tables; writes JSON to $OUT/bench_engine.json when $OUT is set.
@@ -45,7 +47,11 @@ from pjax.cache import init_cache  # noqa: E402
 from pjax.decode import DecodeState, Sampling, make_spec, spec_round, verify  # noqa: E402
 from pjax.decode import draft as D  # noqa: E402
 from pjax.decode.step import _accept  # noqa: E402
+from pjax.kernels.metadata import build_draft_inputs  # noqa: E402
 from pjax.models.drafter import DrafterConfig, combine, init_drafter, init_drafter_cache  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from devtime import profile_calls  # noqa: E402
 
 
 def llama_cfg(layers, h, inter, heads, kv, hd, vocab) -> ModelConfig:
@@ -96,6 +102,20 @@ def timed(fn, state, calls: int, warmup: int = 2, groups: int = 5):
         ts.append((time.perf_counter() - t0) * 1e3 / calls)
     q = np.percentile(ts, [10, 90])
     return (statistics.median(ts), float(q[0]), float(q[1])), state
+
+
+def device_span(fn, state, calls: int):
+    """Median device span (ms) of one call of fn(state) -> state from the profiler's kernel timestamps
+    (no host round trip, launch gaps inside the program included); (None, state) without a GPU."""
+    box = [state]
+
+    def call():
+        box[0] = fn(box[0])
+        return box[0]
+    prof = profile_calls(call, (), calls=calls)
+    if prof is None or len(prof[0]) != calls:
+        return None, box[0]
+    return statistics.median(prof[0]) / 1e6, box[0]
 
 
 def synthetic_state(target, drafter, spec, batch: int, capacity: int, pos: int) -> DecodeState:
@@ -195,12 +215,19 @@ class Bench:
         def acc(_):
             return fn["accept"](logits, st.drafts, None, samp, st.pos + 1, nd, spec=spec)
         out["accept"], res = timed(acc, None, calls)
+        out["accept_span"], _ = device_span(acc, None, calls)
+        meta = jax.jit(functools.partial(build_draft_inputs, num_slots=2 * k, mask_token_id=spec.mask_token_id,
+                                         implementation=spec.implementation))
         vt = jnp.concatenate([st.last[:, None], st.drafts], axis=1)
+        out["metadata_span"], _ = device_span(lambda _: meta(res.num_accepted, vt, res.next_token, st.pos), None,
+                                              calls)
         out["draft"], dcache = timed(
             lambda c: fn["draft"](d, c, keep["aux"], vt, res.num_accepted, res.next_token, st.pos, samp, spec=spec)[0],
             st.drafter_cache, calls)
         st = dataclasses.replace(st, target_cache=tcache, drafter_cache=dcache)
-        out["round"], _ = timed(lambda s: fn["round"](t, d, s, samp, spec=spec), st, calls)
+        rnd = lambda s: fn["round"](t, d, s, samp, spec=spec)
+        out["round"], st = timed(rnd, st, calls)
+        out["round_span"], _ = device_span(rnd, st, calls)
         return out
 
     def loops(self, k, drafting, rounds, calls):
@@ -292,6 +319,15 @@ def main(argv=None):
             s = parts["verify"][0] + parts["accept"][0] + parts["draft"][0]
             print(f"| {drafting} | {k} | {parts['verify'][0]:.3f} | {parts['accept'][0]:.3f} | "
                   f"{parts['draft'][0]:.3f} | {s:.3f} | {parts['round'][0]:.3f} |")
+    spans = {key: p for key, p in result["round"].items() if p.get("round_span")}
+    if spans:
+        print("\nDevice spans from the profiler (stand-alone accept / metadata programs: upper bounds of their "
+              "cost inside the round)\n\n| round | accept ms | metadata ms | round ms | (accept + metadata) / round |"
+              "\n|---|---|---|---|---|")
+        for key, p in spans.items():
+            share = (p["accept_span"] + p["metadata_span"]) / p["round_span"]
+            print(f"| {key} | {p['accept_span']:.4f} | {p['metadata_span']:.4f} | {p['round_span']:.3f} | "
+                  f"{100 * share:.2f}% |")
     print(f"\n| mode | K | ms/round: {rounds} rounds in one while_loop | separate calls | separate calls + "
           "host sync |")
     print("|---|---|---|---|---|")

@@ -3,13 +3,14 @@
     PYTHONPATH=. python3 examples/benchmarks/bench_kernels.py            # GPU: full table (~5 min on an H200)
     PYTHONPATH=. python3 examples/benchmarks/bench_kernels.py --smoke    # CPU: tiny shapes, interpret mode
 
-Timing: each op is unrolled inside one jitted program, each copy on its own input buffers (distinct values,
-so XLA can neither merge nor overlap-share copies); a program with R copies and one with 2R copies are
-warmed up and called N times each, and the reported time is the slope (median(2R) - median(R)) / R: the
-fixed cost of a call (Python dispatch, the host round trip of the final sync, ~0.1-4 ms on the H200
-machine) cancels, what remains is device time per op including its launch gaps inside a program
-(R ~ 0.25 GB of input / op bytes, 4..20). Attention copies share K/V (only q differs); a bandwidth above
-the HBM peak is flagged as an invalid measurement.
+Timing: each op is unrolled R times inside one jitted program, each copy on its own input buffers
+(distinct values, so XLA can neither merge nor overlap-share copies); the program is warmed up and called
+N times under the profiler, and the reported time is median(device span of a call) / R, read from the
+GPU's kernel timestamps (`devtime.py`): device time per op including its launch gaps inside a program,
+free of the host round trip that a synchronised call pays on the H200 machine (~0.1-4 ms, varying).
+Without a GPU (smoke runs) the host-clock slope between R- and 2R-copy programs is used instead.
+R ~ 0.25 GB of input / op bytes, 4..40 (metadata: 200). Attention copies share K/V (only q differs); a
+bandwidth above the HBM peak is flagged as an invalid measurement.
 Do not feed all copies the same buffers (even through optimization_barrier): on an H200 with JAX 0.11.2
 that gave attention "bandwidths" of 13-16 TB/s, i.e. copies were merged or overlapped. Ratio = xla / pallas
 measured in the same run. Attention bandwidth = K/V bytes read (2 * B * context * nkv * hd * 2 bytes) / time.
@@ -28,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from devtime import profile_calls
 from pjax.kernels.acceptance import pallas as acc_pallas
 from pjax.kernels.acceptance import reference as acc_ref
 from pjax.kernels.cache_attention import pallas as attn_pallas
@@ -44,13 +46,22 @@ def log(*a):
 
 
 def timed(op, arg_sets, *, calls: int) -> float:
-    """Device seconds of one op call: slope between programs running it len(arg_sets) // 2 and
-    len(arg_sets) times (one copy per element of `arg_sets`), so the fixed per-call cost cancels."""
+    """Device seconds of one op call. The op runs once per element of `arg_sets[:R]` (R = len // 2) inside
+    one jitted program; on a GPU the program's device span is read from the profiler (`devtime.py`) and
+    divided by R. Without a GPU plane: host-clock slope between the R- and 2R-copy programs (the fixed
+    per-call cost cancels)."""
     half = len(arg_sets) // 2
+    prog = jax.jit(lambda s: [op(*a) for a in s])
+    prof = profile_calls(prog, (arg_sets[:half],), calls=calls)
+    if prof is not None:
+        spans, kernels = prof
+        if len(spans) == calls:
+            return statistics.median(spans) / half * 1e-9
+        log(f"  (profile: {len(spans)} kernel groups for {calls} calls; using busy time)")
+        return sum(d for ks in kernels for _, _, d in ks) / calls / half * 1e-9
 
     def median_call(sets):
         f = jax.jit(lambda s: [op(*a) for a in s])
-        jax.block_until_ready(f(sets))
         jax.block_until_ready(f(sets))
         ts = []
         for _ in range(calls):
@@ -59,8 +70,7 @@ def timed(op, arg_sets, *, calls: int) -> float:
             ts.append(time.perf_counter() - t)
         return statistics.median(ts)
 
-    t_half, t_all = median_call(arg_sets[:half]), median_call(arg_sets[: 2 * half])
-    return (t_all - t_half) / half
+    return (median_call(arg_sets) - median_call(arg_sets[:half])) / half
 
 
 def auto_reps(nbytes: float, lo: int = 4, hi: int = 40) -> int:
@@ -257,23 +267,20 @@ def main():
             for b in (64, 1):
                 bench_acceptance(b, 7, 128256, reps=reps, calls=calls, temp=temp)
             for tile, unroll, st, nw, tp in ((1024, 2, 1, 4, 1024), (1024, 8, 1, 4, 1024), (1024, 4, 2, 4, 1024),
-                                             (1024, 4, 3, 4, 1024), (2048, 4, 1, 8, 1024), (1024, 4, 1, 4, 2048),
-                                             (1024, 4, 1, 4, 528), (512, 4, 2, 4, 2048)):
+                                             (1024, 2, 3, 4, 1024), (2048, 4, 1, 8, 1024), (1024, 4, 1, 4, 2048),
+                                             (1024, 4, 1, 4, 528)):
                 if not over_budget(a.budget):
-                    bench_acceptance(64, 7, 128256, reps=reps, calls=calls, temp=temp, label=f"variant t={temp}", tile=tile,
-                                     unroll=unroll, stages=st, warps=nw, target=tp, xla=False)
+                    bench_acceptance(64, 7, 128256, reps=reps, calls=calls, temp=temp, label=f"variant t={temp}",
+                                     tile=tile, unroll=unroll, stages=st, warps=nw, target=tp, xla=False)
         log("\n| op | B | context | T | xla us | pallas us | xla/pallas | xla TB/s | pallas TB/s | max abs err | cfg |"
             "\n|---|---|---|---|---|---|---|---|---|---|---|")
-        bench_attention(1, 16384, 8, reps=reps, calls=calls, xla=False, label="kernel only", kernel_only=True)
-        for b, t in ((1, 8), (1, 22)):
-            for bk, nw, st, sp in ((64, 4, 3, 66), (64, 4, 4, 66), (64, 4, 3, 132), (32, 4, 4, 132),
-                                   (128, 8, 3, 33), (128, 8, 3, 66), (64, 8, 3, 66)):
-                if over_budget(a.budget):
-                    continue
-                bench_attention(b, 16384, t, reps=reps, calls=calls, xla=False, label="variant",
-                                cfg=dict(block_k=bk, num_warps=nw, num_stages=st, splits=sp))
-        bench_attention(1, 16384, 8, reps=reps, calls=calls, xla=False, label="kernel only 66/3", kernel_only=True,
-                        cfg=dict(splits=66))
+        for b, t in ((1, 8), (1, 22), (8, 8)):
+            bench_attention(b, 16384, t, reps=reps, calls=calls, xla=False, label="kernel only", kernel_only=True)
+            for cfg in (dict(), dict(fused_merge=False), dict(splits=66), dict(splits=66, num_stages=2),
+                        dict(splits=132, block_k=32, num_stages=4), dict(block_k=128, num_warps=8),
+                        dict(splits=66, num_stages=4), dict(splits=16, block_k=128, num_warps=8)):
+                if not over_budget(a.budget):
+                    bench_attention(b, 16384, t, reps=reps, calls=calls, xla=False, label="variant", cfg=cfg)
         bench_read(67_108_864, reps=reps, calls=calls)  # the K/V bytes of one batch-1 16K layer
         bench_read(1 << 30, reps=reps, calls=calls)
     log(f"\n# done in {time.time() - T0:.0f} s")
