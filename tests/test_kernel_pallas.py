@@ -55,9 +55,14 @@ def _accept_case(seed, b, k, v, dtype, with_q, trunc):
     (3, 7, 257, jnp.bfloat16, True, False),
     (2, 11, 130, jnp.float32, True, True),
 ])
-def test_acceptance_kernel_equals_reference(monkeypatch, b, k, v, dtype, with_q, trunc):
+@pytest.mark.parametrize("fused", [True, False])
+def test_acceptance_kernel_equals_reference(monkeypatch, b, k, v, dtype, with_q, trunc, fused):
+    """fused: the single-launch small-batch path (argmax drafts only), else the two-kernel path."""
+    if fused and with_q:
+        pytest.skip("draft_probs always take the two-kernel path")
     monkeypatch.setattr(acc_pallas, "TILE", 64)  # several tiles, a ragged tail and vocabulary splits
     monkeypatch.setattr(acc_pallas, "TARGET_PROGRAMS", 64)
+    monkeypatch.setattr(acc_pallas, "FUSED_MAX_ELEMENTS", 1 << 30 if fused else 0)
     logits, drafts, q, kw = _accept_case(b * 100 + k, b, k, v, dtype, with_q, trunc)
     ref = accept(logits, drafts, q, **kw, implementation="xla")
     out = jax.jit(lambda *a: acc_pallas.accept(*a, **kw))(logits, drafts, q)
@@ -91,7 +96,8 @@ def test_cache_attention_kernel_matches_reference(b, t, nh, nkv, hd, s, dtype, w
 def test_kernels_lower_to_triton_for_cuda():
     """Runs the Pallas -> Triton IR lowering (power-of-two shapes, supported primitives) on a CPU host."""
     logits, drafts, q, kw = _accept_case(0, 3, 3, 1000, jnp.bfloat16, True, True)
-    lower_for_gpu(lambda *a: acc_pallas.accept(*a, **kw), logits, drafts, q)
+    lower_for_gpu(lambda *a: acc_pallas.accept(*a, **kw), logits, drafts, q)  # two-kernel path
+    lower_for_gpu(lambda *a: acc_pallas.accept(*a, **kw), logits, drafts)  # single launch
     i32 = jax.ShapeDtypeStruct((4,), jnp.int32)
     lower_for_gpu(lambda *a: meta_pallas.build_draft_inputs(*a, num_slots=6, mask_token_id=3), i32,
                   jax.ShapeDtypeStruct((4, 4), jnp.int32), i32, i32)

@@ -32,6 +32,7 @@ from pjax.kernels.cache_attention.reference import check_inputs
 BLOCK_K = 64
 TARGET_PROGRAMS = 264  # ~2 programs per H200 SM
 NEG_INF = float("-inf")
+MERGE_VOLATILE = True
 
 
 def _kernel(q_ref, k_ref, v_ref, qpos_ref, *refs, t, g, s_len, hd, hdp, m_rows, bk, ns, window, has_len, scale,
@@ -115,9 +116,9 @@ def _kernel(q_ref, k_ref, v_ref, qpos_ref, *refs, t, g, s_len, hd, hdp, m_rows, 
 
         def merge_split(j, carry):
             acc, mx, ls = carry
-            mj = pltriton.load(m_ref.at[b, j, h, pl.ds(0, m_rows)], volatile=True)
-            lj = pltriton.load(l_ref.at[b, j, h, pl.ds(0, m_rows)], volatile=True)
-            oj = pltriton.load(o_ref.at[b, j, h, pl.ds(0, m_rows), pl.ds(0, hdp)], volatile=True)
+            mj = pltriton.load(m_ref.at[b, j, h, pl.ds(0, m_rows)], volatile=MERGE_VOLATILE)
+            lj = pltriton.load(l_ref.at[b, j, h, pl.ds(0, m_rows)], volatile=MERGE_VOLATILE)
+            oj = pltriton.load(o_ref.at[b, j, h, pl.ds(0, m_rows), pl.ds(0, hdp)], volatile=MERGE_VOLATILE)
             m_new = jnp.maximum(mx, mj)
             m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
             a, w = jnp.exp(mx - m_safe), jnp.exp(mj - m_safe)
