@@ -55,14 +55,9 @@ def _accept_case(seed, b, k, v, dtype, with_q, trunc):
     (3, 7, 257, jnp.bfloat16, True, False),
     (2, 11, 130, jnp.float32, True, True),
 ])
-@pytest.mark.parametrize("fused", [True, False])
-def test_acceptance_kernel_equals_reference(monkeypatch, b, k, v, dtype, with_q, trunc, fused):
-    """fused: the single-launch small-batch path (argmax drafts only), else the two-kernel path."""
-    if fused and with_q:
-        pytest.skip("draft_probs always take the two-kernel path")
+def test_acceptance_kernel_equals_reference(monkeypatch, b, k, v, dtype, with_q, trunc):
     monkeypatch.setattr(acc_pallas, "TILE", 64)  # several tiles, a ragged tail and vocabulary splits
     monkeypatch.setattr(acc_pallas, "TARGET_PROGRAMS", 64)
-    monkeypatch.setattr(acc_pallas, "FUSED_MAX_ELEMENTS", 1 << 30 if fused else 0)
     logits, drafts, q, kw = _accept_case(b * 100 + k, b, k, v, dtype, with_q, trunc)
     ref = accept(logits, drafts, q, **kw, implementation="xla")
     out = jax.jit(lambda *a: acc_pallas.accept(*a, **kw))(logits, drafts, q)
@@ -75,8 +70,7 @@ def test_acceptance_kernel_equals_reference(monkeypatch, b, k, v, dtype, with_q,
     (2, 6, 6, 3, 24, 80, jnp.bfloat16, 16, False, True),  # draft 2K=6, head_dim not a power of two, window
     (1, 22, 2, 2, 64, 70, jnp.float32, 8, True, False),  # draft 2K=22, MHA, window + sinks
 ])
-@pytest.mark.parametrize("fused_merge", [True, False])
-def test_cache_attention_kernel_matches_reference(b, t, nh, nkv, hd, s, dtype, window, sinks, kv_len, fused_merge):
+def test_cache_attention_kernel_matches_reference(b, t, nh, nkv, hd, s, dtype, window, sinks, kv_len):
     rs = np.random.default_rng(s)
     q = jnp.asarray(rs.normal(size=(b, t, nh, hd)), dtype)
     k = jnp.asarray(rs.normal(size=(b, s, nkv, hd)), dtype)
@@ -87,8 +81,7 @@ def test_cache_attention_kernel_matches_reference(b, t, nh, nkv, hd, s, dtype, w
               sinks=jnp.asarray(rs.normal(size=nh), jnp.float32) if sinks else None,
               kv_len=jnp.asarray(np.minimum(start + t + rs.integers(0, 4, b), s), jnp.int32) if kv_len else None)
     ref = cache_attention(q, k, v, q_pos, **kw, implementation="xla").astype(jnp.float32)
-    out = jax.jit(lambda *a: attn_pallas.cache_attention(*a, **kw, block_k=16, fused_merge=fused_merge))(
-        q, k, v, q_pos).astype(jnp.float32)
+    out = jax.jit(lambda *a: attn_pallas.cache_attention(*a, **kw, block_k=16))(q, k, v, q_pos).astype(jnp.float32)
     tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=tol, rtol=tol)
 
@@ -96,8 +89,7 @@ def test_cache_attention_kernel_matches_reference(b, t, nh, nkv, hd, s, dtype, w
 def test_kernels_lower_to_triton_for_cuda():
     """Runs the Pallas -> Triton IR lowering (power-of-two shapes, supported primitives) on a CPU host."""
     logits, drafts, q, kw = _accept_case(0, 3, 3, 1000, jnp.bfloat16, True, True)
-    lower_for_gpu(lambda *a: acc_pallas.accept(*a, **kw), logits, drafts, q)  # two-kernel path
-    lower_for_gpu(lambda *a: acc_pallas.accept(*a, **kw), logits, drafts)  # single launch
+    lower_for_gpu(lambda *a: acc_pallas.accept(*a, **kw), logits, drafts, q)
     i32 = jax.ShapeDtypeStruct((4,), jnp.int32)
     lower_for_gpu(lambda *a: meta_pallas.build_draft_inputs(*a, num_slots=6, mask_token_id=3), i32,
                   jax.ShapeDtypeStruct((4, 4), jnp.int32), i32, i32)

@@ -112,14 +112,12 @@ def acc_inputs(b, k, v, *, dtype=jnp.bfloat16, temp=1.0, trunc=False, seed=0):
 
 @guarded
 def bench_acceptance(b, k, v, *, reps, calls, temp=1.0, trunc=False, label="", tile=None, warps=None, unroll=None,
-                     target=None, stages=None, xla=True, fused=None):
+                     target=None, stages=None, xla=True):
     logits, drafts, kw = acc_inputs(b, k, v, temp=temp, trunc=trunc)
     reps = reps or auto_reps(logits.size * 2)
     cfg = {x: y for x, y in (("tile", tile), ("num_warps", warps), ("unroll", unroll), ("num_stages", stages)) if y}
-    old_target, old_fused = acc_pallas.TARGET_PROGRAMS, acc_pallas.FUSED_MAX_ELEMENTS
+    old_target = acc_pallas.TARGET_PROGRAMS
     acc_pallas.TARGET_PROGRAMS = target or old_target
-    if fused is not None:  # force (True) or forbid (False) the single-launch path
-        acc_pallas.FUSED_MAX_ELEMENTS = 1 << 40 if fused else 0
 
     def run(impl):
         if impl == "xla":
@@ -133,11 +131,9 @@ def bench_acceptance(b, k, v, *, reps, calls, temp=1.0, trunc=False, label="", t
     t_x = timed(run("xla"), sets, calls=calls) if xla else float("nan")
     t_p = timed(run("pallas"), sets, calls=calls)
     del sets
-    acc_pallas.TARGET_PROGRAMS, acc_pallas.FUSED_MAX_ELEMENTS = old_target, old_fused
+    acc_pallas.TARGET_PROGRAMS = old_target
     if target:
         cfg["target_programs"] = target
-    if fused is not None:
-        cfg["path"] = "single launch" if fused else "two kernels"
     row = dict(op="acceptance", B=b, K=k, V=v, mode=label or ("greedy" if temp == 0 else "sampled"),
                xla_us=t_x * 1e6, pallas_us=t_p * 1e6, ratio=t_x / t_p, rows_equal=same,
                logits_MB=b * (k + 1) * v * 2 / 1e6, cfg=cfg, reps=reps,
@@ -244,15 +240,14 @@ def main():
     if "acc" in only:
         log("\n| op | B | K | V | mode | xla us | pallas us | xla/pallas | rows equal | pallas TB/s | cfg |"
             "\n|---|---|---|---|---|---|---|---|---|---|---|")
-        for b in batches:
-            for k in ks:
-                bench_acceptance(b, k, vocabs[0], reps=reps, calls=calls)
-        for v in vocabs[1:]:
-            for b in (batches[0], batches[-1]):
-                bench_acceptance(b, 7 if not a.smoke else ks[0], v, reps=reps, calls=calls)
         kk = 7 if not a.smoke else ks[0]
-        for b in (batches[0], batches[-1]):
-            bench_acceptance(b, kk, vocabs[0], reps=reps, calls=calls, temp=0.0)
+        for temp in (0.0, 1.0):
+            for b in batches:
+                for k in ks:
+                    bench_acceptance(b, k, vocabs[0], reps=reps, calls=calls, temp=temp)
+            for v in vocabs[1:]:
+                for b in batches:
+                    bench_acceptance(b, kk, v, reps=reps, calls=calls, temp=temp)
         bench_acceptance(batches[-1] if a.smoke else 8, kk, vocabs[0], reps=reps, calls=calls, trunc=True,
                          label="top-k50/top-p0.9")
     if "attn" in only and not over_budget(a.budget):
@@ -267,21 +262,19 @@ def main():
     if "tune" in only and not a.smoke:
         log("\n## variants\n\n| op | B | K | V | mode | xla us | pallas us | xla/pallas | rows equal | pallas TB/s | cfg |"
             "\n|---|---|---|---|---|---|---|---|---|---|---|")
-        for temp in (0.0, 1.0):
-            for b, v in ((1, 128256), (1, 201088), (8, 128256), (64, 128256)):
-                for fused in (True, False):
-                    bench_acceptance(b, 11 if b == 1 else 7, v, reps=reps, calls=calls, temp=temp, fused=fused,
-                                     xla=fused)
+        for temp in (0.0, 1.0):  # loop shape of the vocabulary pass
+            for tile, unroll, st, nw, tp in ((1024, 2, 1, 4, 1024), (1024, 4, 2, 4, 1024), (2048, 4, 1, 8, 1024),
+                                             (1024, 4, 1, 4, 2048), (1024, 4, 1, 4, 528)):
+                if not over_budget(a.budget):
+                    bench_acceptance(64, 7, 128256, reps=reps, calls=calls, temp=temp, label=f"variant t={temp}",
+                                     tile=tile, unroll=unroll, stages=st, warps=nw, target=tp, xla=False)
         log("\n| op | B | context | T | xla us | pallas us | xla/pallas | xla TB/s | pallas TB/s | max abs err | cfg |"
             "\n|---|---|---|---|---|---|---|---|---|---|---|")
-        for b, t in ((1, 8), (1, 22)):
+        for b, t in ((1, 8), (1, 22), (64, 8)):  # the split kernel alone (no merge epilogue), and split shapes
             bench_attention(b, 16384, t, reps=reps, calls=calls, xla=False, label="kernel only", kernel_only=True)
-            for cfg in (dict(), dict(fused_merge=False), dict(splits=16, block_k=128, num_warps=8),
-                        dict(block_k=128, num_warps=8), dict(splits=24)):
-                bench_attention(b, 16384, t, reps=reps, calls=calls, xla=False, label="variant", cfg=cfg)
-            attn_pallas.MERGE_VOLATILE = False
-            bench_attention(b, 16384, t, reps=reps, calls=calls, xla=False, label="plain-load merge")
-            attn_pallas.MERGE_VOLATILE = True
+            for cfg in (dict(splits=16, block_k=128, num_warps=8), dict(block_k=128, num_warps=8), dict(splits=66)):
+                if not over_budget(a.budget):
+                    bench_attention(b, 16384, t, reps=reps, calls=calls, xla=False, label="variant", cfg=cfg)
         bench_read(67_108_864, reps=reps, calls=calls)  # the K/V bytes of one batch-1 16K layer
         bench_read(1 << 30, reps=reps, calls=calls)
     log(f"\n# done in {time.time() - T0:.0f} s")

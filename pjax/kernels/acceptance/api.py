@@ -9,14 +9,7 @@ from pjax.kernels import _dispatch
 from pjax.kernels.acceptance import reference
 from pjax.kernels.acceptance.reference import AcceptResult
 
-# H200 (JAX 0.11.2, 2026-11-21, examples/benchmarks/bench_kernels.py): 1.0-1.4x faster than XLA in 12 of 16
-# shapes, slower for all-greedy batch 64 (0.79x) and batch 1 at V=201K (0.85x); see docs/benchmarks.md.
-
-
-def _auto_pallas(batch: int, vocab: int) -> bool:
-    """Shapes where the kernel measured faster. With a 201K vocabulary and one row its grid has too few
-    programs per vocab tile to fill the GPU, and XLA's fused reductions won (0.85x at B=1)."""
-    return not (batch == 1 and vocab >= 200_000)
+# H200 (JAX 0.11.2, examples/benchmarks/bench_kernels.py): timings in docs/benchmarks.md section 2.
 
 
 @functools.partial(jax.jit, static_argnames=("implementation",))
@@ -30,7 +23,7 @@ def accept(logits, draft_ids, draft_probs=None, *, temperature, top_k=None, top_
     num_drafts [B] i32 or None (= K). Returns AcceptResult(tokens [B, K+1] -1 padded, num_accepted [B],
     next_token [B]). Exact rule: `pjax.kernels.acceptance.reference`.
     """
-    impl = _dispatch.resolve(implementation, auto_pallas=_auto_pallas(logits.shape[0], logits.shape[-1]))
+    impl = _dispatch.resolve(implementation)
     kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds, positions=positions,
               num_drafts=num_drafts)
     if impl == "xla" or draft_ids.shape[1] == 0:  # K = 0 is a plain sample: nothing to fuse

@@ -1,8 +1,7 @@
-"""Pallas (Triton) speculative acceptance: one launch for small batches, two for large ones.
+"""Pallas (Triton) speculative acceptance: two vocabulary-streaming kernels around tiny XLA glue.
 
 Why: the XLA reference reads the [B, K+1, V] logits once per reduction it cannot fuse (argmax, max,
-sum-exp) and launches several fusions. Here, for large batches (B (K+1) V > FUSED_MAX_ELEMENTS or with
-draft_probs):
+sum-exp) and launches several fusions; here
 1. `stats` reads every logit exactly once (grid B x (K+1) x vocab splits; per-lane running values over
    vocabulary tiles, reduced across lanes once at the end; greedy and stochastic rows in the same launch,
    each taking only the loop it needs: greedy rows a raw argmax, stochastic rows the kept max / sum-exp
@@ -15,10 +14,6 @@ draft_probs):
    pass;
 3. one small XLA fusion merges the race splits and writes the -1 padded tokens.
 Bytes moved: B (K+2) V logit elements (+ B V draft probabilities), vs >= 3 B (K+1) V for XLA.
-For small batches (batch 1 decoding), where launches and not bytes set the time, everything is one
-launch (`accept_fused`): the stats programs also run the race at every position (for position i
-excluding d_i when i < n; the walk later picks position a), then the last program of each row to
-finish (an atomic arrival counter) merges the row's statistics, runs the walk and writes the tokens.
 Top-k / top-p: the per-position keep threshold comes from the shared sort-based pre-pass
 (`reference.truncation_threshold`, a full sort of B (K+1) V floats -- the dominant cost when enabled,
 skipped entirely when top_k and top_p are None); the kernels then mask with `x >= thr`.
@@ -39,7 +34,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pjax.kernels import rng
-from pjax.kernels._dispatch import interpret
 from pjax.kernels._pallas_util import call_kwargs, next_pow2
 from pjax.kernels.acceptance import reference as ref
 from pjax.kernels.acceptance.reference import AcceptResult
@@ -47,7 +41,6 @@ from pjax.kernels.acceptance.reference import AcceptResult
 TILE = 1024  # vocabulary lanes per load (power of two)
 UNROLL = 4  # loads issued back to back per loop step (bytes in flight per thread: the loops are latency bound)
 TARGET_PROGRAMS = 1024  # ~8 programs per H200 SM: split the vocabulary until the grid is this large
-FUSED_MAX_ELEMENTS = 1 << 22  # single-launch path up to this many logits (racing every position costs compute)
 NEG_INF = float("-inf")
 _BIG = np.int32(2 ** 31 - 1)
 _FMIN = np.float32(np.finfo(np.float32).min)
@@ -74,153 +67,58 @@ def _reduce_argmax(best_v, best_i, axis=None):
     return top, jnp.min(jnp.where(best_v == top_b, best_i, _BIG), axis=axis)
 
 
-def _vocab_pass(lg_ref, b, i, base, *, steps, greedy_int, inv_t, thr, tile, unroll, race=None):
-    """One pass over logits[b, i, base : base + steps * unroll * tile] (tail lanes load as -inf, which
-    neither an argmax nor the kept sum can pick up). Greedy rows (greedy_int = 1) take the raw-argmax
-    loop, stochastic rows the kept (max, sum-exp) loop -- the walk never uses the other pair. With
-    race = (seed, pos, excl) the stochastic loop also runs the exponential race (argmax of x + Gumbel
-    over kept lanes != excl). Returns per-lane (argmax value, index, m, z, race value, race index)."""
+def _stats_kernel(lg_ref, gr_ref, inv_t_ref, *refs, chunk, tile, unroll, use_thr):
+    """Program (b, i, s) over logits[b, i, split s]: greedy rows the raw argmax only, stochastic rows the
+    kept (max, sum-exp) only -- the walk never uses the other pair, so each row pays for one of them."""
+    if use_thr:
+        thr_ref, av_ref, ai_ref, m_ref, z_ref = refs
+    else:
+        av_ref, ai_ref, m_ref, z_ref = refs
+    b, i, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    inv_t = inv_t_ref[b]
+    thr = thr_ref[b, i] if use_thr else None
     lanes = jnp.arange(tile, dtype=jnp.int32)
+    base = s * chunk
+    v_len = lg_ref.shape[-1]
 
     def tiles(t):
+        """The unroll tiles of loop step t, loads issued back to back: [(first index, raw f32)]. The
+        vocabulary tail loads as -inf, which neither argmax nor the kept sum can pick up."""
         start = pl.multiple_of(base + t * (unroll * tile), tile)
-        v_len = lg_ref.shape[-1]
         raws = [pltriton.load(lg_ref.at[b, i, pl.ds(start + u * tile, tile)], mask=start + u * tile + lanes < v_len,
-                              other=NEG_INF) for u in range(unroll)]  # loads issued back to back
-        return [(start + u * tile + lanes, r.astype(jnp.float32)) for u, r in enumerate(raws)]
+                              other=NEG_INF) for u in range(unroll)]
+        return [(start + u * tile, r.astype(jnp.float32)) for u, r in enumerate(raws)]
 
     def greedy_body(t, carry):
         bv, bi = carry
-        for idx, raw in tiles(t):
-            bv, bi = _lane_argmax(raw, idx, bv, bi)
+        for first, raw in tiles(t):
+            bv, bi = _lane_argmax(raw, first + lanes, bv, bi)
         return bv, bi
 
     def sampled_body(t, carry):
-        # online softmax with one exp per element: z <- z e^(m - x) + 1 if x > m else z + e^(x - m)
-        m, z, rv, ri = carry
-        for idx, raw in tiles(t):
+        # per-lane online softmax with one exp per element: z <- z e^(m - x) + 1 if x > m else z + e^(x - m)
+        m, z = carry
+        for _, raw in tiles(t):
             x = raw * inv_t
-            if thr is not None:
+            if use_thr:
                 x = jnp.where(x >= thr, x, NEG_INF)
             e = jnp.exp(-jnp.abs(x - m))
             up = x > m
             m, z = jnp.where(up, x, m), jnp.where(up, z * e + 1.0, z + e)
-            if race is not None:
-                seed, pos, excl = race
-                rv, ri = _lane_argmax(jnp.where(idx != excl, x + rng.gumbel(seed, pos, idx), NEG_INF), idx, rv, ri)
-        return m, z, rv, ri
+        return m, z
 
-    neg = jnp.full((tile,), NEG_INF, jnp.float32)
-    zero = jnp.zeros((tile,), jnp.int32)
-    g = greedy_int  # loop bounds are traced int32 values so both scf.for types match
-    bv, bi = jax.lax.fori_loop(g * 0, g * steps, greedy_body, (neg, zero))
-    m, z, rv, ri = jax.lax.fori_loop(g * 0, (1 - g) * steps, sampled_body,
-                                     (jnp.full((tile,), _FMIN, jnp.float32), jnp.zeros((tile,), jnp.float32), neg,
-                                      zero))
-    return bv, bi, m, z, rv, ri
-
-
-def _store_stats(refs, idx, bv, bi, m, z):
-    """(argmax value, argmax index, max, sum-exp) of one (row, position, split)."""
-    av_ref, ai_ref, m_ref, z_ref = refs
+    steps = chunk // (unroll * tile)
+    g = gr_ref[b]  # 1 = greedy row; loop bounds are traced int32 values so both scf.for types match
+    bv, bi = jax.lax.fori_loop(g * 0, g * steps, greedy_body,
+                               (jnp.full((tile,), NEG_INF, jnp.float32), jnp.zeros((tile,), jnp.int32)))
+    m, z = jax.lax.fori_loop(g * 0, (1 - g) * steps, sampled_body,
+                             (jnp.full((tile,), _FMIN, jnp.float32), jnp.zeros((tile,), jnp.float32)))
     top, arg = _reduce_argmax(bv, bi)
     mm = jnp.max(m)
-    av_ref[idx] = top
-    ai_ref[idx] = arg
-    m_ref[idx] = mm
-    z_ref[idx] = jnp.sum(z * jnp.exp(m - mm))
-
-
-def _stats_kernel(lg_ref, gr_ref, inv_t_ref, *refs, chunk, tile, unroll, use_thr):
-    """Program (b, i, s): statistics of logits[b, i, split s]."""
-    thr_ref, refs = (refs[0], refs[1:]) if use_thr else (None, refs)
-    b, i, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    thr = thr_ref[b, i] if use_thr else None
-    bv, bi, m, z, _, _ = _vocab_pass(lg_ref, b, i, s * chunk, steps=chunk // (unroll * tile), greedy_int=gr_ref[b],
-                                     inv_t=inv_t_ref[b], thr=thr, tile=tile, unroll=unroll)
-    _store_stats(refs, (b, i, s), bv, bi, m, z)
-
-
-def _merged_stats(stat_refs, b, *, k, ns1, kp, nsp, volatile=False):
-    """Row b's per-split statistics merged over splits: (amax, m, z) of positions 0..kp-1 (valid <= k)."""
-    ii = jnp.arange(kp, dtype=jnp.int32)
-    jj = jnp.arange(nsp, dtype=jnp.int32)
-    i2 = jnp.broadcast_to(ii[:, None], (kp, nsp))
-    j2 = jnp.broadcast_to(jj[None, :], (kp, nsp))
-    mk = (i2 <= k) & (j2 < ns1)
-    at = (b, jnp.minimum(i2, k), jnp.minimum(j2, ns1 - 1))
-    av_ref, ai_ref, ms_ref, zs_ref = stat_refs
-    av = pltriton.load(av_ref.at[at], mask=mk, other=NEG_INF, volatile=volatile)
-    ai = pltriton.load(ai_ref.at[at], mask=mk, other=0, volatile=volatile)
-    ms = pltriton.load(ms_ref.at[at], mask=mk, other=_FMIN, volatile=volatile)
-    zs = pltriton.load(zs_ref.at[at], mask=mk, other=0.0, volatile=volatile)
-    _, amax = _reduce_argmax(av, ai, axis=1)
-    m = jnp.max(ms, axis=1)
-    z = jnp.sum(zs * jnp.exp(ms - m[:, None]), axis=1)
-    return amax, jnp.where(m == _FMIN, NEG_INF, m), z
-
-
-def _walk(lg_ref, q_ref, d_ref, thr_ref, b, *, amax, m, z, n, greedy, inv_t, seed, pos0, k, kp, v):
-    """The acceptance tests of drafts 0..k-1 (as `reference.accept_walk`) -> (a = first rejected or
-    invalid index <= n, drafts [kp] (-1 past k), thr [kp] or None)."""
-    ii = jnp.arange(kp, dtype=jnp.int32)
-    ic = jnp.minimum(ii, max(k - 1, 0))
-    dmask = ii < k
-    d = pltriton.load(d_ref.at[b, ic], mask=dmask, other=-1)
-    dc = jnp.clip(d, 0, v - 1)
-    x_d = pltriton.load(lg_ref.at[b, ic, dc], mask=dmask, other=0.0).astype(jnp.float32) * inv_t
-    thr = None if thr_ref is None else pltriton.load(thr_ref.at[b, jnp.minimum(ii, k)], mask=ii <= k, other=NEG_INF)
-    p_d = jnp.exp(x_d - m) / z
-    if thr is not None:
-        p_d = jnp.where(x_d >= thr, p_d, 0.0)
-    q_d = 1.0 if q_ref is None else pltriton.load(q_ref.at[b, ic, dc], mask=dmask, other=1.0).astype(jnp.float32)
-    u = rng.uniform(seed, pos0 + ii, 0, rng.STREAM_ACCEPT)
-    valid = (ii < n) & (d >= 0) & (d < v)
-    acc = valid & jnp.where(greedy, d == amax, (q_d > 0) & (u * q_d < p_d))
-    return jnp.min(jnp.where(acc, _BIG, ii)), d, thr
-
-
-def _fused_kernel(lg_ref, gr_ref, inv_t_ref, d_ref, n_ref, seed_ref, pos_ref, *refs, k, v, ns, kp, nsp, chunk, tile,
-                  unroll, use_thr):
-    """Program (b, i, s): statistics and race of logits[b, i, split s]; the row's last program to finish
-    merges them, walks, and writes tokens / num_accepted / next_token."""
-    refs = list(refs)
-    thr_ref = refs.pop(0) if use_thr else None
-    refs.pop(0)  # zeroed arrival counters (aliased to cnt_ref)
-    av_ref, ai_ref, ms_ref, zs_ref, rv_ref, ri_ref, tok_ref, na_ref, nt_ref, cnt_ref = refs
-    b, i, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    inv_t, seed, pos0, g_int = inv_t_ref[b], seed_ref[b], pos_ref[b], gr_ref[b]
-    n = jnp.clip(n_ref[b], 0, k)
-    d_i = pltriton.load(d_ref.at[b, jnp.minimum(i, max(k - 1, 0))], mask=i < k, other=-1) if k > 0 else -1
-    excl = jnp.where(i < n, d_i, -1)  # a rejection at i excludes d_i (argmax drafts); i = n is the bonus
-    thr = thr_ref[b, i] if use_thr else None
-    bv, bi, m, z, rv, ri = _vocab_pass(lg_ref, b, i, s * chunk, steps=chunk // (unroll * tile), greedy_int=g_int,
-                                       inv_t=inv_t, thr=thr, tile=tile, unroll=unroll, race=(seed, pos0 + i, excl))
-    stat_refs = (av_ref, ai_ref, ms_ref, zs_ref)
-    _store_stats(stat_refs, (b, i, s), bv, bi, m, z)
-    rv_ref[b, i, s], ri_ref[b, i, s] = _reduce_argmax(rv, ri)
-
-    # publish (CTA barrier, then the acq_rel gpu-scope atomic) and count this program's arrival
-    if not interpret():
-        pltriton.debug_barrier()
-    arrived = pltriton.atomic_add(cnt_ref, (b,), jnp.int32(1))
-
-    @pl.when(arrived == (k + 1) * ns - 1)
-    def _():
-        if not interpret():
-            pltriton.debug_barrier()
-        amax, m_all, z_all = _merged_stats(stat_refs, b, k=k, ns1=ns, kp=kp, nsp=nsp, volatile=True)
-        greedy = g_int != 0
-        a, d, _ = _walk(lg_ref, None, d_ref, thr_ref, b, amax=amax, m=m_all, z=z_all, n=n, greedy=greedy,
-                        inv_t=inv_t, seed=seed, pos0=pos0, k=k, kp=kp, v=v)
-        jj = jnp.arange(nsp, dtype=jnp.int32)
-        rv_a = pltriton.load(rv_ref.at[b, a, jnp.minimum(jj, ns - 1)], mask=jj < ns, other=NEG_INF, volatile=True)
-        ri_a = pltriton.load(ri_ref.at[b, a, jnp.minimum(jj, ns - 1)], mask=jj < ns, other=0, volatile=True)
-        ii = jnp.arange(kp, dtype=jnp.int32)
-        nxt = jnp.where(greedy, jnp.max(jnp.where(ii == a, amax, -1)), _reduce_argmax(rv_a, ri_a)[1])
-        pltriton.store(tok_ref.at[b, ii], jnp.where(ii < a, d, jnp.where(ii == a, nxt, -1)))  # [B, kp]
-        na_ref[b] = a
-        nt_ref[b] = nxt
+    av_ref[b, i, s] = top
+    ai_ref[b, i, s] = arg
+    m_ref[b, i, s] = mm
+    z_ref[b, i, s] = jnp.sum(z * jnp.exp(m - mm))
 
 
 def _race_kernel(*refs, v, k, ns1, nsp, kp, chunk, tile, unroll, use_thr, has_q):
@@ -232,15 +130,43 @@ def _race_kernel(*refs, v, k, ns1, nsp, kp, chunk, tile, unroll, use_thr, has_q)
     d_ref, n_ref, gr_ref, inv_t_ref, seed_ref, pos_ref = refs[:6]
     refs = refs[6:]
     thr_ref = refs.pop(0) if use_thr else None
-    stat_refs, (pv_ref, pi_ref, qv_ref, qi_ref, na_ref, ga_ref, uq_ref) = refs[:4], refs[4:]
+    av_ref, ai_ref, ms_ref, zs_ref, pv_ref, pi_ref, qv_ref, qi_ref, na_ref, ga_ref, uq_ref = refs
     b, s = pl.program_id(0), pl.program_id(1)
     inv_t, seed, pos0 = inv_t_ref[b], seed_ref[b], pos_ref[b]
     greedy = gr_ref[b] != 0
     n = jnp.clip(n_ref[b], 0, k)
-    amax, m, z = _merged_stats(stat_refs, b, k=k, ns1=ns1, kp=kp, nsp=nsp)
-    a, d, thr = _walk(lg_ref, q_ref, d_ref, thr_ref, b, amax=amax, m=m, z=z, n=n, greedy=greedy, inv_t=inv_t,
-                      seed=seed, pos0=pos0, k=k, kp=kp, v=v)
+
+    # merge the per-split statistics of positions 0..k: [kp, nsp] tiles
     ii = jnp.arange(kp, dtype=jnp.int32)
+    jj = jnp.arange(nsp, dtype=jnp.int32)
+    i2 = jnp.broadcast_to(ii[:, None], (kp, nsp))
+    j2 = jnp.broadcast_to(jj[None, :], (kp, nsp))
+    mk = (i2 <= k) & (j2 < ns1)
+    i2c, j2c = jnp.minimum(i2, k), jnp.minimum(j2, ns1 - 1)
+    av = pltriton.load(av_ref.at[b, i2c, j2c], mask=mk, other=NEG_INF)
+    ai = pltriton.load(ai_ref.at[b, i2c, j2c], mask=mk, other=0)
+    ms = pltriton.load(ms_ref.at[b, i2c, j2c], mask=mk, other=_FMIN)
+    zs = pltriton.load(zs_ref.at[b, i2c, j2c], mask=mk, other=0.0)
+    _, amax = _reduce_argmax(av, ai, axis=1)
+    m = jnp.max(ms, axis=1)
+    z = jnp.sum(zs * jnp.exp(ms - m[:, None]), axis=1)
+    m = jnp.where(m == _FMIN, NEG_INF, m)
+
+    # acceptance tests of drafts 0..k-1
+    ic = jnp.minimum(ii, max(k - 1, 0))
+    dmask = ii < k
+    d = pltriton.load(d_ref.at[b, ic], mask=dmask, other=-1)
+    dc = jnp.clip(d, 0, v - 1)
+    x_d = pltriton.load(lg_ref.at[b, ic, dc], mask=dmask, other=0.0).astype(jnp.float32) * inv_t
+    thr = pltriton.load(thr_ref.at[b, jnp.minimum(ii, k)], mask=ii <= k, other=NEG_INF) if use_thr else None
+    p_d = jnp.exp(x_d - m) / z
+    if use_thr:
+        p_d = jnp.where(x_d >= thr, p_d, 0.0)
+    q_d = pltriton.load(q_ref.at[b, ic, dc], mask=dmask, other=1.0).astype(jnp.float32) if has_q else 1.0
+    u = rng.uniform(seed, pos0 + ii, 0, rng.STREAM_ACCEPT)
+    valid = (ii < n) & (d >= 0) & (d < v)
+    acc = valid & jnp.where(greedy, d == amax, (q_d > 0) & (u * q_d < p_d))
+    a = jnp.min(jnp.where(acc, _BIG, ii))  # first rejected (or invalid) index; <= n
     at = ii == a
     rejected = a < n
     d_a = jnp.max(jnp.where(at, d, -1))
@@ -319,28 +245,6 @@ def _stats(logits, greedy, inv_t, thr, *, tile, unroll, num_warps, num_stages):
     )(*ins)
 
 
-def _accept_fused(logits, drafts, n, g_int, inv_t, seeds, positions, thr, *, tile, unroll, num_warps, num_stages):
-    """The single-launch path (`_fused_kernel`): argmax drafts, small B (K+1) V."""
-    b, r, v = logits.shape
-    k, kp = r - 1, next_pow2(r)
-    ns, chunk = _splits(v, b * r, tile * unroll)
-    i32, f32 = jnp.int32, jnp.float32
-    ins = [logits, g_int, inv_t, drafts, n, seeds, positions] + ([thr] if thr is not None else [])
-    ins.append(jnp.zeros((b,), i32))  # arrival counters, aliased to the last output
-    outs = ([jax.ShapeDtypeStruct((b, r, ns), dt) for dt in (f32, i32, f32, f32, f32, i32)]
-            + [jax.ShapeDtypeStruct((b, kp), i32), jax.ShapeDtypeStruct((b,), i32), jax.ShapeDtypeStruct((b,), i32),
-               jax.ShapeDtypeStruct((b,), i32)])
-    res = pl.pallas_call(
-        functools.partial(_fused_kernel, k=k, v=v, ns=ns, kp=kp, nsp=next_pow2(ns), chunk=chunk, tile=tile,
-                          unroll=unroll, use_thr=thr is not None),
-        grid=(b, r, ns), out_shape=outs, in_specs=[_full(x.shape) for x in ins],
-        out_specs=[_full(o.shape) for o in outs], input_output_aliases={len(ins) - 1: len(outs) - 1},
-        name="pjax_accept_fused", **call_kwargs(num_warps, num_stages),
-    )(*ins)
-    tokens, na, nt = res[6:9]
-    return AcceptResult(tokens[:, :r], na, nt)
-
-
 def _tile_unroll(v, tile, unroll):
     tile = min(tile or TILE, next_pow2(v))
     return tile, max(1, min(unroll or UNROLL, pl.cdiv(v, tile)))
@@ -359,15 +263,12 @@ def accept(logits, draft_ids, draft_probs=None, *, temperature, top_k=None, top_
     thr = ref.truncation_threshold(ref.scaled(logits, inv_t), top_k, top_p) if use_thr else None
     tile, unroll = _tile_unroll(v, tile, unroll)
     g_int = greedy.astype(jnp.int32)
-    n = jnp.full((b,), k, jnp.int32) if num_drafts is None else num_drafts.astype(jnp.int32)
-    if draft_probs is None and k > 0 and b * (k + 1) * v <= FUSED_MAX_ELEMENTS:
-        return _accept_fused(logits, draft_ids.astype(jnp.int32), n, g_int, inv_t, seeds, positions, thr, tile=tile,
-                             unroll=unroll, num_warps=num_warps, num_stages=num_stages)
     av, ai, m_s, z_s = _stats(logits, g_int, inv_t, thr, tile=tile, unroll=unroll, num_warps=num_warps,
                               num_stages=num_stages)
     ns1 = av.shape[-1]
     has_q = draft_probs is not None and k > 0
     ns2, chunk = _splits(v, b, tile * unroll)
+    n = jnp.full((b,), k, jnp.int32) if num_drafts is None else num_drafts.astype(jnp.int32)
     ins = ([logits] + ([draft_probs] if has_q else [])
            + [draft_ids.astype(jnp.int32), n, g_int, inv_t, seeds, positions]
            + ([thr] if use_thr else []) + [av, ai, m_s, z_s])

@@ -25,26 +25,20 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pjax.kernels._dispatch import interpret
 from pjax.kernels._pallas_util import call_kwargs, next_pow2
 from pjax.kernels.cache_attention.reference import check_inputs
 
 BLOCK_K = 64
 TARGET_PROGRAMS = 264  # ~2 programs per H200 SM
 NEG_INF = float("-inf")
-MERGE_VOLATILE = True
 
 
 def _kernel(q_ref, k_ref, v_ref, qpos_ref, *refs, t, g, s_len, hd, hdp, m_rows, bk, ns, window, has_len, scale,
-            precision, fused, has_sinks):
-    refs = list(refs)
-    len_ref = refs.pop(0) if has_len else None
-    sink_ref = refs.pop(0) if has_sinks else None
-    if fused:
-        refs.pop(0)  # the zeroed arrival counters, aliased to cnt_ref
-        out_ref, o_ref, m_ref, l_ref, cnt_ref = refs
+            precision):
+    if has_len:
+        len_ref, o_ref, m_ref, l_ref = refs
     else:
-        o_ref, m_ref, l_ref = refs
+        (o_ref, m_ref, l_ref), len_ref = refs, None
     b, h, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     r = jnp.arange(m_rows, dtype=jnp.int32)
     t_idx, j_idx = r // g, r % g
@@ -100,50 +94,15 @@ def _kernel(q_ref, k_ref, v_ref, qpos_ref, *refs, t, g, s_len, hd, hdp, m_rows, 
     pltriton.store(o_ref.at[b, sp, h, pl.ds(0, m_rows), pl.ds(0, hdp)], acc)
     pltriton.store(m_ref.at[b, sp, h, pl.ds(0, m_rows)], m)
     pltriton.store(l_ref.at[b, sp, h, pl.ds(0, m_rows)], l)
-    if not fused:
-        return
-    # The last program of (b, h) to finish merges all splits: make this program's partials visible
-    # (CTA barrier, then the acq_rel gpu-scope atomic), count the arrival, and let the last one read the
-    # others' partials with volatile loads (from L2: never a stale L1 line).
-    if not interpret():
-        pltriton.debug_barrier()
-    arrived = pltriton.atomic_add(cnt_ref, (b, h), jnp.int32(1))
-
-    @pl.when(arrived == ns - 1)
-    def _():
-        if not interpret():
-            pltriton.debug_barrier()
-
-        def merge_split(j, carry):
-            acc, mx, ls = carry
-            mj = pltriton.load(m_ref.at[b, j, h, pl.ds(0, m_rows)], volatile=MERGE_VOLATILE)
-            lj = pltriton.load(l_ref.at[b, j, h, pl.ds(0, m_rows)], volatile=MERGE_VOLATILE)
-            oj = pltriton.load(o_ref.at[b, j, h, pl.ds(0, m_rows), pl.ds(0, hdp)], volatile=MERGE_VOLATILE)
-            m_new = jnp.maximum(mx, mj)
-            m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
-            a, w = jnp.exp(mx - m_safe), jnp.exp(mj - m_safe)
-            return acc * a[:, None] + oj * w[:, None], m_new, ls * a + lj * w
-
-        acc, mx, ls = jax.lax.fori_loop(0, ns, merge_split, init)
-        if has_sinks:  # the sink joins the softmax denominator only
-            sk = pltriton.load(sink_ref.at[h * g + j_idx], mask=rmask, other=NEG_INF).astype(jnp.float32)
-            m_new = jnp.maximum(mx, sk)
-            m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
-            a = jnp.exp(mx - m_safe)
-            acc, ls = acc * a[:, None], ls * a + jnp.exp(sk - m_safe)
-        o = acc / jnp.where(ls == 0, 1.0, ls)[:, None]
-        # padding rows are masked; interpret mode applies a masked store as a read-modify-write scatter, so
-        # there they get their own spare row t instead of aliasing a real one
-        t_out = jnp.where(rmask, t_idx, t if interpret() else 0)
-        pltriton.store(out_ref.at[b, t_out[:, None], (h * g + j_idx)[:, None], d[None, :]], o.astype(out_ref.dtype),
-                       mask=qmask)
 
 
 def num_splits(b: int, nkv: int, s: int, bk: int) -> int:
     return max(1, min(pl.cdiv(s, bk), pl.cdiv(TARGET_PROGRAMS, b * nkv)))
 
 
-def _call(q, k, v, q_pos, *, scale, window, kv_len, sinks, block_k, splits, num_warps, num_stages, fused):
+def partials(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, kv_len=None, block_k: int = BLOCK_K,
+             splits: Optional[int] = None, num_warps: Optional[int] = None, num_stages: int = 3):
+    """The kernel alone: unnormalised per-split results (o [B, ns, nkv, M, hdp], m, l [B, ns, nkv, M])."""
     b, t, nh, hd = q.shape
     s_len, nkv = k.shape[1], k.shape[2]
     g = nh // nkv
@@ -153,39 +112,23 @@ def _call(q, k, v, q_pos, *, scale, window, kv_len, sinks, block_k, splits, num_
     ns = splits or num_splits(b, nkv, s_len, bk)
     num_warps = num_warps or (4 if m_rows < 128 else 8)
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-    has_len, has_sinks = kv_len is not None, fused and sinks is not None
+    has_len = kv_len is not None
     kern = functools.partial(_kernel, t=t, g=g, s_len=s_len, hd=hd, hdp=hdp, m_rows=m_rows, bk=bk, ns=ns,
-                             window=window, has_len=has_len, scale=float(scale), precision=precision, fused=fused,
-                             has_sinks=has_sinks)
+                             window=window, has_len=has_len, scale=float(scale), precision=precision)
     f32 = jnp.float32
     outs = [jax.ShapeDtypeStruct((b, ns, nkv, m_rows, hdp), f32), jax.ShapeDtypeStruct((b, ns, nkv, m_rows), f32),
             jax.ShapeDtypeStruct((b, ns, nkv, m_rows), f32)]
     ins = [q, k, v, q_pos.astype(jnp.int32)] + ([jnp.asarray(kv_len, jnp.int32)] if has_len else [])
-    ins += [sinks.astype(f32)] if has_sinks else []
-    aliases = {}
-    if fused:
-        spare = 1 if interpret() else 0  # see the final store in _kernel
-        outs = [jax.ShapeDtypeStruct((b, t + spare, nh, hd), q.dtype)] + outs + [
-            jax.ShapeDtypeStruct((b, nkv), jnp.int32)]
-        aliases = {len(ins): len(outs) - 1}
-        ins.append(jnp.zeros((b, nkv), jnp.int32))
     full = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
     return pl.pallas_call(
         kern, grid=(b, nkv, ns), out_shape=outs, in_specs=[full(x.shape) for x in ins],
-        out_specs=[full(o.shape) for o in outs], input_output_aliases=aliases, name="pjax_cache_attention",
+        out_specs=[full(o.shape) for o in outs], name="pjax_cache_attention",
         **call_kwargs(num_warps, num_stages),
     )(*ins)
 
 
-def partials(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, kv_len=None, block_k: int = BLOCK_K,
-             splits: Optional[int] = None, num_warps: Optional[int] = None, num_stages: int = 3):
-    """The split kernel alone: unnormalised per-split results (o [B, ns, nkv, M, hdp], m, l [B, ns, nkv, M])."""
-    return _call(q, k, v, q_pos, scale=scale, window=window, kv_len=kv_len, sinks=None, block_k=block_k,
-                 splits=splits, num_warps=num_warps, num_stages=num_stages, fused=False)
-
-
 def merge(o_s, m_s, l_s, *, t: int, nh: int, hd: int, sinks=None, dtype=jnp.bfloat16):
-    """XLA merge of the splits (and the sinks) in float32 -> [B, T, nh, hd]; rows r = (query t, head j)."""
+    """Merge the splits (and the sinks) in float32 -> [B, T, nh, hd]; rows r = (query t, head j in group)."""
     b, _, nkv, m_rows, _ = o_s.shape
     g = nh // nkv
     f32 = jnp.float32
@@ -206,13 +149,10 @@ def merge(o_s, m_s, l_s, *, t: int, nh: int, hd: int, sinks=None, dtype=jnp.bflo
 
 def cache_attention(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, sinks=None, kv_len=None,
                     block_k: int = BLOCK_K, splits: Optional[int] = None, num_warps: Optional[int] = None,
-                    num_stages: int = 3, fused_merge: bool = True):
-    """Same contract as `pjax.kernels.cache_attention.reference.cache_attention`. fused_merge: the last
-    program of each (row, KV head) merges the splits inside the kernel (one launch); False: XLA merge."""
+                    num_stages: int = 3):
+    """Same contract as `pjax.kernels.cache_attention.reference.cache_attention`."""
     check_inputs(q, k, v, q_pos, kv_len, sinks)
-    kw = dict(scale=scale, window=window, kv_len=kv_len, block_k=block_k, splits=splits, num_warps=num_warps,
-              num_stages=num_stages)
-    if fused_merge:
-        return _call(q, k, v, q_pos, sinks=sinks, fused=True, **kw)[0][:, : q.shape[1]]
+    parts = partials(q, k, v, q_pos, scale=scale, window=window, kv_len=kv_len, block_k=block_k, splits=splits,
+                     num_warps=num_warps, num_stages=num_stages)
     _, t, nh, hd = q.shape
-    return merge(*partials(q, k, v, q_pos, **kw), t=t, nh=nh, hd=hd, sinks=sinks, dtype=q.dtype)
+    return merge(*parts, t=t, nh=nh, hd=hd, sinks=sinks, dtype=q.dtype)
