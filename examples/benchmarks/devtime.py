@@ -9,7 +9,8 @@ included) and the time of named kernels are exact to the microsecond.
     span_us = median(spans) / 1e3            # device time of one call, ns -> us
     kernels[0]                               # [(kernel name, start ns, duration ns)] of the first call
 
-Calls are separated by the host sync between them (a gap of > `gap_ns` with no kernel running). On a
+Calls are told apart by kernel count (every call runs the same program, so the events split into equal
+runs), else by the host sync between them (a gap of > `gap_ns` with no kernel running). On a
 host without a GPU plane (CPU), `profile_calls` returns None and callers fall back to host timing.
 """
 from __future__ import annotations
@@ -48,6 +49,10 @@ def profile_calls(f, args, *, calls: int, gap_ns: int = GAP_NS):
     events = _gpu_kernel_events(session.stop())
     if not events:
         return None
+    if len(events) % calls == 0:  # every call runs the same program: equal runs of kernels
+        n = len(events) // calls
+        groups = [events[c * n:(c + 1) * n] for c in range(calls)]
+        return _spans(groups)
     groups, cur, end = [], [], 0
     for s, e, name in events:
         if cur and s - end > gap_ns:
@@ -56,6 +61,10 @@ def profile_calls(f, args, *, calls: int, gap_ns: int = GAP_NS):
         end = max(end, e) if cur else e
         cur.append((s, e, name))
     groups.append(cur)
+    return _spans(groups)
+
+
+def _spans(groups):
     spans = [max(e for _, e, _ in g) - g[0][0] for g in groups]
     kernels = [[(name, s, e - s) for s, e, name in g] for g in groups]
     return spans, kernels
