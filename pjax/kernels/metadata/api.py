@@ -10,8 +10,9 @@ from pjax.kernels import _dispatch
 from pjax.kernels.metadata import reference
 from pjax.kernels.metadata.reference import DraftInputs
 
-# H200 (JAX 0.11.2, 2026-11-21): 1.01-1.38x faster than XLA on all 9 measured shapes (a few us either way).
-AUTO_PALLAS = True
+# H200 (JAX 0.11.2, 2026-11-21, device time from the profiler): both take ~1-2 us; the kernel wins at batch 1
+# (1.0 vs 1.8 us) and loses by 0.1-0.6 us at batch >= 8, where XLA's fusions are as cheap as one launch.
+PALLAS_MAX_BATCH = 4
 
 
 @functools.partial(jax.jit, static_argnames=("num_slots", "mask_token_id", "implementation"))
@@ -24,7 +25,7 @@ def build_draft_inputs(num_accepted, verify_tokens, next_token, start_pos, *, nu
     sample_idx [B, K] i32, valid [B, S] bool), S = num_slots >= 2K. Slot layout:
     `pjax.kernels.metadata.reference`.
     """
-    impl = _dispatch.resolve(implementation, auto_pallas=AUTO_PALLAS)
+    impl = _dispatch.resolve(implementation, auto_pallas=num_accepted.shape[0] <= PALLAS_MAX_BATCH)
     if impl == "xla":
         return reference.build_draft_inputs(num_accepted, verify_tokens, next_token, start_pos,
                                             num_slots=num_slots, mask_token_id=mask_token_id)
