@@ -1,6 +1,6 @@
 """Check every Pallas kernel against its XLA reference on the device and time both.
 
-    PYTHONPATH=. python3 examples/benchmarks/bench_kernels.py            # GPU: full table (~5 min on an H200)
+    PYTHONPATH=. python3 examples/benchmarks/bench_kernels.py            # GPU: full table (~9 min on an H200)
     PYTHONPATH=. python3 examples/benchmarks/bench_kernels.py --smoke    # CPU: tiny shapes, interpret mode
 
 Timing: each op is unrolled R times inside one jitted program, each copy on its own input buffers
