@@ -112,8 +112,9 @@ def acc_inputs(b, k, v, *, dtype=jnp.bfloat16, temp=1.0, trunc=False, seed=0):
 
 @guarded
 def bench_acceptance(b, k, v, *, reps, calls, temp=1.0, trunc=False, label="", tile=None, warps=None, unroll=None,
-                     target=None, stages=None, xla=True):
+                     target=None, stages=None, xla=True, with_q=False):
     logits, drafts, kw = acc_inputs(b, k, v, temp=temp, trunc=trunc)
+    q = jax.nn.softmax(jax.random.normal(jax.random.key(7), (b, k, v), jnp.float32), -1) if with_q else None
     reps = reps or auto_reps(logits.size * 2)
     cfg = {x: y for x, y in (("tile", tile), ("num_warps", warps), ("unroll", unroll), ("num_stages", stages)) if y}
     old_target = acc_pallas.TARGET_PROGRAMS
@@ -121,8 +122,8 @@ def bench_acceptance(b, k, v, *, reps, calls, temp=1.0, trunc=False, label="", t
 
     def run(impl):
         if impl == "xla":
-            return lambda lg, d, pos: acc_ref.accept(lg, d, None, **{**kw, "positions": pos})
-        return lambda lg, d, pos: acc_pallas.accept(lg, d, None, **{**kw, "positions": pos}, **cfg)
+            return lambda lg, d, pos: acc_ref.accept(lg, d, q, **{**kw, "positions": pos})
+        return lambda lg, d, pos: acc_pallas.accept(lg, d, q, **{**kw, "positions": pos}, **cfg)
     args = (logits, drafts, kw["positions"])
     r = jax.jit(run("xla"))(*args)
     p = jax.jit(run("pallas"))(*args)
@@ -146,14 +147,15 @@ def bench_acceptance(b, k, v, *, reps, calls, temp=1.0, trunc=False, label="", t
 
 # ---------------------------------------------------------------- metadata
 @guarded
-def bench_metadata(b, k, *, reps, calls):
+def bench_metadata(b, k, *, reps, calls, cfg=None):
     reps = reps or 200
     rs = np.random.default_rng(0)
     args = (jnp.asarray(rs.integers(0, k + 1, b), jnp.int32), jnp.asarray(rs.integers(0, 10 ** 5, (b, k + 1)), jnp.int32),
             jnp.asarray(rs.integers(0, 10 ** 5, b), jnp.int32), jnp.asarray(rs.integers(0, 10 ** 4, b), jnp.int32))
     kw = dict(num_slots=2 * k, mask_token_id=128002)
     fx = lambda *a: meta_ref.build_draft_inputs(*a, **kw)
-    fp = lambda *a: meta_pallas.build_draft_inputs(*a, **kw)
+    cfg = cfg or {}
+    fp = lambda *a: meta_pallas.build_draft_inputs(*a, **kw, **cfg)
     r, p = jax.jit(fx)(*args), jax.jit(fp)(*args)
     exact = all(bool(np.array_equal(np.asarray(x), np.asarray(y))) for x, y in zip(r, p))
     sets = [(args[0], args[1], args[2], args[3] + i) for i in range(2 * reps)]
@@ -161,7 +163,8 @@ def bench_metadata(b, k, *, reps, calls):
     t_p = timed(fp, sets, calls=calls)
     row = dict(op="metadata", B=b, K=k, xla_us=t_x * 1e6, pallas_us=t_p * 1e6, ratio=t_x / t_p, exact=exact)
     ROWS.append(row)
-    log(f"| metadata | {b} | {k} | {row['xla_us']:.1f} | {row['pallas_us']:.1f} | {row['ratio']:.2f} | {exact} |")
+    row["cfg"] = cfg
+    log(f"| metadata | {b} | {k} | {row['xla_us']:.2f} | {row['pallas_us']:.2f} | {row['ratio']:.2f} | {exact} | {cfg} |")
     return row
 
 
@@ -259,6 +262,15 @@ def main():
                     if over_budget(a.budget) or (ctx == 1024 and t in (4, 12)):
                         continue
                     bench_attention(b, ctx, t, reps=reps, calls=calls, **attn_geo)
+    if "tune-meta" in only and not a.smoke:
+        log("\n| op | B | K | xla us | pallas us | xla/pallas | exact | cfg |\n|---|---|---|---|---|---|---|---|")
+        for b in (8, 64):
+            for rows, nw in ((16, 1), (4, 1), (1, 1), (16, 4), (4, 4), (64, 4)):
+                bench_metadata(b, 7, reps=reps, calls=calls, cfg=dict(rows_per_program=rows, num_warps=nw))
+        log("\n| op | B | K | V | mode | xla us | pallas us | xla/pallas | rows equal | pallas TB/s | cfg |"
+            "\n|---|---|---|---|---|---|---|---|---|---|---|")
+        for b in (1, 8, 64):  # sampled drafts with their probabilities (q): the residual race path
+            bench_acceptance(b, 7, 128256, reps=reps, calls=calls, with_q=True, label="sampled, draft_probs")
     if "tune" in only and not a.smoke:
         log("\n## variants\n\n| op | B | K | V | mode | xla us | pallas us | xla/pallas | rows equal | pallas TB/s | cfg |"
             "\n|---|---|---|---|---|---|---|---|---|---|---|")
