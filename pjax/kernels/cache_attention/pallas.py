@@ -8,7 +8,8 @@ queries and all g = nh / nkv query heads sharing the KV head (GQA), and splits t
 `num_splits` programs (flash-decoding) so batch 1 still fills the GPU.
 Grid: (B, nkv, splits). Each program holds a [M, hd] query tile (M = next power of two >= T * g,
 rows = (query, head-in-group)) and streams [BK, hd] K/V tiles with an online softmax; partial
-(o, m, l) per split are merged by a small XLA epilogue that also adds the attention sinks.
+(o, m, l) per split are merged by a second small kernel (all splits of a [rows, 32 dims] block loaded at once)
+that also adds the attention sinks and writes [B, T, nh, hd] directly.
 Bytes moved: 2 * B * nkv * (hi - lo) * hd * itemsize of K/V + the tiny q and partials
 (B * splits * nkv * M * (hd + 2) * 4).
 Numerics: scores and the running sums in float32; probabilities are cast to V's dtype before the PV
@@ -25,6 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pjax.kernels._dispatch import interpret
 from pjax.kernels._pallas_util import call_kwargs, next_pow2
 from pjax.kernels.cache_attention.reference import check_inputs
 
@@ -127,24 +129,59 @@ def partials(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, kv_l
     )(*ins)
 
 
-def merge(o_s, m_s, l_s, *, t: int, nh: int, hd: int, sinks=None, dtype=jnp.bfloat16):
-    """Merge the splits (and the sinks) in float32 -> [B, T, nh, hd]; rows r = (query t, head j in group)."""
-    b, _, nkv, m_rows, _ = o_s.shape
-    g = nh // nkv
-    f32 = jnp.float32
-    m_all = jnp.max(m_s, axis=1)  # [B, nkv, M]
-    if sinks is not None:
-        sk = jnp.zeros((nkv, m_rows), f32).at[:, : t * g].set(
-            jnp.tile(sinks.astype(f32).reshape(nkv, 1, g), (1, t, 1)).reshape(nkv, t * g))
-        m_all = jnp.maximum(m_all, sk[None])
+MERGE_TILE = 8192  # float32 elements of partial o one merge program loads at once ([splits, rows, dims])
+MERGE_DIMS = 32  # head dims per merge program (128 contiguous bytes per row and split)
+
+
+def _merge_kernel(o_ref, m_ref, l_ref, *refs, t, g, hd, ns, nsp, rb, db, has_sinks):
+    """Program (b, h, c): rows block c // (hdp / db), dims block c % (hdp / db) of one (row, KV head)."""
+    sink_ref, out_ref = refs if has_sinks else (None, refs[0])
+    b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    n_dblk = o_ref.shape[-1] // db
+    rows = (c // n_dblk) * rb + jnp.arange(rb, dtype=jnp.int32)
+    dims = (c % n_dblk) * db + jnp.arange(db, dtype=jnp.int32)
+    t_idx, j_idx = rows // g, rows % g
+    rmask = t_idx < t
+    sp = jnp.arange(nsp, dtype=jnp.int32)
+    spc, smask = jnp.minimum(sp, ns - 1), sp < ns
+    m_s = pltriton.load(m_ref.at[b, spc[:, None], h, rows[None, :]], mask=smask[:, None], other=NEG_INF)  # [nsp, rb]
+    l_s = pltriton.load(l_ref.at[b, spc[:, None], h, rows[None, :]], mask=smask[:, None], other=0.0)
+    m_all = jnp.max(m_s, axis=0)
+    if has_sinks:
+        sk = pltriton.load(sink_ref.at[h * g + j_idx], mask=rmask, other=NEG_INF).astype(jnp.float32)
+        m_all = jnp.maximum(m_all, sk)
     m_safe = jnp.where(m_all == NEG_INF, 0.0, m_all)
-    w = jnp.exp(m_s - m_safe[:, None])  # [B, ns, nkv, M]
-    denom = jnp.sum(w * l_s, axis=1)
-    if sinks is not None:
-        denom = denom + jnp.exp(sk[None] - m_safe)
-    o = jnp.sum(w[..., None] * o_s, axis=1) / jnp.where(denom == 0, 1.0, denom)[..., None]
-    o = o[:, :, : t * g, :hd].reshape(b, nkv, t, g, hd).transpose(0, 2, 1, 3, 4)
-    return o.reshape(b, t, nh, hd).astype(dtype)
+    w = jnp.exp(m_s - m_safe[None, :])
+    denom = jnp.sum(w * l_s, axis=0)
+    if has_sinks:
+        denom = denom + jnp.exp(sk - m_safe)
+    o_s = pltriton.load(o_ref.at[b, spc[:, None, None], h, rows[None, :, None], dims[None, None, :]],
+                        mask=smask[:, None, None], other=0.0)  # [nsp, rb, db], all splits' loads in flight at once
+    o = jnp.sum(w[:, :, None] * o_s, axis=0) / jnp.where(denom == 0, 1.0, denom)[:, None]
+    # padding rows are masked; interpret mode applies a masked store as a read-modify-write scatter, so there
+    # they get their own spare query row t instead of aliasing a real one
+    t_out = jnp.where(rmask, t_idx, t if interpret() else 0)
+    pltriton.store(out_ref.at[b, t_out[:, None], (h * g + j_idx)[:, None], dims[None, :]], o.astype(out_ref.dtype),
+                   mask=rmask[:, None] & (dims < hd)[None, :])
+
+
+def merge(o_s, m_s, l_s, *, t: int, nh: int, hd: int, sinks=None, dtype=jnp.bfloat16):
+    """Merge the splits (and the sinks) in float32 -> [B, T, nh, hd] in one launch; rows r = (query t, head j)."""
+    b, ns, nkv, m_rows, hdp = o_s.shape
+    nsp = next_pow2(ns)
+    db = min(MERGE_DIMS, hdp)
+    rb = max(1, min(m_rows, MERGE_TILE // (nsp * db)))
+    spare = 1 if interpret() else 0  # see the final store in _merge_kernel
+    ins = [o_s, m_s, l_s] + ([sinks.astype(jnp.float32)] if sinks is not None else [])
+    out = pl.pallas_call(
+        functools.partial(_merge_kernel, t=t, g=nh // nkv, hd=hd, ns=ns, nsp=nsp, rb=rb, db=db,
+                          has_sinks=sinks is not None),
+        grid=(b, nkv, (m_rows // rb) * (hdp // db)), out_shape=jax.ShapeDtypeStruct((b, t + spare, nh, hd), dtype),
+        in_specs=[pl.BlockSpec(x.shape, lambda *_, n=x.ndim: (0,) * n) for x in ins],
+        out_specs=pl.BlockSpec((b, t + spare, nh, hd), lambda *_: (0, 0, 0, 0)), name="pjax_cache_attention_merge",
+        **call_kwargs(4, 1),
+    )(*ins)
+    return out[:, :t] if spare else out
 
 
 def cache_attention(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, sinks=None, kv_len=None,
