@@ -271,6 +271,13 @@ def main():
             "\n|---|---|---|---|---|---|---|---|---|---|---|")
         for b in (1, 8, 64):  # sampled drafts with their probabilities (q): the residual race path
             bench_acceptance(b, 7, 128256, reps=reps, calls=calls, with_q=True, label="sampled, draft_probs")
+    if "attn-splits" in only and not a.smoke:  # KV-length split count at small batch
+        log("\n| op | B | context | T | xla us | pallas us | xla/pallas | xla TB/s | pallas TB/s | max abs err | cfg |"
+            "\n|---|---|---|---|---|---|---|---|---|---|---|")
+        for b, t, splits in ((1, 4, (33, 32, 16)), (1, 8, (33, 32, 16)), (1, 12, (33, 32)), (1, 22, (33, 32, 16)),
+                             (8, 8, (5, 4, 8)), (8, 12, (5, 4, 8))):
+            for sp in splits:
+                bench_attention(b, 16384, t, reps=reps, calls=calls, xla=False, label="splits", cfg=dict(splits=sp))
     if "tune" in only and not a.smoke:
         log("\n## variants\n\n| op | B | K | V | mode | xla us | pallas us | xla/pallas | rows equal | pallas TB/s | cfg |"
             "\n|---|---|---|---|---|---|---|---|---|---|---|")

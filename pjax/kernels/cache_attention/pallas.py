@@ -31,7 +31,10 @@ from pjax.kernels._pallas_util import call_kwargs, next_pow2
 from pjax.kernels.cache_attention.reference import check_inputs
 
 BLOCK_K = 64
-TARGET_PROGRAMS = 264  # ~2 programs per H200 SM
+# One wave of resident programs: ~2 per H200 SM (132 SMs) for up to 64 query rows, 1 for 128 rows. A grid larger
+# than what fits at once runs a second, mostly idle wave: at B=8 16K, 5 splits (320 programs) took 180 us and 4
+# splits (256) 126 us; at B=1 with 88 query rows, 16 splits 35 us vs 32 splits 43 us (H200, 2026-11-21).
+TARGET_PROGRAMS = 256
 NEG_INF = float("-inf")
 
 
@@ -98,8 +101,11 @@ def _kernel(q_ref, k_ref, v_ref, qpos_ref, *refs, t, g, s_len, hd, hdp, m_rows, 
     pltriton.store(l_ref.at[b, sp, h, pl.ds(0, m_rows)], l)
 
 
-def num_splits(b: int, nkv: int, s: int, bk: int) -> int:
-    return max(1, min(pl.cdiv(s, bk), pl.cdiv(TARGET_PROGRAMS, b * nkv)))
+def num_splits(b: int, nkv: int, s: int, bk: int, m_rows: int) -> int:
+    """KV-length splits: the largest power of two that keeps B x nkv x splits within one wave."""
+    target = TARGET_PROGRAMS // (2 if m_rows >= 128 else 1)
+    fit = max(1, target // (b * nkv))
+    return max(1, min(pl.cdiv(s, bk), 1 << (fit.bit_length() - 1)))
 
 
 def partials(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, kv_len=None, block_k: int = BLOCK_K,
@@ -111,7 +117,7 @@ def partials(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, kv_l
     m_rows = max(16, next_pow2(t * g))
     hdp = max(16, next_pow2(hd))
     bk = max(16, min(block_k, next_pow2(s_len)))
-    ns = splits or num_splits(b, nkv, s_len, bk)
+    ns = splits or num_splits(b, nkv, s_len, bk, m_rows)
     num_warps = num_warps or (4 if m_rows < 128 else 8)
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     has_len = kv_len is not None
