@@ -9,8 +9,10 @@ N times under the profiler, and the reported time is median(device span of a cal
 GPU's kernel timestamps (`devtime.py`): device time per op including its launch gaps inside a program,
 free of the host round trip that a synchronised call pays on the H200 machine (~0.1-4 ms, varying).
 Without a GPU (smoke runs) the host-clock slope between R- and 2R-copy programs is used instead.
-R ~ 0.25 GB of input / op bytes, 4..40 (metadata: 200). Attention copies share K/V (only q differs); a
-bandwidth above the HBM peak is flagged as an invalid measurement.
+R ~ 0.25 GB of input / op bytes, 4..40 (metadata: 200). Attention copies get their own K/V (up to 40 GB in
+all; beyond that, at B=64 16K, only q differs and 4+ GB per copy cannot sit in the 50 MB L2); a bandwidth
+above the HBM peak is flagged as an invalid measurement. The acceptance sampling arrays (temperature,
+seeds, num_drafts) are runtime inputs, as in the engine's round.
 Do not feed all copies the same buffers (even through optimization_barrier): on an H200 with JAX 0.11.2
 that gave attention "bandwidths" of 13-16 TB/s, i.e. copies were merged or overlapped. Ratio = xla / pallas
 measured in the same run. Attention bandwidth = K/V bytes read (2 * B * context * nkv * hd * 2 bytes) / time.
@@ -28,6 +30,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from devtime import profile_calls
 from pjax.kernels.acceptance import pallas as acc_pallas
@@ -39,6 +43,7 @@ from pjax.kernels.metadata import reference as meta_ref
 
 T0 = time.time()
 ROWS: list[dict] = []
+LAUNCHES = [float("nan")]  # kernels per op copy in the last `timed` program
 
 
 def log(*a):
@@ -55,6 +60,7 @@ def timed(op, arg_sets, *, calls: int) -> float:
     prof = profile_calls(prog, (arg_sets[:half],), calls=calls)
     if prof is not None:
         spans, kernels = prof
+        LAUNCHES[0] = len(kernels[0]) / half  # kernels per op copy (XLA may fuse independent copies)
         if len(spans) == calls:
             return statistics.median(spans) / half * 1e-9
         log(f"  (profile: {len(spans)} kernel groups for {calls} calls; using busy time)")
@@ -79,6 +85,7 @@ def auto_reps(nbytes: float, lo: int = 4, hi: int = 40) -> int:
 
 
 HBM_PEAK_TBPS = 4.8  # H200 datasheet
+DISTINCT_KV_BYTES = 40e9  # attention copies get their own K/V up to this many bytes in all
 
 
 def guarded(fn):
@@ -104,7 +111,7 @@ def acc_inputs(b, k, v, *, dtype=jnp.bfloat16, temp=1.0, trunc=False, seed=0):
     pre = jax.random.randint(jax.random.fold_in(key, 2), (b, 1), 0, k + 1)
     drafts = jnp.where(jnp.arange(k)[None] < pre, am[:, :k], rnd).astype(jnp.int32)
     kw = dict(temperature=jnp.full((b,), temp, jnp.float32), seeds=jnp.arange(b, dtype=jnp.uint32),
-              positions=jnp.full((b,), 1000, jnp.int32), num_drafts=None,
+              positions=jnp.full((b,), 1000, jnp.int32), num_drafts=jnp.full((b,), k, jnp.int32),
               top_k=jnp.full((b,), 50, jnp.int32) if trunc else None,
               top_p=jnp.full((b,), 0.9, jnp.float32) if trunc else None)
     return logits, drafts, kw
@@ -120,16 +127,19 @@ def bench_acceptance(b, k, v, *, reps, calls, temp=1.0, trunc=False, label="", t
     old_target = acc_pallas.TARGET_PROGRAMS
     acc_pallas.TARGET_PROGRAMS = target or old_target
 
-    def run(impl):
-        if impl == "xla":
-            return lambda lg, d, pos: acc_ref.accept(lg, d, q, **{**kw, "positions": pos})
-        return lambda lg, d, pos: acc_pallas.accept(lg, d, q, **{**kw, "positions": pos}, **cfg)
-    args = (logits, drafts, kw["positions"])
+    def run(impl):  # the per-row sampling arrays are runtime inputs, as in the engine's round
+        fn = acc_ref.accept if impl == "xla" else functools.partial(acc_pallas.accept, **cfg)
+        return lambda lg, d, pos, temp, seeds, n: fn(lg, d, q, temperature=temp, seeds=seeds, positions=pos,
+                                                     num_drafts=n, top_k=kw["top_k"], top_p=kw["top_p"])
+    runtime = (kw["temperature"], kw["seeds"], kw["num_drafts"])
+    args = (logits, drafts, kw["positions"]) + runtime
     r = jax.jit(run("xla"))(*args)
     p = jax.jit(run("pallas"))(*args)
     same = float(np.mean(np.all(np.asarray(r.tokens) == np.asarray(p.tokens), axis=1)))
-    sets = [(logits + jnp.asarray(i * 1e-3, logits.dtype), drafts, kw["positions"] + i) for i in range(2 * reps)]
+    sets = [(logits + jnp.asarray(i * 1e-3, logits.dtype), drafts, kw["positions"] + i) + runtime
+            for i in range(2 * reps)]
     t_x = timed(run("xla"), sets, calls=calls) if xla else float("nan")
+    n_x = LAUNCHES[0] if xla else float("nan")
     t_p = timed(run("pallas"), sets, calls=calls)
     del sets
     acc_pallas.TARGET_PROGRAMS = old_target
@@ -138,10 +148,10 @@ def bench_acceptance(b, k, v, *, reps, calls, temp=1.0, trunc=False, label="", t
     row = dict(op="acceptance", B=b, K=k, V=v, mode=label or ("greedy" if temp == 0 else "sampled"),
                xla_us=t_x * 1e6, pallas_us=t_p * 1e6, ratio=t_x / t_p, rows_equal=same,
                logits_MB=b * (k + 1) * v * 2 / 1e6, cfg=cfg, reps=reps,
-               pallas_TBps=b * (k + 2) * v * 2 / t_p / 1e12)
+               pallas_TBps=b * (k + 2) * v * 2 / t_p / 1e12, launches_xla=n_x, launches_pallas=LAUNCHES[0])
     ROWS.append(row)
     log(f"| acceptance | {b} | {k} | {v} | {row['mode']} | {row['xla_us']:.1f} | {row['pallas_us']:.1f} | "
-        f"{row['ratio']:.2f} | {same:.3f} | {row['pallas_TBps']:.2f} | {cfg} |")
+        f"{row['ratio']:.2f} | {same:.3f} | {row['pallas_TBps']:.2f} | {n_x:.1f} / {LAUNCHES[0]:.1f} | {cfg} |")
     return row
 
 
@@ -160,11 +170,13 @@ def bench_metadata(b, k, *, reps, calls, cfg=None):
     exact = all(bool(np.array_equal(np.asarray(x), np.asarray(y))) for x, y in zip(r, p))
     sets = [(args[0], args[1], args[2], args[3] + i) for i in range(2 * reps)]
     t_x = timed(fx, sets, calls=calls)
+    n_x = LAUNCHES[0]
     t_p = timed(fp, sets, calls=calls)
-    row = dict(op="metadata", B=b, K=k, xla_us=t_x * 1e6, pallas_us=t_p * 1e6, ratio=t_x / t_p, exact=exact)
+    row = dict(op="metadata", B=b, K=k, xla_us=t_x * 1e6, pallas_us=t_p * 1e6, ratio=t_x / t_p, exact=exact,
+               launches_xla=n_x, launches_pallas=LAUNCHES[0], cfg=cfg)
     ROWS.append(row)
-    row["cfg"] = cfg
-    log(f"| metadata | {b} | {k} | {row['xla_us']:.2f} | {row['pallas_us']:.2f} | {row['ratio']:.2f} | {exact} | {cfg} |")
+    log(f"| metadata | {b} | {k} | {row['xla_us']:.2f} | {row['pallas_us']:.2f} | {row['ratio']:.2f} | {exact} | "
+        f"{n_x:.2f} / {LAUNCHES[0]:.2f} | {cfg} |")
     return row
 
 
@@ -184,12 +196,17 @@ def bench_attention(b, ctx, t, *, reps, calls, nh=32, nkv=8, hd=128, cfg=None, x
     if kernel_only:  # the split kernel without its XLA merge epilogue
         fp = lambda q_, k_, v_: attn_pallas.partials(q_, k_, v_, q_pos, scale=hd ** -0.5, **cfg)
     args = (q, k, v)
-    sets = [(q + jnp.asarray(i * 1e-3, q.dtype), k, v) for i in range(2 * reps)]
+    # distinct K/V per copy where they fit (no copy can hit another's bytes in L2); else only q differs
+    share = 2 * reps * 2 * k.size * 2 > DISTINCT_KV_BYTES
+    sets = [(q + jnp.asarray(i * 1e-3, q.dtype), k if share else k + jnp.asarray(i * 1e-2, k.dtype),
+             v if share else v + jnp.asarray(i * 1e-2, v.dtype)) for i in range(2 * reps)]
     p = jax.jit(fp)(*args)
-    row = dict(op="attention", B=b, ctx=ctx, T=t, cfg=cfg, label=label, reps=reps)
-    if xla and not kernel_only:
+    row = dict(op="attention", B=b, ctx=ctx, T=t, cfg=cfg, label=label, reps=reps, shared_kv=share)
+    if not kernel_only:  # every configuration is checked against the reference, timed or not
         r = jax.jit(fx)(*args)
         row["max_abs_err"] = float(jnp.max(jnp.abs(r.astype(jnp.float32) - p.astype(jnp.float32))))
+        del r
+    if xla and not kernel_only:
         row["xla_us"] = timed(fx, sets, calls=calls) * 1e6
     row["pallas_us"] = timed(fp, sets, calls=calls) * 1e6
     kv_bytes = 2 * b * ctx * nkv * hd * 2
@@ -205,6 +222,52 @@ def bench_attention(b, ctx, t, *, reps, calls, nh=32, nkv=8, hd=128, cfg=None, x
         f"{row.get('max_abs_err', float('nan')):.4f} | {cfg} |")
     del q, k, v, sets
     return row
+
+
+def _read_kernel(k_ref, v_ref, o_ref, *, per, bk):
+    """Program (h, s): sum of K and V rows [s * per, (s + 1) * per) of KV head h -- the attention kernel's
+    reads with no compute."""
+    h, sp = pl.program_id(0), pl.program_id(1)
+
+    def body(i, acc):
+        start = pl.multiple_of(sp * per + i * bk, bk)
+        return acc + jnp.sum(k_ref[pl.ds(start, bk), h, :].astype(jnp.float32)
+                             + v_ref[pl.ds(start, bk), h, :].astype(jnp.float32), axis=0)
+
+    o_ref[h, sp, :] = jax.lax.fori_loop(0, per // bk, body, jnp.zeros((k_ref.shape[-1],), jnp.float32))
+
+
+def pallas_read(k, v, *, splits, bk, num_warps=4, num_stages=3):
+    """k, v [S, nkv, hd] (one batch row of the cache) -> [nkv, splits, hd] f32 partial sums."""
+    s, nkv, hd = k.shape
+    full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
+    return pl.pallas_call(functools.partial(_read_kernel, per=s // splits, bk=bk), grid=(nkv, splits),
+                          out_shape=jax.ShapeDtypeStruct((nkv, splits, hd), jnp.float32), in_specs=[full(k), full(v)],
+                          out_specs=pl.BlockSpec((nkv, splits, hd), lambda *_: (0, 0, 0)),
+                          interpret=jax.default_backend() != "gpu",
+                          compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages))(k, v)
+
+
+@guarded
+def bench_read_kv(ctx, *, reps, calls, nkv=8, hd=128):
+    """Ceiling for one batch-1 layer: a Pallas kernel that only streams the K/V bytes (same layout, grid and
+    distinct buffers per copy as the attention rows), best of a few grid / tile shapes."""
+    k = jax.random.normal(jax.random.key(3), (ctx, nkv, hd), jnp.bfloat16)
+    v = jax.random.normal(jax.random.key(4), (ctx, nkv, hd), jnp.bfloat16)
+    nbytes = 2 * k.size * 2
+    reps = reps or auto_reps(nbytes)
+    sets = [(k + jnp.asarray(i * 1e-2, k.dtype), v + jnp.asarray(i * 1e-2, v.dtype)) for i in range(2 * reps)]
+    best = None
+    for splits, bk in ((32, 64), (64, 64), (32, 128), (16, 128)):
+        if ctx % (splits * bk) == 0:
+            t = timed(functools.partial(pallas_read, splits=splits, bk=bk), sets, calls=calls)
+            best = min(best or (t, splits, bk), (t, splits, bk))
+    if best is None:  # no grid shape divides this context
+        return
+    t, splits, bk = best
+    ROWS.append(dict(op="read_kv", ctx=ctx, us=t * 1e6, TBps=nbytes / t / 1e12, splits=splits, block_k=bk))
+    log(f"| read ceiling (Pallas, K/V bytes only) | 1 | {ctx} | - | | {t * 1e6:.1f} | | | {nbytes / t / 1e12:.2f} | | "
+        f"splits={splits} block_k={bk} |")
 
 
 @guarded
@@ -236,13 +299,14 @@ def main():
         vocabs, batches, ks, ctxs, ts = [128256, 151936, 201088], [1, 8, 64], [3, 7, 11], [16384, 1024], [4, 8, 12, 22]
         attn_geo = {}
     if "meta" in only:
-        log("\n| op | B | K | xla us | pallas us | xla/pallas | exact |\n|---|---|---|---|---|---|---|")
+        log("\n| op | B | K | xla us | pallas us | xla/pallas | exact | launches xla / pallas |"
+            "\n|---|---|---|---|---|---|---|---|")
         for b in batches:
             for k in ks:
                 bench_metadata(b, k, reps=reps, calls=calls)
     if "acc" in only:
-        log("\n| op | B | K | V | mode | xla us | pallas us | xla/pallas | rows equal | pallas TB/s | cfg |"
-            "\n|---|---|---|---|---|---|---|---|---|---|---|")
+        log("\n| op | B | K | V | mode | xla us | pallas us | xla/pallas | rows equal | pallas TB/s | launches x/p |"
+            " cfg |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
         kk = 7 if not a.smoke else ks[0]
         for temp in (0.0, 1.0):
             for b in batches:
@@ -262,10 +326,13 @@ def main():
                     if over_budget(a.budget) or (ctx == 1024 and t in (4, 12)):
                         continue
                     bench_attention(b, ctx, t, reps=reps, calls=calls, **attn_geo)
+                if b == 1 and not a.smoke:
+                    bench_read_kv(ctx, reps=reps, calls=calls)
     if "tune-meta" in only and not a.smoke:
-        log("\n| op | B | K | xla us | pallas us | xla/pallas | exact | cfg |\n|---|---|---|---|---|---|---|---|")
+        log("\n| op | B | K | xla us | pallas us | xla/pallas | exact | launches xla / pallas | cfg |"
+            "\n|---|---|---|---|---|---|---|---|---|")
         for b in (8, 64):
-            for rows, nw in ((16, 1), (4, 1), (1, 1), (16, 4), (4, 4), (64, 4)):
+            for rows, nw in ((16, 4), (8, 4), (8, 2), (16, 2), (32, 4), (16, 8)):
                 bench_metadata(b, 7, reps=reps, calls=calls, cfg=dict(rows_per_program=rows, num_warps=nw))
         log("\n| op | B | K | V | mode | xla us | pallas us | xla/pallas | rows equal | pallas TB/s | cfg |"
             "\n|---|---|---|---|---|---|---|---|---|---|---|")

@@ -12,7 +12,10 @@ sum-exp) and launches several fusions; here
    the same row of draft_probs when given), computing the counter-hash Gumbel noise in-kernel (same
    `pjax.kernels.rng` code as the reference, so the noise is bit-identical); greedy rows skip the
    pass;
-3. one small XLA fusion merges the race splits and writes the -1 padded tokens.
+3. small XLA glue merges the race splits and writes the -1 padded tokens.
+Both kernels read the per-row temperature themselves (greedy flag; 1 / t correctly rounded with PTX
+`rcp.rn`, bit-identical to the reference's XLA division), so nothing runs before them when top-k / top-p
+are off.
 Bytes moved: B (K+2) V logit elements (+ B V draft probabilities), vs >= 3 B (K+1) V for XLA.
 Top-k / top-p: the per-position keep threshold comes from the shared sort-based pre-pass
 (`reference.truncation_threshold`, a full sort of B (K+1) V floats -- the dominant cost when enabled,
@@ -34,6 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pjax.kernels import rng
+from pjax.kernels._dispatch import interpret
 from pjax.kernels._pallas_util import call_kwargs, next_pow2
 from pjax.kernels.acceptance import reference as ref
 from pjax.kernels.acceptance.reference import AcceptResult
@@ -54,6 +58,23 @@ def _splits(v: int, rows: int, tile: int):
     return pl.cdiv(v, chunk), chunk
 
 
+def _row_temperature(t_ref, b):
+    """(greedy as int32 0/1, inv_t) of row b from temperature[b], in-kernel so that no XLA fusion runs
+    before the kernels. inv_t is the correctly rounded 1 / t (PTX rcp.rn; Triton's `/` is approximate), the
+    same bits as `reference.inverse_temperature`."""
+    t = t_ref[b]
+    g = (t <= 0).astype(jnp.int32)
+    safe = jnp.where(t <= 0, 1.0, t)
+    if interpret():
+        inv = 1.0 / safe
+    else:
+        lanes = jnp.broadcast_to(safe, (16,))  # the asm lowering takes tensors, not scalars
+        inv, = pltriton.elementwise_inline_asm("rcp.rn.f32 $0, $1;", args=[lanes], constraints="=r,r", pack=1,
+                                               result_shape_dtypes=[jax.ShapeDtypeStruct((16,), jnp.float32)])
+        inv = jnp.max(inv)
+    return g, jnp.where(t <= 0, 1.0, inv)
+
+
 def _lane_argmax(vals, idx, best_v, best_i):
     """Per-lane running (max, argmax): later tiles have higher indices, so strict > keeps the lowest."""
     better = vals > best_v
@@ -67,7 +88,7 @@ def _reduce_argmax(best_v, best_i, axis=None):
     return top, jnp.min(jnp.where(best_v == top_b, best_i, _BIG), axis=axis)
 
 
-def _stats_kernel(lg_ref, gr_ref, inv_t_ref, *refs, chunk, tile, unroll, use_thr):
+def _stats_kernel(lg_ref, t_ref, *refs, chunk, tile, unroll, use_thr):
     """Program (b, i, s) over logits[b, i, split s]: greedy rows the raw argmax only, stochastic rows the
     kept (max, sum-exp) only -- the walk never uses the other pair, so each row pays for one of them."""
     if use_thr:
@@ -75,7 +96,7 @@ def _stats_kernel(lg_ref, gr_ref, inv_t_ref, *refs, chunk, tile, unroll, use_thr
     else:
         av_ref, ai_ref, m_ref, z_ref = refs
     b, i, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    inv_t = inv_t_ref[b]
+    g, inv_t = _row_temperature(t_ref, b)  # g = 1: greedy row
     thr = thr_ref[b, i] if use_thr else None
     lanes = jnp.arange(tile, dtype=jnp.int32)
     base = s * chunk
@@ -108,7 +129,7 @@ def _stats_kernel(lg_ref, gr_ref, inv_t_ref, *refs, chunk, tile, unroll, use_thr
         return m, z
 
     steps = chunk // (unroll * tile)
-    g = gr_ref[b]  # 1 = greedy row; loop bounds are traced int32 values so both scf.for types match
+    # loop bounds are traced int32 values so both scf.for types match
     bv, bi = jax.lax.fori_loop(g * 0, g * steps, greedy_body,
                                (jnp.full((tile,), NEG_INF, jnp.float32), jnp.zeros((tile,), jnp.int32)))
     m, z = jax.lax.fori_loop(g * 0, (1 - g) * steps, sampled_body,
@@ -121,23 +142,31 @@ def _stats_kernel(lg_ref, gr_ref, inv_t_ref, *refs, chunk, tile, unroll, use_thr
     z_ref[b, i, s] = jnp.sum(z * jnp.exp(m - mm))
 
 
-def _race_kernel(*refs, v, k, ns1, nsp, kp, chunk, tile, unroll, use_thr, has_q):
+def _race_kernel(*refs, v, k, ns1, nsp, kp, chunk, tile, unroll, use_thr, has_q, has_n):
     """Program (b, s): merge row b's statistics, run the acceptance walk (as `reference.accept_walk`),
     then the exponential race over split s of the row where the next token is drawn."""
     refs = list(refs)
     lg_ref = refs.pop(0)
     q_ref = refs.pop(0) if has_q else None
-    d_ref, n_ref, gr_ref, inv_t_ref, seed_ref, pos_ref = refs[:6]
-    refs = refs[6:]
+    d_ref = refs.pop(0)
+    n_ref = refs.pop(0) if has_n else None
+    t_ref, seed_ref, pos_ref = refs[:3]
+    refs = refs[3:]
     thr_ref = refs.pop(0) if use_thr else None
     av_ref, ai_ref, ms_ref, zs_ref, pv_ref, pi_ref, qv_ref, qi_ref, na_ref, ga_ref, uq_ref = refs
     b, s = pl.program_id(0), pl.program_id(1)
-    inv_t, seed, pos0 = inv_t_ref[b], seed_ref[b], pos_ref[b]
-    greedy = gr_ref[b] != 0
-    n = jnp.clip(n_ref[b], 0, k)
+    g_int, inv_t = _row_temperature(t_ref, b)
+    seed, pos0 = seed_ref[b], pos_ref[b]
+    greedy = g_int != 0
+    n = jnp.clip(n_ref[b], 0, k) if has_n else k
+
+    # the drafts first: the gather of their logits depends on them
+    ii = jnp.arange(kp, dtype=jnp.int32)
+    ic = jnp.minimum(ii, max(k - 1, 0))
+    dmask = ii < k
+    d = pltriton.load(d_ref.at[b, ic], mask=dmask, other=-1)
 
     # merge the per-split statistics of positions 0..k: [kp, nsp] tiles
-    ii = jnp.arange(kp, dtype=jnp.int32)
     jj = jnp.arange(nsp, dtype=jnp.int32)
     i2 = jnp.broadcast_to(ii[:, None], (kp, nsp))
     j2 = jnp.broadcast_to(jj[None, :], (kp, nsp))
@@ -153,9 +182,6 @@ def _race_kernel(*refs, v, k, ns1, nsp, kp, chunk, tile, unroll, use_thr, has_q)
     m = jnp.where(m == _FMIN, NEG_INF, m)
 
     # acceptance tests of drafts 0..k-1
-    ic = jnp.minimum(ii, max(k - 1, 0))
-    dmask = ii < k
-    d = pltriton.load(d_ref.at[b, ic], mask=dmask, other=-1)
     dc = jnp.clip(d, 0, v - 1)
     x_d = pltriton.load(lg_ref.at[b, ic, dc], mask=dmask, other=0.0).astype(jnp.float32) * inv_t
     thr = pltriton.load(thr_ref.at[b, jnp.minimum(ii, k)], mask=ii <= k, other=NEG_INF) if use_thr else None
@@ -211,7 +237,7 @@ def _race_kernel(*refs, v, k, ns1, nsp, kp, chunk, tile, unroll, use_thr, has_q)
 
     neg = jnp.full((tile,), NEG_INF, jnp.float32)
     zero = jnp.zeros((tile,), jnp.int32)
-    g_int = gr_ref[b]  # 1 = greedy row: no pass (bounds are traced int32 values so scf.for types match)
+    # greedy rows: no pass (bounds are traced int32 values so scf.for types match)
     steps = (1 - g_int) * (chunk // (unroll * tile))
     pbv, pbi, qbv, qbi = jax.lax.fori_loop(g_int * 0, steps, body, (neg, zero, neg, zero))
     pv_ref[b, s], pi_ref[b, s] = _reduce_argmax(pbv, pbi)
@@ -231,12 +257,12 @@ def _full(shape):
     return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
 
 
-def _stats(logits, greedy, inv_t, thr, *, tile, unroll, num_warps, num_stages):
+def _stats(logits, temperature, thr, *, tile, unroll, num_warps, num_stages):
     b, r, v = logits.shape
     ns, chunk = _splits(v, b * r, tile * unroll)
     f32 = jnp.float32
     outs = [jax.ShapeDtypeStruct((b, r, ns), dt) for dt in (f32, jnp.int32, f32, f32)]
-    ins = [logits, greedy, inv_t] + ([thr] if thr is not None else [])
+    ins = [logits, temperature] + ([thr] if thr is not None else [])
     return pl.pallas_call(
         functools.partial(_stats_kernel, chunk=chunk, tile=tile, unroll=unroll, use_thr=thr is not None),
         grid=(b, r, ns), out_shape=outs, in_specs=[_full(x.shape) for x in ins],
@@ -258,26 +284,29 @@ def accept(logits, draft_ids, draft_probs=None, *, temperature, top_k=None, top_
                                top_p)
     seeds = jnp.asarray(seeds).astype(jnp.uint32)
     positions = jnp.asarray(positions, jnp.int32)
-    greedy, inv_t = ref.inverse_temperature(temperature)
+    temperature = jnp.asarray(temperature, jnp.float32)
+    greedy = temperature <= 0
     use_thr = top_k is not None or top_p is not None
-    thr = ref.truncation_threshold(ref.scaled(logits, inv_t), top_k, top_p) if use_thr else None
+    if use_thr:
+        thr = ref.truncation_threshold(ref.scaled(logits, ref.inverse_temperature(temperature)[1]), top_k, top_p)
+    else:
+        thr = None
     tile, unroll = _tile_unroll(v, tile, unroll)
-    g_int = greedy.astype(jnp.int32)
-    av, ai, m_s, z_s = _stats(logits, g_int, inv_t, thr, tile=tile, unroll=unroll, num_warps=num_warps,
+    av, ai, m_s, z_s = _stats(logits, temperature, thr, tile=tile, unroll=unroll, num_warps=num_warps,
                               num_stages=num_stages)
     ns1 = av.shape[-1]
     has_q = draft_probs is not None and k > 0
     ns2, chunk = _splits(v, b, tile * unroll)
-    n = jnp.full((b,), k, jnp.int32) if num_drafts is None else num_drafts.astype(jnp.int32)
-    ins = ([logits] + ([draft_probs] if has_q else [])
-           + [draft_ids.astype(jnp.int32), n, g_int, inv_t, seeds, positions]
+    has_n = num_drafts is not None
+    ins = ([logits] + ([draft_probs] if has_q else []) + [draft_ids.astype(jnp.int32)]
+           + ([num_drafts.astype(jnp.int32)] if has_n else []) + [temperature, seeds, positions]
            + ([thr] if use_thr else []) + [av, ai, m_s, z_s])
     i32, f32 = jnp.int32, jnp.float32
     outs = [jax.ShapeDtypeStruct((b, ns2), dt) for dt in (f32, i32, f32, i32)] + [
         jax.ShapeDtypeStruct((b,), i32)] * 3
     pv, pi, qv, qi, a, amax_a, use_q = pl.pallas_call(
         functools.partial(_race_kernel, v=v, k=k, ns1=ns1, nsp=next_pow2(ns1), kp=next_pow2(k + 1), chunk=chunk,
-                          tile=tile, unroll=unroll, use_thr=use_thr, has_q=has_q),
+                          tile=tile, unroll=unroll, use_thr=use_thr, has_q=has_q, has_n=has_n),
         grid=(b, ns2), out_shape=outs, in_specs=[_full(x.shape) for x in ins],
         out_specs=[_full(o.shape) for o in outs], name="pjax_accept_walk_race",
         **call_kwargs(num_warps, num_stages),

@@ -10,9 +10,8 @@ from pjax.kernels import _dispatch
 from pjax.kernels.metadata import reference
 from pjax.kernels.metadata.reference import DraftInputs
 
-# H200 (JAX 0.11.2, 2026-11-21, device time from the profiler): the kernel wins at batch 1 (1.0 vs 1.8 us) and ties
-# at batch 8 (1.00 vs 1.02 us); at batch 64 XLA is 0.02 us faster (1.02 vs 1.04): launch-floor noise either way.
-PALLAS_MAX_BATCH = 8
+# H200 (JAX 0.11.2, 2026-11-21, device time from the profiler): the kernel is one launch with all loads in flight
+# together; 0.87-0.97 us vs XLA's 0.99-1.84 us at batch 1 / 8 / 64 (docs/benchmarks.md section 2).
 
 
 @functools.partial(jax.jit, static_argnames=("num_slots", "mask_token_id", "implementation"))
@@ -25,7 +24,7 @@ def build_draft_inputs(num_accepted, verify_tokens, next_token, start_pos, *, nu
     sample_idx [B, K] i32, valid [B, S] bool), S = num_slots >= 2K. Slot layout:
     `pjax.kernels.metadata.reference`.
     """
-    impl = _dispatch.resolve(implementation, auto_pallas=num_accepted.shape[0] <= PALLAS_MAX_BATCH)
+    impl = _dispatch.resolve(implementation)
     if impl == "xla":
         return reference.build_draft_inputs(num_accepted, verify_tokens, next_token, start_pos,
                                             num_slots=num_slots, mask_token_id=mask_token_id)

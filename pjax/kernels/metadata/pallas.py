@@ -21,8 +21,9 @@ from pjax.kernels._pallas_util import call_kwargs, next_pow2
 from pjax.kernels.metadata.reference import DraftInputs, check_inputs
 
 ROWS_PER_PROGRAM = 16
-# H200 (2026-11-21): 16 rows x 1 warp at batch 1; at batch 8 / 64, 16 rows x 4 warps (1.00 / 1.04 us) beat 1 warp
-# (1.26 / 1.46 us): the [16, S] tile's scattered stores want more threads.
+# H200 (2026-11-21): 16 rows x 1 warp at batch 1; at batch 8 / 64, 16 rows x 4 warps (0.87 / 0.92 us) beat 1 warp
+# (1.26 / 1.46 us before the loads were made independent) and 2 warps (0.92 / 0.96 us): the [16, S] tile's
+# scattered stores want more threads.
 
 
 def _kernel(na_ref, vt_ref, nt_ref, sp_ref, tok_ref, pos_ref, fr_ref, wp_ref, si_ref, val_ref, *, b, k, s, bb,
@@ -36,7 +37,8 @@ def _kernel(na_ref, vt_ref, nt_ref, sp_ref, tok_ref, pos_ref, fr_ref, wp_ref, si
     r2 = jnp.broadcast_to(rows[:, None], (bb, sp))
     j2 = jnp.broadcast_to(j, (bb, sp))
     m2 = rmask[:, None] & (j2 < s)
-    shifted = pltriton.load(vt_ref.at[r2, jnp.clip(j2 + 1, 0, k)], mask=m2 & (j2 < n), other=0)
+    # not masked by j < n: independent of the loads above, so all loads are in flight together (one round trip)
+    shifted = pltriton.load(vt_ref.at[r2, jnp.clip(j2 + 1, 0, k)], mask=m2, other=0)
     valid = j2 < n + k
     tokens = jnp.where(j2 < n, shifted, jnp.where(j2 == n, nxt, jnp.where(valid, mask_tok, 0)))
     positions = start + j2
