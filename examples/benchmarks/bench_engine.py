@@ -105,8 +105,10 @@ def timed(fn, state, calls: int, warmup: int = 2, groups: int = 5):
 
 
 def device_span(fn, state, calls: int):
-    """Median device span (ms) of one call of fn(state) -> state from the profiler's kernel timestamps
-    (no host round trip, launch gaps inside the program included); (None, state) without a GPU."""
+    """((span, busy) ms, state): median device span of one call of fn(state) -> state from the profiler's
+    kernel timestamps (no host round trip, launch gaps inside the program included) and median busy time (sum
+    of its kernels' durations: the cost when its launches are queued behind other work, as inside the round);
+    ((None, None), state) without a GPU."""
     box = [state]
 
     def call():
@@ -114,8 +116,9 @@ def device_span(fn, state, calls: int):
         return box[0]
     prof = profile_calls(call, (), calls=calls)
     if prof is None or len(prof[0]) != calls:
-        return None, box[0]
-    return statistics.median(prof[0]) / 1e6, box[0]
+        return (None, None), box[0]
+    busy = statistics.median(sum(d for *_, d in ks) for ks in prof[1])
+    return (statistics.median(prof[0]) / 1e6, busy / 1e6), box[0]
 
 
 def synthetic_state(target, drafter, spec, batch: int, capacity: int, pos: int) -> DecodeState:
@@ -217,11 +220,11 @@ class Bench:
         def acc(_):
             return fn["accept"](logits, st.drafts, None, samp, pos1, nd, spec=spec)
         out["accept"], res = timed(acc, None, calls)
-        out["accept_span"], _ = device_span(acc, None, calls)
+        (out["accept_span"], out["accept_busy"]), _ = device_span(acc, None, calls)
         meta = jax.jit(functools.partial(build_draft_inputs, num_slots=2 * k, mask_token_id=spec.mask_token_id,
                                          implementation=spec.implementation))
         vt = jnp.concatenate([st.last[:, None], st.drafts], axis=1)
-        out["metadata_span"], _ = device_span(lambda _: meta(res.num_accepted, vt, res.next_token, st.pos), None,
+        (out["metadata_span"], out["metadata_busy"]), _ = device_span(lambda _: meta(res.num_accepted, vt, res.next_token, st.pos), None,
                                               calls)
         out["draft"], dcache = timed(
             lambda c: fn["draft"](d, c, keep["aux"], vt, res.num_accepted, res.next_token, st.pos, samp, spec=spec)[0],
@@ -229,7 +232,7 @@ class Bench:
         st = dataclasses.replace(st, target_cache=tcache, drafter_cache=dcache)
         rnd = lambda s: fn["round"](t, d, s, samp, spec=spec)
         out["round"], st = timed(rnd, st, calls)
-        out["round_span"], _ = device_span(rnd, st, calls)
+        (out["round_span"], _), _ = device_span(rnd, st, calls)
         return out
 
     def loops(self, k, drafting, rounds, calls):
@@ -324,13 +327,15 @@ def main(argv=None):
     spans = {key: p for key, p in result["round"].items()
              if None not in (p.get("round_span"), p.get("accept_span"), p.get("metadata_span"))}
     if spans:
-        print("\nDevice spans from the profiler (stand-alone accept / metadata programs: upper bounds of their "
-              "cost inside the round)\n\n| round | accept ms | metadata ms | round ms | (accept + metadata) / round |"
-              "\n|---|---|---|---|---|")
+        print("\nFrom the profiler: stand-alone accept / metadata programs, kernel busy time (their cost with "
+              "launches queued, as in the round) and device span (with the host's launch gaps of a lone call: upper "
+              "bound)\n\n| round | accept busy / span ms | metadata busy / span ms | round span ms | "
+              "(accept + metadata) / round: busy / span |\n|---|---|---|---|---|")
         for key, p in spans.items():
-            share = (p["accept_span"] + p["metadata_span"]) / p["round_span"]
-            print(f"| {key} | {p['accept_span']:.4f} | {p['metadata_span']:.4f} | {p['round_span']:.3f} | "
-                  f"{100 * share:.2f}% |")
+            busy = (p["accept_busy"] + p["metadata_busy"]) / p["round_span"]
+            span = (p["accept_span"] + p["metadata_span"]) / p["round_span"]
+            print(f"| {key} | {p['accept_busy']:.4f} / {p['accept_span']:.4f} | {p['metadata_busy']:.4f} / "
+                  f"{p['metadata_span']:.4f} | {p['round_span']:.3f} | {100 * busy:.2f}% / {100 * span:.2f}% |")
     print(f"\n| mode | K | ms/round: {rounds} rounds in one while_loop | separate calls | separate calls + "
           "host sync |")
     print("|---|---|---|---|---|")
