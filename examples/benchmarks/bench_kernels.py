@@ -110,7 +110,12 @@ def acc_inputs(b, k, v, *, dtype=jnp.bfloat16, temp=1.0, trunc=False, seed=0):
     rnd = jax.random.randint(jax.random.fold_in(key, 1), (b, k), 0, v)
     pre = jax.random.randint(jax.random.fold_in(key, 2), (b, 1), 0, k + 1)
     drafts = jnp.where(jnp.arange(k)[None] < pre, am[:, :k], rnd).astype(jnp.int32)
-    kw = dict(temperature=jnp.full((b,), temp, jnp.float32), seeds=jnp.arange(b, dtype=jnp.uint32),
+    if temp is None:  # mixed rows: temperatures in [0.2, 2) (inexact reciprocals), every fourth row greedy
+        t = jax.random.uniform(jax.random.fold_in(key, 3), (b,), jnp.float32, 0.2, 2.0)
+        temperature = jnp.where(jnp.arange(b) % 4 == 3, 0.0, t)
+    else:
+        temperature = jnp.full((b,), temp, jnp.float32)
+    kw = dict(temperature=temperature, seeds=jnp.arange(b, dtype=jnp.uint32),
               positions=jnp.full((b,), 1000, jnp.int32), num_drafts=jnp.full((b,), k, jnp.int32),
               top_k=jnp.full((b,), 50, jnp.int32) if trunc else None,
               top_p=jnp.full((b,), 0.9, jnp.float32) if trunc else None)
@@ -145,7 +150,7 @@ def bench_acceptance(b, k, v, *, reps, calls, temp=1.0, trunc=False, label="", t
     acc_pallas.TARGET_PROGRAMS = old_target
     if target:
         cfg["target_programs"] = target
-    row = dict(op="acceptance", B=b, K=k, V=v, mode=label or ("greedy" if temp == 0 else "sampled"),
+    row = dict(op="acceptance", B=b, K=k, V=v, mode=label or {0.0: "greedy", None: "mixed"}.get(temp, "sampled"),
                xla_us=t_x * 1e6, pallas_us=t_p * 1e6, ratio=t_x / t_p, rows_equal=same,
                logits_MB=b * (k + 1) * v * 2 / 1e6, cfg=cfg, reps=reps,
                pallas_TBps=b * (k + 2) * v * 2 / t_p / 1e12, launches_xla=n_x, launches_pallas=LAUNCHES[0])
@@ -153,6 +158,23 @@ def bench_acceptance(b, k, v, *, reps, calls, temp=1.0, trunc=False, label="", t
     log(f"| acceptance | {b} | {k} | {v} | {row['mode']} | {row['xla_us']:.1f} | {row['pallas_us']:.1f} | "
         f"{row['ratio']:.2f} | {same:.3f} | {row['pallas_TBps']:.2f} | {n_x:.1f} / {LAUNCHES[0]:.1f} | {cfg} |")
     return row
+
+
+def check_inverse_temperature(n: int = 4096):
+    """The kernels' in-kernel 1 / t against the reference's XLA division on this backend, bit for bit."""
+    from pjax.kernels._pallas_util import call_kwargs
+    t = jax.random.uniform(jax.random.key(5), (n,), jnp.float32, 1e-3, 1e3)
+
+    def kern(t_ref, o_ref):
+        b = pl.program_id(0)
+        o_ref[b] = acc_pallas._row_temperature(t_ref, b)[1]
+    full = pl.BlockSpec((n,), lambda *_: (0,))
+    got = pl.pallas_call(kern, grid=(n,), out_shape=jax.ShapeDtypeStruct((n,), jnp.float32), in_specs=[full],
+                         out_specs=full, **call_kwargs())(t)
+    want = jax.jit(lambda x: acc_ref.inverse_temperature(x)[1])(t)
+    same = float(np.mean(np.asarray(got).view(np.uint32) == np.asarray(want).view(np.uint32)))
+    ROWS.append(dict(op="inverse_temperature", n=n, bits_equal=same))
+    log(f"\ninverse temperature, kernel vs XLA: {same * 100:.2f}% of {n} random t in [1e-3, 1e3) bit-identical")
 
 
 # ---------------------------------------------------------------- metadata
@@ -317,6 +339,10 @@ def main():
                     bench_acceptance(b, kk, v, reps=reps, calls=calls, temp=temp)
         bench_acceptance(batches[-1] if a.smoke else 8, kk, vocabs[0], reps=reps, calls=calls, trunc=True,
                          label="top-k50/top-p0.9")
+    if "acc" in only or "acc-mixed" in only:  # per-row temperatures with inexact 1 / t, a quarter greedy
+        check_inverse_temperature()
+        for b in batches:
+            bench_acceptance(b, 7 if not a.smoke else ks[0], vocabs[0], reps=reps, calls=calls, temp=None)
     if "attn" in only and not over_budget(a.budget):
         log("\n| op | B | context | T | xla us | pallas us | xla/pallas | xla TB/s | pallas TB/s | max abs err | cfg |"
             "\n|---|---|---|---|---|---|---|---|---|---|---|")
