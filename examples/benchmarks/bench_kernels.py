@@ -31,9 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from devtime import profile_calls
+from pjax.kernels._pallas_util import call_kwargs
 from pjax.kernels.acceptance import pallas as acc_pallas
 from pjax.kernels.acceptance import reference as acc_ref
 from pjax.kernels.cache_attention import pallas as attn_pallas
@@ -162,7 +162,6 @@ def bench_acceptance(b, k, v, *, reps, calls, temp=1.0, trunc=False, label="", t
 
 def check_inverse_temperature(n: int = 4096):
     """The kernels' in-kernel 1 / t against the reference's XLA division on this backend, bit for bit."""
-    from pjax.kernels._pallas_util import call_kwargs
     t = jax.random.uniform(jax.random.key(5), (n,), jnp.float32, 1e-3, 1e3)
 
     def kern(t_ref, o_ref):
@@ -266,8 +265,7 @@ def pallas_read(k, v, *, splits, bk, num_warps=4, num_stages=3):
     return pl.pallas_call(functools.partial(_read_kernel, per=s // splits, bk=bk), grid=(nkv, splits),
                           out_shape=jax.ShapeDtypeStruct((nkv, splits, hd), jnp.float32), in_specs=[full(k), full(v)],
                           out_specs=pl.BlockSpec((nkv, splits, hd), lambda *_: (0, 0, 0)),
-                          interpret=jax.default_backend() != "gpu",
-                          compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages))(k, v)
+                          **call_kwargs(num_warps, num_stages))(k, v)
 
 
 @guarded
