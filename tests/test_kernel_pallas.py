@@ -69,6 +69,8 @@ def test_acceptance_kernel_equals_reference(monkeypatch, b, k, v, dtype, with_q,
     (3, 12, 4, 1, 16, 97, jnp.bfloat16, None, True, True),  # K=11 verify, MQA, sinks, ragged lengths
     (2, 6, 6, 3, 24, 80, jnp.bfloat16, 16, False, True),  # draft 2K=6, head_dim not a power of two, window
     (1, 22, 2, 2, 64, 70, jnp.float32, 8, True, False),  # draft 2K=22, MHA, window + sinks
+    (2, 22, 8, 2, 32, 320, jnp.bfloat16, None, False, True),  # 88 GQA rows; unmasked loads, mask-free tiles
+    (1, 12, 8, 2, 16, 200, jnp.float32, 40, True, True),  # window with mask-free tiles inside it
 ])
 def test_cache_attention_kernel_matches_reference(b, t, nh, nkv, hd, s, dtype, window, sinks, kv_len):
     rs = np.random.default_rng(s)
@@ -84,6 +86,15 @@ def test_cache_attention_kernel_matches_reference(b, t, nh, nkv, hd, s, dtype, w
     out = jax.jit(lambda *a: attn_pallas.cache_attention(*a, **kw, block_k=16))(q, k, v, q_pos).astype(jnp.float32)
     tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=tol, rtol=tol)
+
+
+def test_cache_attention_block_size_fits_shared_memory():
+    """128-key tiles for bf16 head_dim 128 (verify and 22-query draft shapes); halved for f32 or head_dim 256."""
+    for rows, hdp, itemsize, want in ((32, 128, 2, 128), (128, 128, 2, 128), (32, 128, 4, 64), (128, 128, 4, 32),
+                                      (128, 256, 2, 32), (16, 64, 2, 128)):
+        bk = attn_pallas.block_size(128, 16384, hdp, rows, itemsize, 3)
+        assert bk == want and (3 * 2 * bk + rows) * hdp * itemsize <= attn_pallas.SMEM_BUDGET
+    assert attn_pallas.block_size(128, 40, 128, 32, 2, 3) == 64  # short caches: next power of two of the length
 
 
 def test_kernels_lower_to_triton_for_cuda():

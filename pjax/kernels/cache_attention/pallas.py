@@ -6,8 +6,10 @@ materialises [B, nh, T, S] scores; this kernel reads only the visible range [lo,
 (hi = min(S, kv_len, max q_pos + 1), lo from the sliding window), each K/V tile once for all T
 queries and all g = nh / nkv query heads sharing the KV head (GQA), and splits that range over
 `num_splits` programs (flash-decoding) so batch 1 still fills the GPU.
-Grid: (B, nkv, splits). Each program holds a [M, hd] query tile (M = next power of two >= T * g,
-rows = (query, head-in-group)) and streams [BK, hd] K/V tiles with an online softmax; partial
+Grid: (B, nkv, splits), about one program per SM. Each program holds a [M, hd] query tile (M = next power of
+two >= T * g, rows = (query, head-in-group)) and streams [BK, hd] K/V tiles (3-stage pipeline) with an online
+softmax in base 2 (scale folded into one multiply-add before `ex2.approx`); only the tiles at the edges of the
+visible range (causal diagonal, window start, kv_len, cache end) apply a mask, the interior runs mask-free; partial
 (o, m, l) per split are merged by a second small kernel (all splits of a [rows, 32 dims] block loaded at once)
 that also adds the attention sinks and writes [B, T, nh, hd] directly.
 Bytes moved: 2 * B * nkv * (hi - lo) * hd * itemsize of K/V + the tiny q and partials, written once and
@@ -32,12 +34,26 @@ from pjax.kernels._dispatch import interpret
 from pjax.kernels._pallas_util import call_kwargs, next_pow2
 from pjax.kernels.cache_attention.reference import check_inputs
 
-BLOCK_K = 64
-# One wave of resident programs: ~2 per H200 SM (132 SMs) for up to 64 query rows, 1 for 128 rows. A grid larger
-# than what fits at once runs a second, mostly idle wave: at B=8 16K, 5 splits (320 programs) took 180 us and 4
-# splits (256) 126 us; at B=1 with 88 query rows, 16 splits 35 us vs 32 splits 43 us (H200, 2026-11-21).
-TARGET_PROGRAMS = 256
+BLOCK_K = 128
+# K/V pipeline buffers (stages x 2 x block_k x head_dim) plus the query tile must fit in the H200's 227 KB of shared
+# memory per program; block_k is halved until stages x 2 x block_k x hd x itemsize + rows x hd x itemsize <= this.
+SMEM_BUDGET = 224 * 1024
+# Programs per launch: one per H200 SM (132). With 128-key blocks and 3 stages a program holds 192 KB of K/V in
+# flight, so one program fills an SM; more splits only add a second, mostly idle wave and a costlier merge.
+# (B=1 16K, H200 2026-11-22: T=8 16 splits x 128 keys 21.3 us vs 32 x 64 22.2 us; T=12 22.1 vs 23.4 us; B=8 T=22
+# 2 x 128 154.6 vs 4 x 64 174.6 us.)
+TARGET_PROGRAMS = 128
 NEG_INF = float("-inf")
+LOG2E = 1.4426950408889634
+
+
+def _exp2(x):
+    """2 ** x as one MUFU `ex2.approx.ftz` instruction per element (what Triton's own exp2 emits; Pallas lowers
+    jnp.exp2 to libdevice's slower exp2f: B=8 16K T=22 179 vs 184 us). Interpret mode uses jnp.exp2."""
+    if interpret():
+        return jnp.exp2(x)
+    return pltriton.elementwise_inline_asm("ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=r,r", pack=1,
+                                           result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, x.dtype)])[0]
 
 
 def _kernel(q_ref, k_ref, v_ref, qpos_ref, *refs, t, g, s_len, hd, hdp, m_rows, bk, ns, window, has_len, scale,
@@ -53,44 +69,55 @@ def _kernel(q_ref, k_ref, v_ref, qpos_ref, *refs, t, g, s_len, hd, hdp, m_rows, 
     t_c = jnp.where(rmask, t_idx, 0)
     d = jnp.arange(hdp, dtype=jnp.int32)
     dmask = d < hd
-    qmask = rmask[:, None] & dmask[None, :]
-    q = pltriton.load(q_ref.at[b, t_c[:, None], (h * g + j_idx)[:, None], d[None, :]], mask=qmask, other=0)
+    q = pltriton.load(q_ref.at[b, t_c[:, None], (h * g + j_idx)[:, None], d[None, :]],
+                      mask=rmask[:, None] & dmask[None, :], other=0)
     qp = pltriton.load(qpos_ref.at[b, t_c], mask=rmask, other=-1)
+    qp_min = jnp.min(jnp.where(rmask, qp, 2 ** 30))
     hi = jnp.minimum(jnp.max(qp) + 1, s_len)
+    full_hi = jnp.minimum(qp_min + 1, s_len)  # keys below this are visible to every row as far as causality goes
     if has_len:
-        hi = jnp.minimum(hi, len_ref[b])
-    lo = jnp.int32(0)
+        kv_len = len_ref[b]
+        hi, full_hi = jnp.minimum(hi, kv_len), jnp.minimum(full_hi, kv_len)
+    lo = full_lo = jnp.int32(0)
     if window is not None:
-        lo = jnp.maximum(jnp.min(jnp.where(rmask, qp, 2 ** 30)) - window + 1, 0)
-        lo = (lo // bk) * bk
+        lo = (jnp.maximum(qp_min - window + 1, 0) // bk) * bk
+        full_lo = jnp.max(qp) - window + 1  # keys from here on are inside every row's window
     n_blocks = jnp.maximum((hi - lo + bk - 1) // bk, 0)
     per = (n_blocks + ns - 1) // ns
     blk0 = sp * per
     blk1 = jnp.minimum(n_blocks, blk0 + per)
-    kv_len = len_ref[b] if has_len else None
     kk = jnp.arange(bk, dtype=jnp.int32)
+    c = scale * LOG2E  # p = 2 ** (score * c - m * c) = exp(scale * (score - m)); m tracks raw scores
+    # unmasked tile loads when every tile lies inside the cache and head_dim is a power of two
+    tile_mask = bool(s_len % bk) or hd != hdp
 
     def body(blk, carry):
         acc, m, l = carry
         start = pl.multiple_of(lo + blk * bk, bk)
         kidx = start + kk
         kmask = kidx < s_len
-        tmask = kmask[:, None] & dmask[None, :]
-        kb = pltriton.load(k_ref.at[b, pl.ds(start, bk), h, pl.ds(0, hdp)], mask=tmask, other=0)
+        tmask = kmask[:, None] & dmask[None, :] if tile_mask else None
+        other = 0 if tile_mask else None
+        kb = pltriton.load(k_ref.at[b, pl.ds(start, bk), h, pl.ds(0, hdp)], mask=tmask, other=other)
         sc = jax.lax.dot_general(q, kb, (((1,), (1,)), ((), ())), precision=precision,
-                                 preferred_element_type=jnp.float32) * scale
-        vis = (kidx[None, :] <= qp[:, None]) & kmask[None, :]
-        if window is not None:
-            vis &= kidx[None, :] > qp[:, None] - window
-        if has_len:
-            vis &= kidx[None, :] < kv_len
-        sc = jnp.where(vis, sc, NEG_INF)
+                                 preferred_element_type=jnp.float32)
+
+        def mask(s_):
+            vis = (kidx[None, :] <= qp[:, None]) & kmask[None, :]
+            if window is not None:
+                vis &= kidx[None, :] > qp[:, None] - window
+            if has_len:
+                vis &= kidx[None, :] < kv_len
+            return jnp.where(vis, s_, NEG_INF)
+
+        # only blocks at the edges of the visible range (causal diagonal, window start, length, cache end) mask
+        sc = jax.lax.cond((start < full_lo) | (start + bk > full_hi), mask, lambda s_: s_, sc)
         m_new = jnp.maximum(m, jnp.max(sc, axis=1))
-        m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
-        alpha = jnp.exp(m - m_safe)
-        p = jnp.exp(sc - m_safe[:, None])
+        mc = jnp.where(m_new == NEG_INF, 0.0, m_new) * c
+        alpha = _exp2(m * c - mc)
+        p = _exp2(sc * c - mc[:, None])
         l = l * alpha + jnp.sum(p, axis=1)
-        vb = pltriton.load(v_ref.at[b, pl.ds(start, bk), h, pl.ds(0, hdp)], mask=tmask, other=0)
+        vb = pltriton.load(v_ref.at[b, pl.ds(start, bk), h, pl.ds(0, hdp)], mask=tmask, other=other)
         pv = jax.lax.dot_general(p.astype(vb.dtype), vb, (((1,), (0,)), ((), ())), precision=precision,
                                  preferred_element_type=jnp.float32)
         return acc * alpha[:, None] + pv, m_new, l
@@ -99,20 +126,29 @@ def _kernel(q_ref, k_ref, v_ref, qpos_ref, *refs, t, g, s_len, hd, hdp, m_rows, 
             jnp.zeros((m_rows,), jnp.float32))
     acc, m, l = jax.lax.fori_loop(blk0, blk1, body, init)
     pltriton.store(o_ref.at[b, sp, h, pl.ds(0, m_rows), pl.ds(0, hdp)], acc.astype(o_ref.dtype))
-    pltriton.store(m_ref.at[b, sp, h, pl.ds(0, m_rows)], m)
+    pltriton.store(m_ref.at[b, sp, h, pl.ds(0, m_rows)], m * scale)  # the merge works in units of scale * score
     pltriton.store(l_ref.at[b, sp, h, pl.ds(0, m_rows)], l)
 
 
-def num_splits(b: int, nkv: int, s: int, bk: int, m_rows: int) -> int:
+def num_splits(b: int, nkv: int, s: int, bk: int) -> int:
     """KV-length splits: the largest power of two that keeps B x nkv x splits within one wave."""
-    target = TARGET_PROGRAMS // (2 if m_rows >= 128 else 1)
-    fit = max(1, target // (b * nkv))
+    fit = max(1, TARGET_PROGRAMS // (b * nkv))
     return max(1, min(pl.cdiv(s, bk), 1 << (fit.bit_length() - 1)))
+
+
+def block_size(block_k: int, s_len: int, hdp: int, m_rows: int, itemsize: int, stages: int) -> int:
+    """Keys per tile: block_k, capped by the cache length and halved (down to 16) until the K/V pipeline buffers
+    and the query tile fit in SMEM_BUDGET (f32 or head_dim 256 tiles are 2x larger)."""
+    bk = max(16, min(block_k, next_pow2(s_len)))
+    while bk > 16 and (stages * 2 * bk + m_rows) * hdp * itemsize > SMEM_BUDGET:
+        bk //= 2
+    return bk
 
 
 def partials(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, kv_len=None, block_k: int = BLOCK_K,
              splits: Optional[int] = None, num_warps: Optional[int] = None, num_stages: int = 3):
-    """The kernel alone: unnormalised per-split results (o [B, ns, nkv, M, hdp], m, l [B, ns, nkv, M]).
+    """The kernel alone: unnormalised per-split results (o [B, ns, nkv, M, hdp], m, l [B, ns, nkv, M]); m in
+    units of scale * score.
 
     o is stored in q's dtype when that is 16-bit (bf16 / f16; the merge then reads half the bytes -- B=1 16K
     T=12: 26.1 -> 24.3 us on the H200), else float32; m and l are always float32."""
@@ -121,8 +157,8 @@ def partials(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, kv_l
     g = nh // nkv
     m_rows = max(16, next_pow2(t * g))
     hdp = max(16, next_pow2(hd))
-    bk = max(16, min(block_k, next_pow2(s_len)))
-    ns = splits or num_splits(b, nkv, s_len, bk, m_rows)
+    bk = block_size(block_k, s_len, hdp, m_rows, jnp.dtype(k.dtype).itemsize, num_stages)
+    ns = splits or num_splits(b, nkv, s_len, bk)
     num_warps = num_warps or (4 if m_rows < 128 else 8)
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     has_len = kv_len is not None
