@@ -382,7 +382,7 @@ def main():
             "\n|---|---|---|---|---|---|---|---|---|---|---|")
         for b, t in ((1, 8), (1, 22), (64, 8)):  # the split kernel alone (no merge epilogue), and split shapes
             bench_attention(b, 16384, t, reps=reps, calls=calls, xla=False, label="kernel only", kernel_only=True)
-            for cfg in (dict(splits=16, block_k=128, num_warps=8), dict(block_k=128, num_warps=8), dict(splits=66)):
+            for cfg in (dict(block_k=64), dict(block_k=64, num_stages=4), dict(splits=32)):
                 if not over_budget(a.budget):
                     bench_attention(b, 16384, t, reps=reps, calls=calls, xla=False, label="variant", cfg=cfg)
         bench_read(67_108_864, reps=reps, calls=calls)  # the K/V bytes of one batch-1 16K layer

@@ -34,7 +34,6 @@ from pjax.kernels._dispatch import interpret
 from pjax.kernels._pallas_util import call_kwargs, next_pow2
 from pjax.kernels.cache_attention.reference import check_inputs
 
-BLOCK_K = 128
 # K/V pipeline buffers (stages x 2 x block_k x head_dim) plus the query tile must fit in the H200's 227 KB of shared
 # memory per program; block_k is halved until stages x 2 x block_k x hd x itemsize + rows x hd x itemsize <= this.
 SMEM_BUDGET = 224 * 1024
@@ -91,16 +90,22 @@ def _kernel(q_ref, k_ref, v_ref, qpos_ref, *refs, t, g, s_len, hd, hdp, m_rows, 
     # unmasked tile loads when every tile lies inside the cache and head_dim is a power of two
     tile_mask = bool(s_len % bk) or hd != hdp
 
-    def body(blk, carry):
-        acc, m, l = carry
+    def tile(blk):  # first key of block blk, its key indices and the K/V tile load mask
         start = pl.multiple_of(lo + blk * bk, bk)
         kidx = start + kk
         kmask = kidx < s_len
-        tmask = kmask[:, None] & dmask[None, :] if tile_mask else None
-        other = 0 if tile_mask else None
-        kb = pltriton.load(k_ref.at[b, pl.ds(start, bk), h, pl.ds(0, hdp)], mask=tmask, other=other)
-        sc = jax.lax.dot_general(q, kb, (((1,), (1,)), ((), ())), precision=precision,
-                                 preferred_element_type=jnp.float32)
+        return start, kidx, kmask, (kmask[:, None] & dmask[None, :] if tile_mask else None)
+
+    def scores(blk):  # raw q k^T of block blk: [M, BK] float32
+        start, _, _, tmask = tile(blk)
+        kb = pltriton.load(k_ref.at[b, pl.ds(start, bk), h, pl.ds(0, hdp)], mask=tmask,
+                           other=0 if tile_mask else None)
+        return jax.lax.dot_general(q, kb, (((1,), (1,)), ((), ())), precision=precision,
+                                   preferred_element_type=jnp.float32)
+
+    def update(blk, sc, carry):  # online softmax and PV of block blk given its scores
+        acc, m, l = carry
+        start, kidx, kmask, tmask = tile(blk)
 
         def mask(s_):
             vis = (kidx[None, :] <= qp[:, None]) & kmask[None, :]
@@ -117,14 +122,15 @@ def _kernel(q_ref, k_ref, v_ref, qpos_ref, *refs, t, g, s_len, hd, hdp, m_rows, 
         alpha = _exp2(m * c - mc)
         p = _exp2(sc * c - mc[:, None])
         l = l * alpha + jnp.sum(p, axis=1)
-        vb = pltriton.load(v_ref.at[b, pl.ds(start, bk), h, pl.ds(0, hdp)], mask=tmask, other=other)
+        vb = pltriton.load(v_ref.at[b, pl.ds(start, bk), h, pl.ds(0, hdp)], mask=tmask,
+                           other=0 if tile_mask else None)
         pv = jax.lax.dot_general(p.astype(vb.dtype), vb, (((1,), (0,)), ((), ())), precision=precision,
                                  preferred_element_type=jnp.float32)
         return acc * alpha[:, None] + pv, m_new, l
 
     init = (jnp.zeros((m_rows, hdp), jnp.float32), jnp.full((m_rows,), NEG_INF, jnp.float32),
             jnp.zeros((m_rows,), jnp.float32))
-    acc, m, l = jax.lax.fori_loop(blk0, blk1, body, init)
+    acc, m, l = jax.lax.fori_loop(blk0, blk1, lambda blk, carry: update(blk, scores(blk), carry), init)
     pltriton.store(o_ref.at[b, sp, h, pl.ds(0, m_rows), pl.ds(0, hdp)], acc.astype(o_ref.dtype))
     pltriton.store(m_ref.at[b, sp, h, pl.ds(0, m_rows)], m * scale)  # the merge works in units of scale * score
     pltriton.store(l_ref.at[b, sp, h, pl.ds(0, m_rows)], l)
@@ -136,6 +142,20 @@ def num_splits(b: int, nkv: int, s: int, bk: int) -> int:
     return max(1, min(pl.cdiv(s, bk), 1 << (fit.bit_length() - 1)))
 
 
+def default_block_k(b: int, nkv: int, s_len: int, m_rows: int) -> int:
+    """128-key tiles (one program fills an SM), except where 64 measured faster on the H200 (2026-11-22):
+    - short caches whose 128-key blocks are too few to spread over TARGET_PROGRAMS (B=1 1K: 64 vs 128 programs;
+      T=8 6.2 vs 6.6 us, T=22 8.1 vs 8.9 us);
+    - several waves of short programs with fewer than 128 rows, where two 64-key programs per SM overlap each
+      other's start and end (B=64 1K T=8: 74.2 vs 81.8 us; at 16K the 128-key tiles win, T=4 977 vs 1125 us)."""
+    pairs = b * nkv
+    if pl.cdiv(s_len, 128) * pairs < TARGET_PROGRAMS:
+        return 64
+    if pairs > TARGET_PROGRAMS and s_len <= 4096 and m_rows < 128:
+        return 64
+    return 128
+
+
 def block_size(block_k: int, s_len: int, hdp: int, m_rows: int, itemsize: int, stages: int) -> int:
     """Keys per tile: block_k, capped by the cache length and halved (down to 16) until the K/V pipeline buffers
     and the query tile fit in SMEM_BUDGET (f32 or head_dim 256 tiles are 2x larger)."""
@@ -145,7 +165,8 @@ def block_size(block_k: int, s_len: int, hdp: int, m_rows: int, itemsize: int, s
     return bk
 
 
-def partials(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, kv_len=None, block_k: int = BLOCK_K,
+def partials(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, kv_len=None,
+             block_k: Optional[int] = None,
              splits: Optional[int] = None, num_warps: Optional[int] = None, num_stages: int = 3):
     """The kernel alone: unnormalised per-split results (o [B, ns, nkv, M, hdp], m, l [B, ns, nkv, M]); m in
     units of scale * score.
@@ -157,6 +178,7 @@ def partials(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, kv_l
     g = nh // nkv
     m_rows = max(16, next_pow2(t * g))
     hdp = max(16, next_pow2(hd))
+    block_k = block_k or default_block_k(b, nkv, s_len, m_rows)
     bk = block_size(block_k, s_len, hdp, m_rows, jnp.dtype(k.dtype).itemsize, num_stages)
     ns = splits or num_splits(b, nkv, s_len, bk)
     num_warps = num_warps or (4 if m_rows < 128 else 8)
@@ -233,7 +255,7 @@ def merge(o_s, m_s, l_s, *, t: int, nh: int, hd: int, sinks=None, dtype=jnp.bflo
 
 
 def cache_attention(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, sinks=None, kv_len=None,
-                    block_k: int = BLOCK_K, splits: Optional[int] = None, num_warps: Optional[int] = None,
+                    block_k: Optional[int] = None, splits: Optional[int] = None, num_warps: Optional[int] = None,
                     num_stages: int = 3):
     """Same contract as `pjax.kernels.cache_attention.reference.cache_attention`."""
     check_inputs(q, k, v, q_pos, kv_len, sinks)
