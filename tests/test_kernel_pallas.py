@@ -95,10 +95,11 @@ def test_cache_attention_block_size_fits_shared_memory():
         bk = attn_pallas.block_size(128, 16384, hdp, rows, itemsize, 3)
         assert bk == want and (3 * 2 * bk + rows) * hdp * itemsize <= attn_pallas.SMEM_BUDGET
     assert attn_pallas.block_size(128, 40, 128, 32, 2, 3) == 64  # short caches: next power of two of the length
-    # default tiles: 128 keys, 64 where 128-key blocks are too few to fill the GPU or programs are short and many
-    assert [attn_pallas.default_block_k(b, 8, s, rows) for b, s, rows in (
-        (1, 16384, 32), (1, 1024, 32), (8, 1024, 32), (64, 1024, 32), (64, 1024, 128), (64, 16384, 16))] == [
-        128, 64, 128, 64, 128, 128]
+    # default tiles: 128 keys x 3 stages; 64 x 4 for 64-row programs; 64 x 3 where 128-key blocks are too few to
+    # fill the GPU or programs are short and many
+    assert [attn_pallas.default_tiles(b, 8, s, rows) for b, s, rows in (
+        (1, 16384, 32), (1, 16384, 64), (1, 1024, 32), (8, 1024, 32), (64, 1024, 32), (64, 1024, 128),
+        (64, 16384, 16))] == [(128, 3), (64, 4), (64, 3), (128, 3), (64, 3), (128, 3), (128, 3)]
 
 
 def test_kernels_lower_to_triton_for_cuda():

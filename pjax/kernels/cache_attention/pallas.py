@@ -142,18 +142,21 @@ def num_splits(b: int, nkv: int, s: int, bk: int) -> int:
     return max(1, min(pl.cdiv(s, bk), 1 << (fit.bit_length() - 1)))
 
 
-def default_block_k(b: int, nkv: int, s_len: int, m_rows: int) -> int:
-    """128-key tiles (one program fills an SM), except where 64 measured faster on the H200 (2026-11-22):
-    - short caches whose 128-key blocks are too few to spread over TARGET_PROGRAMS (B=1 1K: 64 vs 128 programs;
-      T=8 6.2 vs 6.6 us, T=22 8.1 vs 8.9 us);
+def default_tiles(b: int, nkv: int, s_len: int, m_rows: int) -> tuple:
+    """(keys per tile, pipeline stages): 128 x 3 (one program fills an SM), except where other shapes measured
+    faster on the H200 (2026-11-22, same-run medians):
+    - 64-row programs (T * g in 33..64): 64 x 4 (B=1 16K T=12 / 14: 21.6 vs 22.1 us, B=8: 122.7 vs 123.4 us; with
+      32 rows it loses: T=6 22.4 vs 21.5 us);
+    - short caches whose 128-key blocks are too few to spread over TARGET_PROGRAMS: 64 x 3 (B=1 1K: 64 vs 128
+      programs; T=8 6.2 vs 6.6 us, T=22 8.1 vs 8.9 us);
     - several waves of short programs with fewer than 128 rows, where two 64-key programs per SM overlap each
-      other's start and end (B=64 1K T=8: 74.2 vs 81.8 us; at 16K the 128-key tiles win, T=4 977 vs 1125 us)."""
+      other's start and end: 64 x 3 (B=64 1K T=8: 74.2 vs 81.8 us; at 16K 128 keys win, T=4 977 vs 1125 us)."""
     pairs = b * nkv
-    if pl.cdiv(s_len, 128) * pairs < TARGET_PROGRAMS:
-        return 64
-    if pairs > TARGET_PROGRAMS and s_len <= 4096 and m_rows < 128:
-        return 64
-    return 128
+    if pl.cdiv(s_len, 128) * pairs < TARGET_PROGRAMS or (pairs > TARGET_PROGRAMS and s_len <= 4096 and m_rows < 128):
+        return 64, 3
+    if m_rows == 64:
+        return 64, 4
+    return 128, 3
 
 
 def block_size(block_k: int, s_len: int, hdp: int, m_rows: int, itemsize: int, stages: int) -> int:
@@ -166,8 +169,8 @@ def block_size(block_k: int, s_len: int, hdp: int, m_rows: int, itemsize: int, s
 
 
 def partials(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, kv_len=None,
-             block_k: Optional[int] = None,
-             splits: Optional[int] = None, num_warps: Optional[int] = None, num_stages: int = 3):
+             block_k: Optional[int] = None, splits: Optional[int] = None, num_warps: Optional[int] = None,
+             num_stages: Optional[int] = None):
     """The kernel alone: unnormalised per-split results (o [B, ns, nkv, M, hdp], m, l [B, ns, nkv, M]); m in
     units of scale * score.
 
@@ -178,7 +181,8 @@ def partials(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, kv_l
     g = nh // nkv
     m_rows = max(16, next_pow2(t * g))
     hdp = max(16, next_pow2(hd))
-    block_k = block_k or default_block_k(b, nkv, s_len, m_rows)
+    tiles = default_tiles(b, nkv, s_len, m_rows)
+    block_k, num_stages = block_k or tiles[0], num_stages or tiles[1]
     bk = block_size(block_k, s_len, hdp, m_rows, jnp.dtype(k.dtype).itemsize, num_stages)
     ns = splits or num_splits(b, nkv, s_len, bk)
     num_warps = num_warps or (4 if m_rows < 128 else 8)
@@ -256,7 +260,7 @@ def merge(o_s, m_s, l_s, *, t: int, nh: int, hd: int, sinks=None, dtype=jnp.bflo
 
 def cache_attention(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, sinks=None, kv_len=None,
                     block_k: Optional[int] = None, splits: Optional[int] = None, num_warps: Optional[int] = None,
-                    num_stages: int = 3):
+                    num_stages: Optional[int] = None):
     """Same contract as `pjax.kernels.cache_attention.reference.cache_attention`."""
     check_inputs(q, k, v, q_pos, kv_len, sinks)
     parts = partials(q, k, v, q_pos, scale=scale, window=window, kv_len=kv_len, block_k=block_k, splits=splits,
