@@ -9,7 +9,7 @@ import jax
 from pjax.kernels import _dispatch
 from pjax.kernels.cache_attention import reference
 
-# H200 (JAX 0.11.2, 2026-11-21, device time from the profiler): 1.8-5.6x faster than XLA on all measured
+# H200 (JAX 0.11.2, 2026-11-22, device time from the profiler): 1.9-6.5x faster than XLA on all measured
 # verify/draft shapes (docs/benchmarks.md section 2).
 AUTO_PALLAS = True
 MAX_QUERY_ROWS = 128  # T * nh / nkv rows held in one program; larger (prefill) stays on XLA
