@@ -224,8 +224,8 @@ class Bench:
         meta = jax.jit(functools.partial(build_draft_inputs, num_slots=2 * k, mask_token_id=spec.mask_token_id,
                                          implementation=spec.implementation))
         vt = jnp.concatenate([st.last[:, None], st.drafts], axis=1)
-        (out["metadata_span"], out["metadata_busy"]), _ = device_span(lambda _: meta(res.num_accepted, vt, res.next_token, st.pos), None,
-                                              calls)
+        build = lambda _: meta(res.num_accepted, vt, res.next_token, st.pos)
+        (out["metadata_span"], out["metadata_busy"]), _ = device_span(build, None, calls)
         out["draft"], dcache = timed(
             lambda c: fn["draft"](d, c, keep["aux"], vt, res.num_accepted, res.next_token, st.pos, samp, spec=spec)[0],
             st.drafter_cache, calls)

@@ -90,22 +90,16 @@ def _kernel(q_ref, k_ref, v_ref, qpos_ref, *refs, t, g, s_len, hd, hdp, m_rows, 
     # unmasked tile loads when every tile lies inside the cache and head_dim is a power of two
     tile_mask = bool(s_len % bk) or hd != hdp
 
-    def tile(blk):  # first key of block blk, its key indices and the K/V tile load mask
+    def body(blk, carry):
+        acc, m, l = carry
         start = pl.multiple_of(lo + blk * bk, bk)
         kidx = start + kk
         kmask = kidx < s_len
-        return start, kidx, kmask, (kmask[:, None] & dmask[None, :] if tile_mask else None)
-
-    def scores(blk):  # raw q k^T of block blk: [M, BK] float32
-        start, _, _, tmask = tile(blk)
-        kb = pltriton.load(k_ref.at[b, pl.ds(start, bk), h, pl.ds(0, hdp)], mask=tmask,
-                           other=0 if tile_mask else None)
-        return jax.lax.dot_general(q, kb, (((1,), (1,)), ((), ())), precision=precision,
-                                   preferred_element_type=jnp.float32)
-
-    def update(blk, sc, carry):  # online softmax and PV of block blk given its scores
-        acc, m, l = carry
-        start, kidx, kmask, tmask = tile(blk)
+        tmask = kmask[:, None] & dmask[None, :] if tile_mask else None
+        other = 0 if tile_mask else None
+        kb = pltriton.load(k_ref.at[b, pl.ds(start, bk), h, pl.ds(0, hdp)], mask=tmask, other=other)
+        sc = jax.lax.dot_general(q, kb, (((1,), (1,)), ((), ())), precision=precision,
+                                 preferred_element_type=jnp.float32)  # raw q k^T [M, BK]
 
         def mask(s_):
             vis = (kidx[None, :] <= qp[:, None]) & kmask[None, :]
@@ -122,15 +116,14 @@ def _kernel(q_ref, k_ref, v_ref, qpos_ref, *refs, t, g, s_len, hd, hdp, m_rows, 
         alpha = _exp2(m * c - mc)
         p = _exp2(sc * c - mc[:, None])
         l = l * alpha + jnp.sum(p, axis=1)
-        vb = pltriton.load(v_ref.at[b, pl.ds(start, bk), h, pl.ds(0, hdp)], mask=tmask,
-                           other=0 if tile_mask else None)
+        vb = pltriton.load(v_ref.at[b, pl.ds(start, bk), h, pl.ds(0, hdp)], mask=tmask, other=other)
         pv = jax.lax.dot_general(p.astype(vb.dtype), vb, (((1,), (0,)), ((), ())), precision=precision,
                                  preferred_element_type=jnp.float32)
         return acc * alpha[:, None] + pv, m_new, l
 
     init = (jnp.zeros((m_rows, hdp), jnp.float32), jnp.full((m_rows,), NEG_INF, jnp.float32),
             jnp.zeros((m_rows,), jnp.float32))
-    acc, m, l = jax.lax.fori_loop(blk0, blk1, lambda blk, carry: update(blk, scores(blk), carry), init)
+    acc, m, l = jax.lax.fori_loop(blk0, blk1, body, init)
     pltriton.store(o_ref.at[b, sp, h, pl.ds(0, m_rows), pl.ds(0, hdp)], acc.astype(o_ref.dtype))
     pltriton.store(m_ref.at[b, sp, h, pl.ds(0, m_rows)], m * scale)  # the merge works in units of scale * score
     pltriton.store(l_ref.at[b, sp, h, pl.ds(0, m_rows)], l)

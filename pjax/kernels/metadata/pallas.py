@@ -53,7 +53,7 @@ def _kernel(na_ref, vt_ref, nt_ref, sp_ref, tok_ref, pos_ref, fr_ref, wp_ref, si
 
 
 def build_draft_inputs(num_accepted, verify_tokens, next_token, start_pos, *, num_slots: int,
-                       mask_token_id: Optional[int], rows_per_program: int = None,
+                       mask_token_id: Optional[int], rows_per_program: Optional[int] = None,
                        num_warps: Optional[int] = None) -> DraftInputs:
     """Same contract as `pjax.kernels.metadata.reference.build_draft_inputs`."""
     b, k = check_inputs(num_accepted, verify_tokens, next_token, start_pos, num_slots)
