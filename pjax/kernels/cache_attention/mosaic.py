@@ -1,0 +1,294 @@
+"""Mosaic GPU (Hopper) flash-decoding attention for 65..128 query rows per KV head, warp-specialised.
+
+Why: the 22-query draft shape (K = 11, 4 query heads per KV head = 88 rows) at batch 1 is latency-bound in the
+Triton kernel: one program per SM waits on its own scores -> softmax -> PV chain and the tensor cores idle during
+the softmax. Here each program (b, KV head h, split s) runs three warpgroups (FlashAttention-3 layout):
+- warpgroup 2 streams [BK, hd] K and V tiles of the program's key range into a `stages`-deep shared-memory ring
+  with TMA (barriers `k_full` / `v_full`; it reuses a slot once both consumers released it: `k_free` / `v_free`);
+- warpgroups 0 and 1 each own 64 query rows (rows r = (query r // g, head-in-group r % g), as in the Triton kernel,
+  padded to 128) and take turns on the tensor cores (barrier `turn`): while one runs its q k^T / p v `wgmma`, the
+  other runs its online softmax (base 2, scale folded into one multiply-add).
+Only tiles at the edges of the visible range apply the mask (causal diagonal, window start, kv_len); the per-row
+positions and the per-row tile ranges come from a small XLA prologue (`_rows_and_ranges`). The output is the same
+unnormalised per-split (o, m, l) as `pallas.partials`, merged by the same Triton merge kernel.
+Bytes moved: as the Triton kernel (K/V of the visible range once + the partials).
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pjax.kernels.cache_attention.reference import check_inputs
+
+ROWS = 128  # query rows per program: two consumer warpgroups x 64 (the wgmma M tile)
+SMEM_BUDGET = 227 * 1024  # H100 / H200 shared memory per block
+LOG2E = 1.4426950408889634
+
+
+def _plgpu():
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    return plgpu
+
+
+def _load(ref, layout):
+    """`plgpu.load` of a whole ref with an explicit register layout (JAX 0.10 takes a required index argument,
+    0.11 deprecates it)."""
+    plgpu = _plgpu()
+    if inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty:
+        return plgpu.load(ref, (), layout=layout, optimized=False)
+    return plgpu.load(ref, layout=layout, optimized=False)
+
+
+def _interpret_params():
+    """Mosaic GPU interpret mode (simulated threads, barriers, TMA; public in JAX 0.11, private in 0.10)."""
+    plgpu = _plgpu()
+    if hasattr(plgpu, "InterpretGPUParams"):
+        return plgpu.InterpretGPUParams()
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    return InterpretGPUParams()
+
+
+def available() -> bool:
+    """True on a Hopper GPU with a JAX whose Mosaic GPU has warp-specialised `plgpu.kernel` (0.11+)."""
+    try:
+        dev = jax.devices()[0]
+        if dev.platform != "gpu" or getattr(dev, "compute_capability", "0") < "9.0":
+            return False
+        plgpu = _plgpu()
+        return hasattr(plgpu, "kernel") and hasattr(plgpu, "set_max_registers")
+    except Exception:  # pragma: no cover - exotic installs
+        return False
+
+
+def unsupported_reason(q, k, *, block_k: int = 128, stages: int = 3) -> Optional[str]:
+    """None when the kernel handles these inputs, else why not (the caller falls back to the Triton kernel)."""
+    b, t, nh, hd = q.shape
+    s_len, nkv = k.shape[1], k.shape[2]
+    g = nh // nkv
+    if q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype:
+        return f"dtype {q.dtype}/{k.dtype}: 16-bit q and K/V of one dtype only"
+    if hd not in (64, 128):
+        return f"head_dim {hd}: 64 or 128 only"
+    if not 64 < t * g <= ROWS or ROWS % g:
+        return f"{t} queries x {g} heads per KV head = {t * g} rows: 65..{ROWS} rows, g dividing {ROWS}"
+    if s_len % block_k:
+        return f"cache length {s_len} is not a multiple of block_k={block_k}"
+    if _smem_bytes(block_k, stages, hd, 2) > SMEM_BUDGET:
+        return f"block_k={block_k} x {stages} stages x head_dim {hd} exceeds {SMEM_BUDGET} bytes of shared memory"
+    return None
+
+
+def _smem_bytes(bk, stages, hd, itemsize):
+    return (2 * stages * bk + ROWS) * hd * itemsize + 2 * ROWS * 4 + 1024  # K/V ring, q / o tile, m and l, barriers
+
+
+def _rows_and_ranges(q_pos, kv_len, *, g, s_len, bk, window):
+    """Per-row positions [B, ROWS] (padding rows repeat the last query) and per-batch-row int32 [B, 8]:
+    (lo, n_blocks, e0, e1, kv_hi): tiles [lo + i * bk) for i < n_blocks cover the visible keys; tiles i < e0 and
+    i >= e1 need the mask; keys >= kv_hi are hidden."""
+    t = q_pos.shape[1]
+    rows_pos = q_pos[:, jnp.minimum(jnp.arange(ROWS) // g, t - 1)]
+    qmin, qmax = jnp.min(q_pos, axis=1), jnp.max(q_pos, axis=1)
+    kv_hi = jnp.full_like(qmin, s_len) if kv_len is None else jnp.minimum(kv_len.astype(jnp.int32), s_len)
+    hi, full_hi = jnp.minimum(qmax + 1, kv_hi), jnp.minimum(qmin + 1, kv_hi)
+    if window is None:
+        lo = full_lo = jnp.zeros_like(qmin)
+    else:
+        lo = (jnp.maximum(qmin - window + 1, 0) // bk) * bk
+        full_lo = qmax - window + 1
+    n_blocks = jnp.maximum((hi - lo + bk - 1) // bk, 0)
+    e0 = jnp.clip((full_lo - lo + bk - 1) // bk, 0, n_blocks)
+    e1 = jnp.clip((full_hi - lo) // bk, e0, n_blocks)
+    zero = jnp.zeros_like(lo)
+    return rows_pos.astype(jnp.int32), jnp.stack([lo, n_blocks, e0, e1, kv_hi, zero, zero, zero], 1).astype(jnp.int32)
+
+
+def _kernel(q_ref, k_ref, v_ref, pos_ref, rng_ref, o_ref, m_ref, l_ref, *, t, g, hd, bk, stages, ns, window, scale,
+            interpret):
+    plgpu = _plgpu()
+    dtype = q_ref.dtype
+    c = scale * LOG2E
+
+    def body(qo_smem, k_smem, v_smem, ml_smem, q_bar, k_full, v_full, k_free, v_free, turn, *extra):
+        b, h, sp, wg = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s"), lax.axis_index("wg")
+        lo, n_blocks, e0, e1, kv_hi = (rng_ref[b, i] for i in range(5))
+        per = (n_blocks + ns - 1) // ns
+        blk0 = sp * per
+        count = jnp.maximum(jnp.minimum(n_blocks, blk0 + per) - blk0, 0)
+
+        @pl.when(wg == 2)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+
+            @pl.loop(0, count)
+            def _(i):
+                slot = lax.rem(i, stages)
+                keys = (b, pl.ds(pl.multiple_of(lo + (blk0 + i) * bk, bk), bk), h)
+
+                @pl.when(i >= stages)
+                def _():
+                    plgpu.barrier_wait(k_free.at[slot])
+                plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_full.at[slot])
+
+                @pl.when(i >= stages)
+                def _():
+                    plgpu.barrier_wait(v_free.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_full.at[slot])
+
+        @pl.when(wg < 2)
+        def _consumer():
+            plgpu.set_max_registers(232, action="increase")
+            wgmma_layout = plgpu.Layout.WGMMA
+            row_layout = wgmma_layout.reduce(1)
+
+            rows = pl.ds(wg * 64, 64)
+            if interpret:  # q_ref holds the rows already ([B, nkv, ROWS, hd]); wgmma reads them from shared memory
+                qo_rows = lhs = qo_smem.at[wg]
+                plgpu.copy_gmem_to_smem(q_ref.at[b, h, rows], qo_rows, q_bar.at[wg])
+                plgpu.barrier_wait(q_bar.at[wg])
+            else:  # one [T, g, hd] copy of q; rows (t, j) are its row-major reshape; wgmma reads them from registers
+                @pl.when(wg == 0)
+                def _():
+                    plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(0, t), pl.ds(h * g, g)], qo_smem.at[pl.ds(0, t)],
+                                            q_bar.at[0])
+                plgpu.barrier_wait(q_bar.at[0])
+                qo_rows = qo_smem.reshape(ROWS, hd).at[rows]
+                lhs = _load(qo_rows, wgmma_layout)
+                ridx = plgpu.broadcasted_iota(jnp.int32, (64, hd), 0, layout=wgmma_layout) + wg * 64
+                lhs = jnp.where(ridx < t * g, lhs, jnp.zeros_like(lhs))  # rows past T x g: stale shared memory
+            pos = pos_ref[b, rows] if interpret else _load(pos_ref.at[b, rows], row_layout)
+
+            def take_turn():
+                plgpu.barrier_arrive(turn)
+                plgpu.barrier_wait(turn)
+
+            def step(i, carry, masked):
+                acc, m, l = carry
+                slot = lax.rem(i, stages)
+                plgpu.barrier_wait(k_full.at[slot])
+
+                def qk(s_ref):
+                    plgpu.wgmma(s_ref, lhs, k_smem.at[slot].T)
+                    take_turn()  # the other warpgroup's softmax runs while this product is in flight
+                    return s_ref[...]
+                s = pl.run_scoped(qk, plgpu.ACC((64, bk), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[slot])
+                if masked:
+                    kidx = plgpu.broadcasted_iota(jnp.int32, (64, bk), 1, layout=wgmma_layout) + (
+                        lo + (blk0 + i) * bk)
+                    qp = lax.broadcast_in_dim(pos, (64, bk), [0])
+                    vis = (kidx <= qp) & (kidx < kv_hi)
+                    if window is not None:
+                        vis &= kidx > qp - window
+                    s = jnp.where(vis, s, -jnp.inf)
+                m_new = jnp.maximum(m, s.max(axis=1) * c)
+                mc = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                alpha = jnp.exp2(m - mc)
+                p = jnp.exp2(s * c - lax.broadcast_in_dim(mc, s.shape, [0]))
+                l = l * alpha + p.sum(axis=1)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                p16 = p.astype(dtype)
+                plgpu.barrier_arrive(turn)  # softmax done: the other warpgroup may issue its products
+                plgpu.barrier_wait(v_full.at[slot])
+                plgpu.barrier_wait(turn)
+
+                if interpret:  # GPU interpret mode takes wgmma operands from shared memory only and has no rule
+                    # for run_state: same sum through a shared-memory p tile and a fresh accumulator
+                    p_smem = extra[0].at[wg]
+                    p_smem[...] = p16
+
+                    def pv(o_ref):
+                        plgpu.wgmma(o_ref, p_smem, v_smem.at[slot])
+                        return o_ref[...]
+                    acc = acc + pl.run_scoped(pv, plgpu.ACC((64, hd), jnp.float32))
+                else:
+                    def pv(o_acc):
+                        plgpu.wgmma(o_acc, p16, v_smem.at[slot])
+                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_new, l
+
+            carry = (plgpu.layout_cast(jnp.zeros((64, hd), jnp.float32), wgmma_layout),
+                     plgpu.layout_cast(jnp.full((64,), -jnp.inf, jnp.float32), row_layout),
+                     plgpu.layout_cast(jnp.zeros((64,), jnp.float32), row_layout))
+            pl.when(wg == 1)(take_turn)  # offsets warpgroup 1 by half a step
+            # tiles [0, e0) and [e1, n_blocks) of the row's range need the mask; this program owns [blk0, +count)
+            a = jnp.clip(e0 - blk0, 0, count)
+            z = jnp.clip(e1 - blk0, a, count)
+            carry = lax.fori_loop(0, a, functools.partial(step, masked=True), carry)
+            carry = lax.fori_loop(a, z, functools.partial(step, masked=False), carry)
+            acc, m, l = lax.fori_loop(z, count, functools.partial(step, masked=True), carry)
+            pl.when(wg == 0)(take_turn)  # balances warpgroup 1's extra turn
+
+            qo_rows[...] = acc.astype(dtype)  # these q rows are no longer read: stage o there
+            ml_smem.at[0, wg][...] = m * (1.0 / LOG2E)  # the merge works in units of scale * score
+            ml_smem.at[1, wg][...] = l
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(qo_rows, o_ref.at[b, sp, h, rows])
+            plgpu.copy_smem_to_gmem(ml_smem.at[0, wg], m_ref.at[b, sp, h, rows])
+            plgpu.copy_smem_to_gmem(ml_smem.at[1, wg], l_ref.at[b, sp, h, rows])
+            plgpu.wait_smem_to_gmem(0)
+
+    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    pl.run_scoped(
+        body,
+        plgpu.SMEM((2, 64, hd), dtype, transforms=tiled) if interpret else plgpu.SMEM((ROWS // g, g, hd), dtype),
+        plgpu.SMEM((stages, bk, hd), dtype, transforms=tiled),
+        plgpu.SMEM((stages, bk, hd), dtype, transforms=tiled),
+        plgpu.SMEM((2, 2, 64), jnp.float32),
+        plgpu.Barrier(num_barriers=2),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2),
+        *([plgpu.SMEM((2, 64, bk), dtype, transforms=tiled)] if interpret else []),
+        collective_axes="wg",
+    )
+
+
+def partials(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, kv_len=None, block_k: int = 128,
+             stages: int = 3, splits: Optional[int] = None, interpret: bool = False):
+    """Same outputs as `pallas.partials` (o [B, ns, nkv, ROWS, hd] in q's dtype, m, l [B, ns, nkv, ROWS] f32)."""
+    from pjax.kernels.cache_attention.pallas import num_splits
+    plgpu = _plgpu()
+    b, t, nh, hd = q.shape
+    s_len, nkv = k.shape[1], k.shape[2]
+    g = nh // nkv
+    reason = unsupported_reason(q, k, block_k=block_k, stages=stages)
+    if reason:
+        raise ValueError(f"cache_attention implementation='mosaic': {reason}")
+    ns = splits or num_splits(b, nkv, s_len, block_k)
+    rows_pos, ranges = _rows_and_ranges(q_pos.astype(jnp.int32), kv_len, g=g, s_len=s_len, bk=block_k,
+                                        window=window)
+    f32 = jnp.float32
+    kern = functools.partial(_kernel, t=t, g=g, hd=hd, bk=block_k, stages=stages, ns=ns, window=window,
+                             scale=float(scale), interpret=interpret)
+    if interpret:  # rows r = (query r // g, head-in-group r % g) of each KV head, padded: [B, nkv, ROWS, hd]
+        q = q.reshape(b, t, nkv, g, hd).transpose(0, 2, 1, 3, 4).reshape(b, nkv, t * g, hd)
+        q = jnp.pad(q, ((0, 0), (0, 0), (0, ROWS - t * g), (0, 0)))
+    return plgpu.kernel(
+        kern,
+        out_type=(jax.ShapeDtypeStruct((b, ns, nkv, ROWS, hd), q.dtype), jax.ShapeDtypeStruct((b, ns, nkv, ROWS), f32),
+                  jax.ShapeDtypeStruct((b, ns, nkv, ROWS), f32)),
+        grid=(b, nkv, ns), grid_names=("b", "h", "s"), num_threads=3, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),  # row reductions stay in-warp
+        **({"interpret": _interpret_params()} if interpret else {}),
+    )(q, k, v, rows_pos, ranges)
+
+
+def cache_attention(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, sinks=None, kv_len=None,
+                    block_k: int = 128, stages: int = 3, splits: Optional[int] = None, interpret: bool = False):
+    """Same contract as `pjax.kernels.cache_attention.reference.cache_attention`."""
+    from pjax.kernels.cache_attention.pallas import merge
+    check_inputs(q, k, v, q_pos, kv_len, sinks)
+    parts = partials(q, k, v, q_pos, scale=scale, window=window, kv_len=kv_len, block_k=block_k, stages=stages,
+                     splits=splits, interpret=interpret)
+    _, t, nh, hd = q.shape
+    return merge(*parts, t=t, nh=nh, hd=hd, sinks=sinks, dtype=q.dtype)
