@@ -140,3 +140,83 @@ def test_target_cached_forward_with_attention_kernel(monkeypatch):
     out = run()
     jax.clear_caches()
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-4, rtol=2e-4)
+
+
+# ---------------------------------------------------------------- Mosaic GPU cache attention
+MOSAIC_CASES = [  # (b, t, nh, nkv, hd, s, window, kv_len, splits, block_k, stages)
+    (1, 22, 8, 2, 64, 256, None, False, None, 64, 2),  # draft 2K=22, 88 GQA rows, mask-free interior tiles
+    (2, 22, 8, 2, 64, 384, 100, True, 2, 64, 2),  # window, ragged lengths
+    (2, 12, 16, 2, 128, 512, 40, True, 4, 64, 2),  # verify K=11 with g=8 (96 rows), window edges at both ends
+    (1, 40, 4, 2, 64, 640, None, True, 16, 64, 2),  # g=2, 80 rows; programs past the visible range stay empty
+    (3, 22, 8, 2, 64, 192, 30, False, 3, 64, 3),
+]
+
+
+def _mosaic_case(b, t, nh, nkv, hd, s, window, kv_len, seed):
+    rs = np.random.default_rng(seed)
+    q, k, v = (jnp.asarray(rs.normal(size=sh), jnp.bfloat16) for sh in ((b, t, nh, hd), (b, s, nkv, hd), (b, s, nkv, hd)))
+    start = rs.integers(0, s - t, b)
+    q_pos = jnp.asarray(start[:, None] + np.arange(t)[None], jnp.int32)
+    kw = dict(scale=hd ** -0.5, window=window, sinks=jnp.asarray(rs.normal(size=nh), jnp.float32),
+              kv_len=jnp.asarray(np.minimum(start + t + rs.integers(0, 4, b), s), jnp.int32) if kv_len else None)
+    return q, k, v, q_pos, kw
+
+
+@pytest.mark.skipif(tuple(int(x) for x in jax.__version__.split(".")[:2]) < (0, 11),
+                    reason="Mosaic GPU interpret mode needs JAX >= 0.11 (layout_cast has no CPU rule in 0.10); the "
+                           "kernel is checked on the GPU by examples/benchmarks/bench_kernels.py")
+@pytest.mark.parametrize("case", MOSAIC_CASES)
+def test_mosaic_cache_attention_matches_reference(case):
+    """GPU interpret mode on CPU: simulated warpgroups, TMA and barriers (the producer / consumer hand-offs and
+    the turn-taking), with the tile ranges, edge masks, partial layout and the shared merge."""
+    from pjax.kernels.cache_attention import mosaic
+    *shape, splits, bk, stages = case
+    q, k, v, q_pos, kw = _mosaic_case(*shape, seed=sum(shape[:6]))
+    ref = cache_attention(q, k, v, q_pos, **kw, implementation="xla").astype(jnp.float32)
+    out = mosaic.cache_attention(q, k, v, q_pos, **kw, splits=splits, block_k=bk, stages=stages, interpret=True)
+    np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), np.asarray(ref), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 11) and jax.default_backend() != "gpu",
+                    reason="JAX 0.11 lowers Mosaic GPU on a CPU host only under an abstract GPU mesh")
+def test_mosaic_cache_attention_lowers_for_cuda(monkeypatch):
+    """Pallas -> Mosaic GPU lowering on a CPU host: layout inference, TMA tiling of dynamic key offsets, the
+    shared-memory budget of the default 128-key x 3-stage ring (fails when any of them breaks)."""
+    from pjax.kernels.cache_attention import mosaic
+    bf = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+    text = lower_for_gpu(lambda q_, k_, v_, p_, l_, sk: mosaic.cache_attention(
+        q_, k_, v_, p_, scale=0.1, window=4096, sinks=sk, kv_len=l_),
+        bf(2, 22, 32, 128), bf(2, 16384, 8, 128), bf(2, 16384, 8, 128), i32(2, 22), i32(2),
+        jax.ShapeDtypeStruct((32,), jnp.float32))
+    assert "mosaic_gpu_v2" in text
+    lower_for_gpu(lambda q_, k_, v_, p_: mosaic.cache_attention(q_, k_, v_, p_, scale=0.1),
+                  bf(1, 12, 64, 64), bf(1, 8192, 8, 64), bf(1, 8192, 8, 64), i32(1, 12))
+    monkeypatch.setattr(mosaic, "SMEM_BUDGET", 1 << 20)  # past pjax's own estimate: Mosaic's check must still fire
+    with pytest.raises(ValueError, match="exceeds available shared memory"):
+        lower_for_gpu(lambda q_, k_, v_, p_: mosaic.partials(q_, k_, v_, p_, scale=0.1, stages=4),
+                      bf(1, 22, 32, 128), bf(1, 16384, 8, 128), bf(1, 16384, 8, 128), i32(1, 22))
+
+
+def test_cache_attention_implementation_choice(monkeypatch):
+    """'auto' on a Hopper GPU: Mosaic for 65..128 rows when programs stream >= MOSAIC_MIN_TILES tiles, else the
+    Triton kernel (or XLA past 128 rows); 'mosaic' names why it cannot take a shape; off GPU: XLA."""
+    from pjax.kernels import _dispatch
+    from pjax.kernels.cache_attention import api, mosaic
+    bf = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
+    q22, q8, k16, k1 = bf(8, 22, 32, 128), bf(8, 8, 32, 128), bf(8, 16384, 8, 128), bf(8, 1024, 8, 128)
+    assert api.choose(q22, k16) == "xla"  # CPU
+    monkeypatch.setattr(_dispatch, "pallas_gpu_available", lambda: True)
+    monkeypatch.setattr(mosaic, "available", lambda: True)
+    assert api.choose(q22, k16) == "mosaic"  # 2 splits x 64 tiles
+    assert api.choose(bf(1, 22, 32, 128), bf(1, 16384, 8, 128)) == "pallas"  # 16 splits x 8 tiles
+    assert api.choose(q22, k1) == "pallas"  # 4 tiles per program
+    assert api.choose(q8, k16) == "pallas"  # 32 rows
+    assert api.choose(bf(8, 40, 32, 128), k16) == "xla"  # 160 rows: prefill-sized
+    assert api.choose(q22.update(dtype=jnp.float32), k16.update(dtype=jnp.float32)) == "pallas"
+    assert "16-bit" in mosaic.unsupported_reason(q22.update(dtype=jnp.float32), k16.update(dtype=jnp.float32))
+    assert "multiple of block_k" in mosaic.unsupported_reason(q22, bf(8, 1000, 8, 128))
+    with pytest.raises(ValueError, match="rows"):
+        mosaic.partials(q8, k16, k16, jnp.zeros((8, 8), jnp.int32), scale=0.1)
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        api.choose(q22, k16, "triton")

@@ -36,6 +36,8 @@ from devtime import profile_calls
 from pjax.kernels._pallas_util import call_kwargs
 from pjax.kernels.acceptance import pallas as acc_pallas
 from pjax.kernels.acceptance import reference as acc_ref
+from pjax.kernels.cache_attention import api as attn_api
+from pjax.kernels.cache_attention import mosaic as attn_mosaic
 from pjax.kernels.cache_attention import pallas as attn_pallas
 from pjax.kernels.cache_attention import reference as attn_ref
 from pjax.kernels.metadata import pallas as meta_pallas
@@ -202,6 +204,10 @@ def bench_metadata(b, k, *, reps, calls, cfg=None):
 
 
 # ---------------------------------------------------------------- attention
+ATTN_HEADER = ("\n| op | B | context | T | xla us | pallas us | xla/pallas | xla TB/s | pallas TB/s | max abs err |"
+               " mosaic us (TB/s, err) | auto | cfg |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
 @guarded
 def bench_attention(b, ctx, t, *, reps, calls, nh=32, nkv=8, hd=128, cfg=None, xla=True, label="", kernel_only=False):
     key = jax.random.key(1)
@@ -235,12 +241,22 @@ def bench_attention(b, ctx, t, *, reps, calls, nh=32, nkv=8, hd=128, cfg=None, x
     if xla:
         row["xla_TBps"] = kv_bytes / (row["xla_us"] * 1e-6) / 1e12
         row["ratio"] = row["xla_us"] / row["pallas_us"]
-    if max(row["pallas_TBps"], row.get("xla_TBps", 0)) > HBM_PEAK_TBPS:
+    mosaic = ""  # the Mosaic GPU kernel where it takes the shape (default tiles only): time (TB/s, max abs err)
+    if not cfg and not kernel_only and attn_mosaic.available() and attn_mosaic.unsupported_reason(q, k) is None:
+        fm = lambda q_, k_, v_: attn_mosaic.cache_attention(q_, k_, v_, q_pos, scale=hd ** -0.5)
+        r, m = jax.jit(fx)(*args), jax.jit(fm)(*args)
+        row["mosaic_max_abs_err"] = float(jnp.max(jnp.abs(r.astype(jnp.float32) - m.astype(jnp.float32))))
+        del r, m
+        row["mosaic_us"] = timed(fm, sets, calls=calls) * 1e6
+        row["mosaic_TBps"] = kv_bytes / (row["mosaic_us"] * 1e-6) / 1e12
+        mosaic = f"{row['mosaic_us']:.1f} ({row['mosaic_TBps']:.2f}, {row['mosaic_max_abs_err']:.4f})"
+    row["auto"] = attn_api.choose(q, k) if jax.default_backend() == "gpu" else "xla"
+    if max(row["pallas_TBps"], row.get("xla_TBps", 0), row.get("mosaic_TBps", 0)) > HBM_PEAK_TBPS:
         row["label"] = label = label + " INVALID(>HBM peak)"
     ROWS.append(row)
     log(f"| attention {label} | {b} | {ctx} | {t} | {row.get('xla_us', float('nan')):.1f} | {row['pallas_us']:.1f} | "
         f"{row.get('ratio', float('nan')):.2f} | {row.get('xla_TBps', float('nan')):.2f} | {row['pallas_TBps']:.2f} | "
-        f"{row.get('max_abs_err', float('nan')):.4f} | {cfg} |")
+        f"{row.get('max_abs_err', float('nan')):.4f} | {mosaic} | {row['auto']} | {cfg} |")
     del q, k, v, sets
     return row
 
@@ -344,8 +360,7 @@ def main():
         for b in batches:
             bench_acceptance(b, 7 if not a.smoke else ks[0], vocabs[0], reps=reps, calls=calls, temp=None)
     if "attn" in only and not over_budget(a.budget):
-        log("\n| op | B | context | T | xla us | pallas us | xla/pallas | xla TB/s | pallas TB/s | max abs err | cfg |"
-            "\n|---|---|---|---|---|---|---|---|---|---|---|")
+        log(ATTN_HEADER)
         for ctx in ctxs:
             for b in batches:
                 for t in ts:
@@ -354,6 +369,8 @@ def main():
                     bench_attention(b, ctx, t, reps=reps, calls=calls, **attn_geo)
                 if b == 1 and not a.smoke:
                     bench_read_kv(ctx, reps=reps, calls=calls)
+                if ctx == 16384 and not a.smoke:  # GPT-OSS verify K = 11: 8 query heads per KV head (96 rows), hd 64
+                    bench_attention(b, ctx, 12, reps=reps, calls=calls, nh=64, nkv=8, hd=64, label="gpt-oss")
     if "tune-meta" in only and not a.smoke:
         log("\n| op | B | K | xla us | pallas us | xla/pallas | exact | launches xla / pallas | cfg |"
             "\n|---|---|---|---|---|---|---|---|---|")
@@ -365,8 +382,7 @@ def main():
         for b in (1, 8, 64):  # sampled drafts with their probabilities (q): the residual race path
             bench_acceptance(b, 7, 128256, reps=reps, calls=calls, with_q=True, label="sampled, draft_probs")
     if "attn-splits" in only and not a.smoke:  # KV-length split count at small batch
-        log("\n| op | B | context | T | xla us | pallas us | xla/pallas | xla TB/s | pallas TB/s | max abs err | cfg |"
-            "\n|---|---|---|---|---|---|---|---|---|---|---|")
+        log(ATTN_HEADER)
         for b, t, splits in ((1, 4, (33, 32, 16)), (1, 8, (33, 32, 16)), (1, 12, (33, 32)), (1, 22, (33, 32, 16)),
                              (8, 8, (5, 4, 8)), (8, 12, (5, 4, 8))):
             for sp in splits:
@@ -380,8 +396,7 @@ def main():
                 if not over_budget(a.budget):
                     bench_acceptance(64, 7, 128256, reps=reps, calls=calls, temp=temp, label=f"variant t={temp}",
                                      tile=tile, unroll=unroll, stages=st, warps=nw, target=tp, xla=False)
-        log("\n| op | B | context | T | xla us | pallas us | xla/pallas | xla TB/s | pallas TB/s | max abs err | cfg |"
-            "\n|---|---|---|---|---|---|---|---|---|---|---|")
+        log(ATTN_HEADER)
         for b, t in ((1, 8), (1, 22), (64, 8)):  # the split kernel alone (no merge epilogue), and split shapes
             bench_attention(b, 16384, t, reps=reps, calls=calls, xla=False, label="kernel only", kernel_only=True)
             for cfg in (dict(block_k=64), dict(block_k=64, num_stages=4), dict(splits=32)):

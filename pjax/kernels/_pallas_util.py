@@ -24,8 +24,9 @@ def call_kwargs(num_warps: int = 4, num_stages: int = 1) -> dict:
 
 def lower_for_gpu(fn, *args):
     """Lower `fn(*args)` (ShapeDtypeStructs or arrays) for CUDA on any host and return the StableHLO text:
-    runs the whole Pallas -> Triton IR lowering (power-of-two shapes, unsupported primitives) without a GPU.
-    Compilation of the Triton IR to PTX still only happens on a GPU."""
+    runs the whole Pallas -> Triton IR lowering (power-of-two shapes, unsupported primitives) without a GPU, and
+    for Mosaic GPU kernels the lowering to Mosaic's MLIR with its layout inference and shared-memory check (sm_90a
+    is assumed when no GPU is present). Compilation to PTX still only happens on a GPU."""
     from jax._src.pallas.triton import lowering as tl  # private: only for this offline check
 
     orig = tl.lower_jaxpr_to_triton_module
@@ -40,7 +41,7 @@ def lower_for_gpu(fn, *args):
     tl.lower_jaxpr_to_triton_module = lower_and_verify
     try:
         exp = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
-            jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+            jax.export.DisabledSafetyCheck.custom_call(c) for c in ("__gpu$xla.gpu.triton", "mosaic_gpu_v2")])(*args)
     finally:
         _dispatch._FORCE_COMPILED[0] = False
         tl.lower_jaxpr_to_triton_module = orig

@@ -1,4 +1,4 @@
-"""Public entry point: `cache_attention(..., implementation="xla"|"pallas"|"auto")`."""
+"""Public entry point: `cache_attention(..., implementation="xla"|"pallas"|"mosaic"|"auto")`."""
 from __future__ import annotations
 
 import functools
@@ -9,16 +9,43 @@ import jax
 from pjax.kernels import _dispatch
 from pjax.kernels.cache_attention import reference
 
-# H200 (JAX 0.11.2, 2026-11-22, device time from the profiler): 1.9-6.5x faster than XLA on all measured
-# verify/draft shapes (docs/benchmarks.md section 2).
+IMPLEMENTATIONS = ("xla", "pallas", "mosaic", "auto")
+# H200 (JAX 0.11.2, 2026-11-22, device time from the profiler): the Triton kernel is 1.9-6.5x faster than XLA on
+# all measured verify/draft shapes (docs/benchmarks.md section 2).
 AUTO_PALLAS = True
 MAX_QUERY_ROWS = 128  # T * nh / nkv rows held in one program; larger (prefill) stays on XLA
+# The Mosaic kernel beats the Triton one where each program streams at least this many 128-key tiles (H200,
+# 2026-11-22, 88 query rows at 16K: 8 tiles per program (B=1) 28.7 vs 27.3 us; 16 (B=2) 44.5 vs 45.9 us; 32 (B=4)
+# 75.4 vs 82.1 us; 64 (B=8) 138.6 vs 155.0 us; at 1K, B=8 (4 tiles) 22.7 vs 18.1 us).
+MOSAIC_MIN_TILES = 16
 
 
 def pallas_supported(q, k) -> bool:
     """The kernel keeps all T * g query rows of a KV head in one program: decode / verify / draft shapes."""
     t, nh, hd = q.shape[1:]
     return t * (nh // k.shape[2]) <= MAX_QUERY_ROWS and hd <= 256
+
+
+def mosaic_preferred(q, k) -> bool:
+    """The Mosaic kernel supports these inputs and its programs are long enough to beat the Triton kernel."""
+    from pjax.kernels.cache_attention import mosaic, pallas
+    if mosaic.unsupported_reason(q, k) is not None:
+        return False
+    b, s_len, nkv = k.shape[:3]
+    tiles = -(-s_len // mosaic.BLOCK_K)
+    return -(-tiles // pallas.num_splits(b, nkv, s_len, mosaic.BLOCK_K)) >= MOSAIC_MIN_TILES
+
+
+def choose(q, k, implementation: str = "auto") -> str:
+    """'xla' | 'pallas' | 'mosaic' for these shapes; 'auto' picks the fastest measured kernel on a GPU."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, found {implementation!r}")
+    if implementation != "auto":
+        return implementation
+    from pjax.kernels.cache_attention import mosaic
+    if _dispatch.pallas_gpu_available() and mosaic.available() and mosaic_preferred(q, k):
+        return "mosaic"
+    return _dispatch.resolve("auto", auto_pallas=AUTO_PALLAS and pallas_supported(q, k))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "window", "implementation"))
@@ -29,10 +56,14 @@ def cache_attention(q, k, v, q_pos, *, scale: float, window: Optional[int] = Non
     q [B, T, nh, hd]; k, v [B, S, nkv, hd]; q_pos [B, T] absolute positions; kv_len [B] (keys at index
     >= kv_len hidden) or None; window (sliding window) or None; sinks [nh] or None. Visible: key index <=
     q_pos, > q_pos - window, < kv_len. Equals `pjax.nn.attention(q, k, v, q_pos, arange(S), ...)`.
-    Returns [B, T, nh, hd] in q's dtype.
+    Returns [B, T, nh, hd] in q's dtype. "mosaic" (Hopper, JAX >= 0.11) raises for shapes it does not take.
     """
-    impl = _dispatch.resolve(implementation, auto_pallas=AUTO_PALLAS and pallas_supported(q, k))
+    impl = choose(q, k, implementation)
+    kw = dict(scale=scale, window=window, sinks=sinks, kv_len=kv_len)
     if impl == "xla":
-        return reference.cache_attention(q, k, v, q_pos, scale=scale, window=window, sinks=sinks, kv_len=kv_len)
+        return reference.cache_attention(q, k, v, q_pos, **kw)
+    if impl == "mosaic":
+        from pjax.kernels.cache_attention import mosaic
+        return mosaic.cache_attention(q, k, v, q_pos, **kw)
     from pjax.kernels.cache_attention import pallas
-    return pallas.cache_attention(q, k, v, q_pos, scale=scale, window=window, sinks=sinks, kv_len=kv_len)
+    return pallas.cache_attention(q, k, v, q_pos, **kw)

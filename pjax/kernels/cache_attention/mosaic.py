@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from pjax.kernels.cache_attention.reference import check_inputs
 
 ROWS = 128  # query rows per program: two consumer warpgroups x 64 (the wgmma M tile)
+BLOCK_K, STAGES = 128, 3  # keys per K/V tile, tiles in flight (H200: 64 x 4 and 128 x 2 measured slower)
 SMEM_BUDGET = 227 * 1024  # H100 / H200 shared memory per block
 LOG2E = 1.4426950408889634
 
@@ -58,7 +59,7 @@ def available() -> bool:
     """True on a Hopper GPU with a JAX whose Mosaic GPU has warp-specialised `plgpu.kernel` (0.11+)."""
     try:
         dev = jax.devices()[0]
-        if dev.platform != "gpu" or getattr(dev, "compute_capability", "0") < "9.0":
+        if dev.platform != "gpu" or getattr(dev, "compute_capability", "") != "9.0":  # wgmma: sm_90a only
             return False
         plgpu = _plgpu()
         return hasattr(plgpu, "kernel") and hasattr(plgpu, "set_max_registers")
@@ -66,7 +67,7 @@ def available() -> bool:
         return False
 
 
-def unsupported_reason(q, k, *, block_k: int = 128, stages: int = 3) -> Optional[str]:
+def unsupported_reason(q, k, *, block_k: int = BLOCK_K, stages: int = STAGES) -> Optional[str]:
     """None when the kernel handles these inputs, else why not (the caller falls back to the Triton kernel)."""
     b, t, nh, hd = q.shape
     s_len, nkv = k.shape[1], k.shape[2]
@@ -233,7 +234,7 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, rng_ref, o_ref, m_ref, l_ref, *, t, g,
             plgpu.copy_smem_to_gmem(qo_rows, o_ref.at[b, sp, h, rows])
             plgpu.copy_smem_to_gmem(ml_smem.at[0, wg], m_ref.at[b, sp, h, rows])
             plgpu.copy_smem_to_gmem(ml_smem.at[1, wg], l_ref.at[b, sp, h, rows])
-            plgpu.wait_smem_to_gmem(0)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the CTA may exit once shared memory is read
 
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     pl.run_scoped(
@@ -253,8 +254,8 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, rng_ref, o_ref, m_ref, l_ref, *, t, g,
     )
 
 
-def partials(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, kv_len=None, block_k: int = 128,
-             stages: int = 3, splits: Optional[int] = None, interpret: bool = False):
+def partials(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, kv_len=None, block_k: int = BLOCK_K,
+             stages: int = STAGES, splits: Optional[int] = None, interpret: bool = False):
     """Same outputs as `pallas.partials` (o [B, ns, nkv, ROWS, hd] in q's dtype, m, l [B, ns, nkv, ROWS] f32)."""
     from pjax.kernels.cache_attention.pallas import num_splits
     plgpu = _plgpu()
@@ -284,7 +285,8 @@ def partials(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, kv_l
 
 
 def cache_attention(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, sinks=None, kv_len=None,
-                    block_k: int = 128, stages: int = 3, splits: Optional[int] = None, interpret: bool = False):
+                    block_k: int = BLOCK_K, stages: int = STAGES, splits: Optional[int] = None,
+                    interpret: bool = False):
     """Same contract as `pjax.kernels.cache_attention.reference.cache_attention`."""
     from pjax.kernels.cache_attention.pallas import merge
     check_inputs(q, k, v, q_pos, kv_len, sinks)
