@@ -261,6 +261,31 @@ def bench_attention(b, ctx, t, *, reps, calls, nh=32, nkv=8, hd=128, cfg=None, x
     return row
 
 
+def check_attention_ragged(s: int):
+    """Both kernels against the reference on ragged batches: per-row start positions and lengths, a sliding
+    window, attention sinks; Llama (32/8 x 128) and GPT-OSS (64/8 x 64) geometries, s keys. Logs max abs error."""
+    log("\n| ragged check | B | context | T | nh/nkv x hd | window | implementation | max abs err |"
+        "\n|---|---|---|---|---|---|---|---|")
+    rs = np.random.default_rng(0)
+    for b, t, nh, nkv, hd, window in ((8, 22, 32, 8, 128, None), (8, 22, 32, 8, 128, 4096), (4, 12, 64, 8, 64, 128),
+                                      (2, 12, 32, 8, 128, None)):
+        q, k, v = (jnp.asarray(rs.normal(size=sh), jnp.bfloat16) for sh in ((b, t, nh, hd), (b, s, nkv, hd),
+                                                                             (b, s, nkv, hd)))
+        start = rs.integers(0, s - t, b)
+        q_pos = jnp.asarray(start[:, None] + np.arange(t)[None], jnp.int32)
+        kw = dict(scale=hd ** -0.5, window=window, sinks=jnp.asarray(rs.normal(size=nh), jnp.float32),
+                  kv_len=jnp.asarray(np.minimum(start + t + rs.integers(0, 64, b), s), jnp.int32))
+        ref = attn_ref.cache_attention(q, k, v, q_pos, **kw).astype(jnp.float32)
+        impls = [("pallas", attn_pallas.cache_attention)]
+        if attn_mosaic.available() and attn_mosaic.unsupported_reason(q, k) is None:
+            impls.append(("mosaic", attn_mosaic.cache_attention))
+        for name, f in impls:
+            out = jax.jit(lambda *x: f(*x, **kw))(q, k, v, q_pos).astype(jnp.float32)
+            err = float(jnp.max(jnp.abs(out - ref)))
+            ROWS.append(dict(op="attention ragged check", B=b, T=t, nh=nh, hd=hd, window=window, impl=name, err=err))
+            log(f"| ragged check | {b} | {s} | {t} | {nh}/{nkv} x {hd} | {window} | {name} | {err:.4f} |")
+
+
 def _read_kernel(k_ref, v_ref, o_ref, *, per, bk):
     """Program (h, s): sum of K and V rows [s * per, (s + 1) * per) of KV head h -- the attention kernel's
     reads with no compute."""
@@ -371,6 +396,8 @@ def main():
                     bench_read_kv(ctx, reps=reps, calls=calls)
                 if ctx == 16384 and not a.smoke:  # GPT-OSS verify K = 11: 8 query heads per KV head (96 rows), hd 64
                     bench_attention(b, ctx, 12, reps=reps, calls=calls, nh=64, nkv=8, hd=64, label="gpt-oss")
+    if ("attn" in only or "attn-check" in only) and not over_budget(a.budget):
+        check_attention_ragged(256 if a.smoke else 16384)
     if "tune-meta" in only and not a.smoke:
         log("\n| op | B | K | xla us | pallas us | xla/pallas | exact | launches xla / pallas | cfg |"
             "\n|---|---|---|---|---|---|---|---|---|")
