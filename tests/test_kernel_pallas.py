@@ -143,6 +143,7 @@ def test_target_cached_forward_with_attention_kernel(monkeypatch):
 
 
 # ---------------------------------------------------------------- Mosaic GPU cache attention
+JAX_VERSION = tuple(int(x) for x in jax.__version__.split(".")[:2])
 MOSAIC_CASES = [  # (b, t, nh, nkv, hd, s, window, kv_len, splits, block_k, stages)
     (1, 22, 8, 2, 64, 256, None, False, None, 64, 2),  # draft 2K=22, 88 GQA rows, mask-free interior tiles
     (2, 22, 8, 2, 64, 384, 100, True, 2, 64, 2),  # window, ragged lengths
@@ -162,7 +163,7 @@ def _mosaic_case(b, t, nh, nkv, hd, s, window, kv_len, seed):
     return q, k, v, q_pos, kw
 
 
-@pytest.mark.skipif(tuple(int(x) for x in jax.__version__.split(".")[:2]) < (0, 11),
+@pytest.mark.skipif(JAX_VERSION < (0, 11),
                     reason="Mosaic GPU interpret mode needs JAX >= 0.11 (layout_cast has no CPU rule in 0.10); the "
                            "kernel is checked on the GPU by examples/benchmarks/bench_kernels.py")
 @pytest.mark.parametrize("case", MOSAIC_CASES)
@@ -177,7 +178,7 @@ def test_mosaic_cache_attention_matches_reference(case):
     np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), np.asarray(ref), atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.skipif(tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 11) and jax.default_backend() != "gpu",
+@pytest.mark.skipif(JAX_VERSION >= (0, 11) and jax.default_backend() != "gpu",
                     reason="JAX 0.11 lowers Mosaic GPU on a CPU host only under an abstract GPU mesh")
 def test_mosaic_cache_attention_lowers_for_cuda(monkeypatch):
     """Pallas -> Mosaic GPU lowering on a CPU host: layout inference, TMA tiling of dynamic key offsets, the
