@@ -210,8 +210,9 @@ def test_cache_attention_implementation_choice(monkeypatch):
     monkeypatch.setattr(_dispatch, "pallas_gpu_available", lambda: True)
     monkeypatch.setattr(mosaic, "available", lambda: True)
     assert api.choose(q22, k16) == "mosaic"  # 2 splits x 64 tiles
-    assert api.choose(bf(1, 22, 32, 128), bf(1, 16384, 8, 128)) == "pallas"  # 16 splits x 8 tiles
+    assert api.choose(bf(1, 22, 32, 128), bf(1, 16384, 8, 128)) == "mosaic"  # 16 splits x 8 tiles
     assert api.choose(q22, k1) == "pallas"  # 4 tiles per program
+    assert api.choose(bf(1, 22, 32, 128), bf(1, 1024, 8, 128)) == "pallas"  # 1 tile
     assert api.choose(q8, k16) == "pallas"  # 32 rows
     assert api.choose(bf(8, 40, 32, 128), k16) == "xla"  # 160 rows: prefill-sized
     assert api.choose(q22.update(dtype=jnp.float32), k16.update(dtype=jnp.float32)) == "pallas"

@@ -15,9 +15,10 @@ IMPLEMENTATIONS = ("xla", "pallas", "mosaic", "auto")
 AUTO_PALLAS = True
 MAX_QUERY_ROWS = 128  # T * nh / nkv rows held in one program; larger (prefill) stays on XLA
 # The Mosaic kernel beats the Triton one where each program streams at least this many 128-key tiles (H200,
-# 2026-11-22, 88 query rows at 16K: 8 tiles per program (B=1) 28.7 vs 27.3 us; 16 (B=2) 44.5 vs 45.9 us; 32 (B=4)
-# 75.4 vs 82.1 us; 64 (B=8) 138.6 vs 155.0 us; at 1K, B=8 (4 tiles) 22.7 vs 18.1 us).
-MOSAIC_MIN_TILES = 16
+# 2026-11-22, JAX 0.11.2, whole op incl. merge, 88 query rows: 8 tiles per program (B=1 16K) 26.6 vs 27.3 us, GPT-OSS
+# 96 rows 18.0 vs 19.3 us; 64 (B=8 16K) 136.2 vs 154.4 us; at 1K: 4 tiles (B=8) 18.2 vs 18.1 us, 1 tile (B=1) 10.6 vs
+# 8.1 us).
+MOSAIC_MIN_TILES = 8
 
 
 def pallas_supported(q, k) -> bool:

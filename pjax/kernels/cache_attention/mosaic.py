@@ -9,12 +9,14 @@ and the tensor cores idle during the softmax. Here each program (b, KV head h, s
 - warpgroups 0 and 1 each own 64 query rows (rows r = (query r // g, head-in-group r % g), as in the Triton kernel,
   padded to 128) and take turns on the tensor cores (barrier `turn`): while one runs its q k^T / p v `wgmma`, the
   other runs its online softmax (base 2, scale folded into one multiply-add).
-Only tiles at the edges of the visible range apply the mask (causal diagonal, window start, kv_len); the per-row
-positions and the per-batch-row tile ranges come from a small XLA prologue (`_rows_and_ranges`). The output is the
-same unnormalised per-split (o, m, l) as `pallas.partials`, merged by the same Triton merge kernel.
-Measured (H200, JAX 0.11.2, docs/benchmarks.md section 2): 90-98% of HBM bandwidth at 16K for batch 8 and 64
-(Triton: 80-83%); at batch 1 each program streams only 8 tiles and this kernel's fixed cost per program (a 1-tile
-program takes 8.8 us against Triton's 5.0 us) makes it slower, so `api.choose` keeps Triton there.
+Only tiles at the edges of the visible range apply the mask (causal diagonal, window start, kv_len). Each program
+reads its row's key range and per-row positions from T scalar loads of q_pos (no XLA prologue launch), and the
+producer issues the q copy before the K/V ring: issued behind the ring, q arrived ~5 us late at batch 1, when every
+program requests its first three tiles at once. The output is the same unnormalised per-split (o, m, l) as
+`pallas.partials`, merged by the same Triton merge kernel.
+Measured (H200, JAX 0.11.2, docs/benchmarks.md section 2), whole op: 91-98% of HBM bandwidth at 16K for batch 8
+and 64 (Triton: 80-83%), 59% at batch 1 (Triton 57%); with 4 tiles or fewer per program (short caches) its fixed
+cost per program (~2 us more than Triton's) makes it slower, so `api.choose` keeps Triton there.
 Bytes moved: as the Triton kernel (K/V of the visible range once + the partials).
 """
 from __future__ import annotations
@@ -93,35 +95,34 @@ def _smem_bytes(bk, stages, hd, itemsize):
     return (2 * stages * bk + ROWS) * hd * itemsize + 2 * ROWS * 4 + 1024  # K/V ring, q / o tile, m and l, barriers
 
 
-def _rows_and_ranges(q_pos, kv_len, *, g, s_len, bk, window):
-    """Per-row positions [B, ROWS] (padding rows repeat the last query) and per-batch-row int32 [B, 5]:
-    (lo, n_blocks, e0, e1, kv_hi): tiles [lo + i * bk) for i < n_blocks cover the visible keys; tiles i < e0 and
-    i >= e1 need the mask; keys >= kv_hi are hidden."""
-    t = q_pos.shape[1]
-    rows_pos = q_pos[:, jnp.minimum(jnp.arange(ROWS) // g, t - 1)]
-    qmin, qmax = jnp.min(q_pos, axis=1), jnp.max(q_pos, axis=1)
-    kv_hi = jnp.full_like(qmin, s_len) if kv_len is None else jnp.minimum(kv_len.astype(jnp.int32), s_len)
+def _row_range(pos_ref, len_ref, b, *, t, s_len, bk, window):
+    """The key range of batch row b from T scalar loads of q_pos[b] (and kv_len[b]), in the kernel (no XLA prologue
+    launch): (q positions [T], lo, n_blocks, e0, e1, kv_hi): tiles [lo + i * bk) for i < n_blocks cover the visible
+    keys; tiles i < e0 and i >= e1 need the mask; keys >= kv_hi are hidden."""
+    qp = [pos_ref[b, i] for i in range(t)]
+    qmin, qmax = functools.reduce(jnp.minimum, qp), functools.reduce(jnp.maximum, qp)
+    kv_hi = jnp.int32(s_len) if len_ref is None else jnp.minimum(len_ref[b], s_len)
     hi, full_hi = jnp.minimum(qmax + 1, kv_hi), jnp.minimum(qmin + 1, kv_hi)
     if window is None:
-        lo = full_lo = jnp.zeros_like(qmin)
+        lo = full_lo = jnp.int32(0)
     else:
         lo = (jnp.maximum(qmin - window + 1, 0) // bk) * bk
         full_lo = qmax - window + 1
     n_blocks = jnp.maximum((hi - lo + bk - 1) // bk, 0)
     e0 = jnp.clip((full_lo - lo + bk - 1) // bk, 0, n_blocks)
     e1 = jnp.clip((full_hi - lo) // bk, e0, n_blocks)
-    return rows_pos.astype(jnp.int32), jnp.stack([lo, n_blocks, e0, e1, kv_hi], 1).astype(jnp.int32)
+    return qp, lo, n_blocks, e0, e1, kv_hi
 
 
-def _kernel(q_ref, k_ref, v_ref, pos_ref, rng_ref, o_ref, m_ref, l_ref, *, t, g, hd, bk, stages, ns, window, scale,
-            interpret):
+def _kernel(q_ref, k_ref, v_ref, pos_ref, *refs, t, g, hd, s_len, bk, stages, ns, window, scale, interpret):
     plgpu = _plgpu()
+    len_ref, o_ref, m_ref, l_ref = refs if len(refs) == 4 else (None, *refs)
     dtype = q_ref.dtype
     c = scale * LOG2E
 
     def body(qo_smem, k_smem, v_smem, ml_smem, q_bar, k_full, v_full, k_free, v_free, turn, *extra):
         b, h, sp, wg = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s"), lax.axis_index("wg")
-        lo, n_blocks, e0, e1, kv_hi = (rng_ref[b, i] for i in range(5))
+        qp, lo, n_blocks, e0, e1, kv_hi = _row_range(pos_ref, len_ref, b, t=t, s_len=s_len, bk=bk, window=window)
         per = (n_blocks + ns - 1) // ns
         blk0 = sp * per
         count = jnp.maximum(jnp.minimum(n_blocks, blk0 + per) - blk0, 0)
@@ -129,6 +130,13 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, rng_ref, o_ref, m_ref, l_ref, *, t, g,
         @pl.when(wg == 2)
         def _producer():
             plgpu.set_max_registers(40, action="decrease")
+            # q first: issued behind the K/V ring of every program, it arrived ~5 us late at batch 1 (H200 profile)
+            if interpret:  # q_ref holds the rows already ([B, nkv, ROWS, hd]), one tile per consumer
+                for w in range(2):
+                    plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(w * 64, 64)], qo_smem.at[w], q_bar.at[w])
+            else:  # one [T, g, hd] copy; rows (t, j) are its row-major reshape
+                plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(0, t), pl.ds(h * g, g)], qo_smem.at[pl.ds(0, t)],
+                                        q_bar.at[0])
 
             @pl.loop(0, count)
             def _(i):
@@ -152,21 +160,20 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, rng_ref, o_ref, m_ref, l_ref, *, t, g,
             row_layout = wgmma_layout.reduce(1)
 
             rows = pl.ds(wg * 64, 64)
-            if interpret:  # q_ref holds the rows already ([B, nkv, ROWS, hd]); wgmma reads them from shared memory
+            # row r = (query r // g, head r % g): its position, from the scalars (padding rows repeat the last query)
+            t_idx = (plgpu.broadcasted_iota(jnp.int32, (64,), 0, layout=row_layout) + wg * 64) // g
+            pos = jnp.where(t_idx == 0, qp[0], qp[t - 1])
+            for i in range(1, t - 1):
+                pos = jnp.where(t_idx == i, qp[i], pos)
+            if interpret:  # wgmma reads q from shared memory
                 qo_rows = lhs = qo_smem.at[wg]
-                plgpu.copy_gmem_to_smem(q_ref.at[b, h, rows], qo_rows, q_bar.at[wg])
                 plgpu.barrier_wait(q_bar.at[wg])
-            else:  # one [T, g, hd] copy of q; rows (t, j) are its row-major reshape; wgmma reads them from registers
-                @pl.when(wg == 0)
-                def _():
-                    plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(0, t), pl.ds(h * g, g)], qo_smem.at[pl.ds(0, t)],
-                                            q_bar.at[0])
+            else:  # wgmma reads q from registers
                 plgpu.barrier_wait(q_bar.at[0])
                 qo_rows = qo_smem.reshape(ROWS, hd).at[rows]
                 lhs = _load(qo_rows, wgmma_layout)
                 ridx = plgpu.broadcasted_iota(jnp.int32, (64, hd), 0, layout=wgmma_layout) + wg * 64
                 lhs = jnp.where(ridx < t * g, lhs, jnp.zeros_like(lhs))  # rows past T x g: stale shared memory
-            pos = pos_ref[b, rows] if interpret else _load(pos_ref.at[b, rows], row_layout)
 
             def take_turn():
                 plgpu.barrier_arrive(turn)
@@ -269,10 +276,8 @@ def partials(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, kv_l
     if reason:
         raise ValueError(f"cache_attention implementation='mosaic': {reason}")
     ns = splits or num_splits(b, nkv, s_len, block_k)
-    rows_pos, ranges = _rows_and_ranges(q_pos.astype(jnp.int32), kv_len, g=g, s_len=s_len, bk=block_k,
-                                        window=window)
     f32 = jnp.float32
-    kern = functools.partial(_kernel, t=t, g=g, hd=hd, bk=block_k, stages=stages, ns=ns, window=window,
+    kern = functools.partial(_kernel, t=t, g=g, hd=hd, s_len=s_len, bk=block_k, stages=stages, ns=ns, window=window,
                              scale=float(scale), interpret=interpret)
     if interpret:  # rows r = (query r // g, head-in-group r % g) of each KV head, padded: [B, nkv, ROWS, hd]
         q = q.reshape(b, t, nkv, g, hd).transpose(0, 2, 1, 3, 4).reshape(b, nkv, t * g, hd)
@@ -284,7 +289,7 @@ def partials(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, kv_l
         grid=(b, nkv, ns), grid_names=("b", "h", "s"), num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),  # row reductions stay in-warp
         **({"interpret": _interpret_params()} if interpret else {}),
-    )(q, k, v, rows_pos, ranges)
+    )(q, k, v, q_pos.astype(jnp.int32), *([] if kv_len is None else [jnp.asarray(kv_len, jnp.int32)]))
 
 
 def cache_attention(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, sinks=None, kv_len=None,
