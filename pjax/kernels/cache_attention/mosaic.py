@@ -15,7 +15,7 @@ producer issues the q copy before the K/V ring: issued behind the ring, q arrive
 program requests its first three tiles at once. The output is the same unnormalised per-split (o, m, l) as
 `pallas.partials`, merged by the same Triton merge kernel.
 Measured (H200, JAX 0.11.2, docs/benchmarks.md section 2), whole op: 91-98% of HBM bandwidth at 16K for batch 8
-and 64 (Triton: 80-83%), 59% at batch 1 (Triton 57%); with 4 tiles or fewer per program (short caches) its fixed
+and 64 (Triton: 80-83%), 58-59% at batch 1 (Triton 56-57%); with 4 tiles or fewer per program (short caches) its fixed
 cost per program (~2 us more than Triton's) makes it slower, so `api.choose` keeps Triton there.
 Bytes moved: as the Triton kernel (K/V of the visible range once + the partials).
 """
