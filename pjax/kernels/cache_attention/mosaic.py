@@ -99,16 +99,11 @@ def _row_range(pos_ref, len_ref, b, *, t, s_len, bk, window):
     """The key range of batch row b from T scalar loads of q_pos[b] (and kv_len[b]), in the kernel (no XLA prologue
     launch): (q positions [T], lo, n_blocks, e0, e1, kv_hi): tiles [lo + i * bk) for i < n_blocks cover the visible
     keys; tiles i < e0 and i >= e1 need the mask; keys >= kv_hi are hidden."""
+    from pjax.kernels.cache_attention.pallas import key_range
     qp = [pos_ref[b, i] for i in range(t)]
-    qmin, qmax = functools.reduce(jnp.minimum, qp), functools.reduce(jnp.maximum, qp)
     kv_hi = jnp.int32(s_len) if len_ref is None else jnp.minimum(len_ref[b], s_len)
-    hi, full_hi = jnp.minimum(qmax + 1, kv_hi), jnp.minimum(qmin + 1, kv_hi)
-    if window is None:
-        lo = full_lo = jnp.int32(0)
-    else:
-        lo = (jnp.maximum(qmin - window + 1, 0) // bk) * bk
-        full_lo = qmax - window + 1
-    n_blocks = jnp.maximum((hi - lo + bk - 1) // bk, 0)
+    lo, full_lo, full_hi, n_blocks = key_range(functools.reduce(jnp.minimum, qp), functools.reduce(jnp.maximum, qp),
+                                               kv_hi, bk=bk, window=window)
     e0 = jnp.clip((full_lo - lo + bk - 1) // bk, 0, n_blocks)
     e1 = jnp.clip((full_hi - lo) // bk, e0, n_blocks)
     return qp, lo, n_blocks, e0, e1, kv_hi
@@ -193,10 +188,10 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, *refs, t, g, hd, s_len, bk, stages, ns
                 if masked:
                     kidx = plgpu.broadcasted_iota(jnp.int32, (64, bk), 1, layout=wgmma_layout) + (
                         lo + (blk0 + i) * bk)
-                    qp = lax.broadcast_in_dim(pos, (64, bk), [0])
-                    vis = (kidx <= qp) & (kidx < kv_hi)
+                    row_pos = lax.broadcast_in_dim(pos, (64, bk), [0])
+                    vis = (kidx <= row_pos) & (kidx < kv_hi)
                     if window is not None:
-                        vis &= kidx > qp - window
+                        vis &= kidx > row_pos - window
                     s = jnp.where(vis, s, -jnp.inf)
                 m_new = jnp.maximum(m, s.max(axis=1) * c)
                 mc = jnp.where(m_new == -jnp.inf, 0.0, m_new)

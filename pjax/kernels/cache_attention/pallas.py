@@ -55,6 +55,19 @@ def _exp2(x):
                                            result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, x.dtype)])[0]
 
 
+def key_range(qmin, qmax, kv_hi, *, bk, window):
+    """Keys that queries at positions qmin..qmax of one row may see below kv_hi (scalars):
+    (lo, full_lo, full_hi, n_blocks): tiles [lo + i * bk, ...) for i < n_blocks cover them; keys in
+    [full_lo, full_hi) are visible to every query (inside each causal limit and window)."""
+    hi, full_hi = jnp.minimum(qmax + 1, kv_hi), jnp.minimum(qmin + 1, kv_hi)
+    if window is None:
+        lo = full_lo = jnp.int32(0)
+    else:
+        lo = (jnp.maximum(qmin - window + 1, 0) // bk) * bk
+        full_lo = qmax - window + 1
+    return lo, full_lo, full_hi, jnp.maximum((hi - lo + bk - 1) // bk, 0)
+
+
 def _kernel(q_ref, k_ref, v_ref, qpos_ref, *refs, t, g, s_len, hd, hdp, m_rows, bk, ns, window, has_len, scale,
             precision):
     if has_len:
@@ -71,17 +84,10 @@ def _kernel(q_ref, k_ref, v_ref, qpos_ref, *refs, t, g, s_len, hd, hdp, m_rows, 
     q = pltriton.load(q_ref.at[b, t_c[:, None], (h * g + j_idx)[:, None], d[None, :]],
                       mask=rmask[:, None] & dmask[None, :], other=0)
     qp = pltriton.load(qpos_ref.at[b, t_c], mask=rmask, other=-1)
-    qp_min = jnp.min(jnp.where(rmask, qp, 2 ** 30))
-    hi = jnp.minimum(jnp.max(qp) + 1, s_len)
-    full_hi = jnp.minimum(qp_min + 1, s_len)  # keys below this are visible to every row as far as causality goes
-    if has_len:
-        kv_len = len_ref[b]
-        hi, full_hi = jnp.minimum(hi, kv_len), jnp.minimum(full_hi, kv_len)
-    lo = full_lo = jnp.int32(0)
-    if window is not None:
-        lo = (jnp.maximum(qp_min - window + 1, 0) // bk) * bk
-        full_lo = jnp.max(qp) - window + 1  # keys from here on are inside every row's window
-    n_blocks = jnp.maximum((hi - lo + bk - 1) // bk, 0)
+    kv_len = len_ref[b] if has_len else None
+    lo, full_lo, full_hi, n_blocks = key_range(jnp.min(jnp.where(rmask, qp, 2 ** 30)), jnp.max(qp),
+                                               s_len if kv_len is None else jnp.minimum(kv_len, s_len), bk=bk,
+                                               window=window)
     per = (n_blocks + ns - 1) // ns
     blk0 = sp * per
     blk1 = jnp.minimum(n_blocks, blk0 + per)
