@@ -199,6 +199,26 @@ def test_mosaic_cache_attention_lowers_for_cuda(monkeypatch):
                       bf(1, 22, 32, 128), bf(1, 16384, 8, 128), bf(1, 16384, 8, 128), i32(1, 22))
 
 
+def test_cluster_waves_probe_lowers_for_cuda():
+    """The probe behind the cluster-merge measurement (examples/benchmarks/cluster_waves.py, docs/benchmarks.md
+    section 2) stays runnable: its clustered Mosaic GPU kernel lowers for CUDA, and a program that asks for more
+    shared memory than an SM has is refused."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "examples/benchmarks/cluster_waves.py"
+    spec = importlib.util.spec_from_file_location("cluster_waves", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def lower(**kw):
+        return jax.export.export(jax.jit(lambda x: mod.spin(x, **kw)), platforms=["cuda"], disabled_checks=[
+            jax.export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2")])(jax.ShapeDtypeStruct((32,), jnp.float32))
+    for cluster in (1, 16):
+        assert "mosaic_gpu" in lower(cluster=cluster, programs=32).mlir_module()
+    with pytest.raises(ValueError, match="shared memory"):
+        lower(cluster=16, programs=32, smem_bytes=240 * 1024)
+
+
 def test_cache_attention_implementation_choice(monkeypatch):
     """'auto' on a Hopper GPU: Mosaic for 65..128 rows when programs stream >= MOSAIC_MIN_TILES tiles, else the
     Triton kernel (or XLA past 128 rows); 'mosaic' names why it cannot take a shape; off GPU: XLA."""

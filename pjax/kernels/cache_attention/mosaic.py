@@ -13,7 +13,8 @@ Only tiles at the edges of the visible range apply the mask (causal diagonal, wi
 reads its row's key range and per-row positions from T scalar loads of q_pos (no XLA prologue launch), and the
 producer issues the q copy before the K/V ring: issued behind the ring, q arrived ~5 us late at batch 1, when every
 program requests its first three tiles at once. The output is the same unnormalised per-split (o, m, l) as
-`pallas.partials`, merged by the same Triton merge kernel.
+`pallas.partials`, merged by the same Triton merge kernel. (Merging inside a thread-block cluster of a head's 16
+splits, in one launch, measured 2x slower: the H200 runs at most 7 such clusters at once; docs/benchmarks.md.)
 Measured (H200, JAX 0.11.2, docs/benchmarks.md section 2), whole op: 91-98% of HBM bandwidth at 16K for batch 8
 and 64 (Triton: 80-83%), 58-59% at batch 1 (Triton 56-57%); with 4 tiles or fewer per program (short caches) its fixed
 cost per program (~2 us more than Triton's) makes it slower, so `api.choose` keeps Triton there.
