@@ -178,8 +178,6 @@ def test_mosaic_cache_attention_matches_reference(case):
     np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), np.asarray(ref), atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.skipif(JAX_VERSION >= (0, 11) and jax.default_backend() != "gpu",
-                    reason="JAX 0.11 lowers Mosaic GPU on a CPU host only under an abstract GPU mesh")
 def test_mosaic_cache_attention_lowers_for_cuda(monkeypatch):
     """Pallas -> Mosaic GPU lowering on a CPU host: layout inference, TMA tiling of dynamic key offsets, the
     shared-memory budget of the default 128-key x 3-stage ring (fails when any of them breaks)."""

@@ -39,9 +39,13 @@ def lower_for_gpu(fn, *args):
 
     _dispatch._FORCE_COMPILED[0] = True
     tl.lower_jaxpr_to_triton_module = lower_and_verify
+    # JAX >= 0.11 reads the Triton target from the device, or from an abstract one when there is no GPU
+    target = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
     try:
-        exp = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
-            jax.export.DisabledSafetyCheck.custom_call(c) for c in ("__gpu$xla.gpu.triton", "mosaic_gpu_v2")])(*args)
+        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("gpu",), abstract_device=target)):
+            exp = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
+                jax.export.DisabledSafetyCheck.custom_call(c) for c in ("__gpu$xla.gpu.triton", "mosaic_gpu_v2")])(
+                *args)
     finally:
         _dispatch._FORCE_COMPILED[0] = False
         tl.lower_jaxpr_to_triton_module = orig

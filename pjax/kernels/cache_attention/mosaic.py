@@ -10,12 +10,12 @@ and the tensor cores idle during the softmax. Here each program (b, KV head h, s
   padded to 128) and take turns on the tensor cores (barrier `turn`): while one runs its q k^T / p v `wgmma`, the
   other runs its online softmax (base 2, scale folded into one multiply-add).
 Only tiles at the edges of the visible range apply the mask (causal diagonal, window start, kv_len). Each program
-reads its row's key range and per-row positions from T scalar loads of q_pos (no XLA prologue launch), and the
-producer issues the q copy before the K/V ring: issued behind the ring, q arrived ~5 us late at batch 1, when every
-program requests its first three tiles at once. The output is the same unnormalised per-split (o, m, l) as
+reads its row's key range and per-row positions from T scalar loads of q_pos (no XLA prologue launch); the q copy
+is issued first, before those loads and the K/V ring: issued behind the ring, q arrived ~5 us late at batch 1, when
+every program requests its first three tiles at once. The output is the same unnormalised per-split (o, m, l) as
 `pallas.partials`, merged by the same Triton merge kernel. (Merging inside a thread-block cluster of a head's 16
 splits, in one launch, measured 2x slower: the H200 runs at most 7 such clusters at once; docs/benchmarks.md.)
-Measured (H200, JAX 0.11.2, docs/benchmarks.md section 2), whole op: 91-98% of HBM bandwidth at 16K for batch 8
+Measured (H200, JAX 0.11.2, docs/benchmarks.md section 2), whole op: 91-101% of HBM bandwidth at 16K for batch 8
 and 64 (Triton: 80-83%), 58-59% at batch 1 (Triton 56-57%); with 4 tiles or fewer per program (short caches) its fixed
 cost per program (~2 us more than Triton's) makes it slower, so `api.choose` keeps Triton there.
 Bytes moved: as the Triton kernel (K/V of the visible range once + the partials).
@@ -118,6 +118,17 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, *refs, t, g, hd, s_len, bk, stages, ns
 
     def body(qo_smem, k_smem, v_smem, ml_smem, q_bar, k_full, v_full, k_free, v_free, turn, *extra):
         b, h, sp, wg = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s"), lax.axis_index("wg")
+
+        @pl.when(wg == 2)
+        def _issue_q():  # before the positions are read and the K/V ring is issued: behind the ring of every
+            # program, q arrived ~5 us late at batch 1 (H200 profile)
+            if interpret:  # q_ref holds the rows already ([B, nkv, ROWS, hd]), one tile per consumer
+                for w in range(2):
+                    plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(w * 64, 64)], qo_smem.at[w], q_bar.at[w])
+            else:  # one [T, g, hd] copy; rows (t, j) are its row-major reshape
+                plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(0, t), pl.ds(h * g, g)], qo_smem.at[pl.ds(0, t)],
+                                        q_bar.at[0])
+
         qp, lo, n_blocks, e0, e1, kv_hi = _row_range(pos_ref, len_ref, b, t=t, s_len=s_len, bk=bk, window=window)
         per = (n_blocks + ns - 1) // ns
         blk0 = sp * per
@@ -126,13 +137,6 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, *refs, t, g, hd, s_len, bk, stages, ns
         @pl.when(wg == 2)
         def _producer():
             plgpu.set_max_registers(40, action="decrease")
-            # q first: issued behind the K/V ring of every program, it arrived ~5 us late at batch 1 (H200 profile)
-            if interpret:  # q_ref holds the rows already ([B, nkv, ROWS, hd]), one tile per consumer
-                for w in range(2):
-                    plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(w * 64, 64)], qo_smem.at[w], q_bar.at[w])
-            else:  # one [T, g, hd] copy; rows (t, j) are its row-major reshape
-                plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(0, t), pl.ds(h * g, g)], qo_smem.at[pl.ds(0, t)],
-                                        q_bar.at[0])
 
             @pl.loop(0, count)
             def _(i):
