@@ -144,12 +144,15 @@ def test_target_cached_forward_with_attention_kernel(monkeypatch):
 
 # ---------------------------------------------------------------- Mosaic GPU cache attention
 JAX_VERSION = tuple(int(x) for x in jax.__version__.split(".")[:2])
-MOSAIC_CASES = [  # (b, t, nh, nkv, hd, s, window, kv_len, splits, block_k, stages)
-    (1, 22, 8, 2, 64, 256, None, False, None, 64, 2),  # draft 2K=22, 88 GQA rows, mask-free interior tiles
-    (2, 22, 8, 2, 64, 384, 100, True, 2, 64, 2),  # window, ragged lengths
-    (2, 12, 16, 2, 128, 512, 40, True, 4, 64, 2),  # verify K=11 with g=8 (96 rows), window edges at both ends
-    (1, 40, 4, 2, 64, 640, None, True, 16, 64, 2),  # g=2, 80 rows; programs past the visible range stay empty
-    (3, 22, 8, 2, 64, 192, 30, False, 3, 64, 3),
+MOSAIC_CASES = [  # (b, t, nh, nkv, hd, s, window, kv_len, splits, block_k, stages, swap)
+    # draft 2K=22, 88 GQA rows, mask-free interior tiles; rows 64..87 as wgmma columns (head_dim 128)
+    (1, 22, 8, 2, 128, 256, None, False, None, 64, 2, None),
+    (2, 22, 8, 2, 128, 384, 100, True, 2, 64, 2, None),  # window, ragged lengths
+    (2, 12, 16, 2, 128, 512, 40, True, 4, 64, 2, None),  # verify K=11 with g=8 (96 rows), window edges at both ends
+    (1, 40, 4, 2, 64, 640, None, True, 16, 64, 2, None),  # g=2, 80 rows; programs past the visible range stay empty
+    (3, 22, 8, 2, 64, 192, 30, False, 3, 64, 3, None),  # head_dim 64: both consumers on 64 rows each
+    (2, 22, 8, 2, 128, 384, 100, True, 2, 64, 2, False),  # 88 rows on the rows path at head_dim 128
+    (1, 30, 16, 4, 128, 256, None, True, 2, 64, 2, None),  # 120 rows: past SWAP_COLS, rows path
 ]
 
 
@@ -171,10 +174,11 @@ def test_mosaic_cache_attention_matches_reference(case):
     """GPU interpret mode on CPU: simulated warpgroups, TMA and barriers (the producer / consumer hand-offs and
     the turn-taking), with the tile ranges, edge masks, partial layout and the shared merge."""
     from pjax.kernels.cache_attention import mosaic
-    *shape, splits, bk, stages = case
+    *shape, splits, bk, stages, swap = case
     q, k, v, q_pos, kw = _mosaic_case(*shape, seed=sum(shape[:6]))
     ref = cache_attention(q, k, v, q_pos, **kw, implementation="xla").astype(jnp.float32)
-    out = mosaic.cache_attention(q, k, v, q_pos, **kw, splits=splits, block_k=bk, stages=stages, interpret=True)
+    out = mosaic.cache_attention(q, k, v, q_pos, **kw, splits=splits, block_k=bk, stages=stages, swap=swap,
+                                 interpret=True)
     np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), np.asarray(ref), atol=2e-2, rtol=2e-2)
 
 
@@ -191,6 +195,9 @@ def test_mosaic_cache_attention_lowers_for_cuda(monkeypatch):
     assert "mosaic_gpu_v2" in text
     lower_for_gpu(lambda q_, k_, v_, p_: mosaic.cache_attention(q_, k_, v_, p_, scale=0.1),
                   bf(1, 12, 64, 64), bf(1, 8192, 8, 64), bf(1, 8192, 8, 64), i32(1, 12))
+    # swapped second consumer (96 partial rows: the Triton merge must tile them in powers of two), 2 splits
+    lower_for_gpu(lambda q_, k_, v_, p_: mosaic.cache_attention(q_, k_, v_, p_, scale=0.1),
+                  bf(64, 22, 32, 128), bf(64, 16384, 8, 128), bf(64, 16384, 8, 128), i32(64, 22))
     monkeypatch.setattr(mosaic, "SMEM_BUDGET", 1 << 20)  # past pjax's own estimate: Mosaic's check must still fire
     with pytest.raises(ValueError, match="exceeds available shared memory"):
         lower_for_gpu(lambda q_, k_, v_, p_: mosaic.partials(q_, k_, v_, p_, scale=0.1, stages=4),

@@ -260,6 +260,34 @@ def bench_attention(b, ctx, t, *, reps, calls, nh=32, nkv=8, hd=128, cfg=None, x
     return row
 
 
+def bench_mosaic_swap(b, ctx, t, *, reps, calls, nh=32, nkv=8, hd=128):
+    """The Mosaic kernel with its second consumer on 64 padded query rows vs on the rows past 64 as wgmma columns
+    (`swap`), same inputs, same run: whole op (split kernel + merge), max abs error vs the reference."""
+    kq, kk, kv_ = jax.random.split(jax.random.key(1), 3)
+    q = jax.random.normal(kq, (b, t, nh, hd), jnp.bfloat16)
+    k = jax.random.normal(kk, (b, ctx, nkv, hd), jnp.bfloat16)
+    v = jax.random.normal(kv_, (b, ctx, nkv, hd), jnp.bfloat16)
+    q_pos = jnp.broadcast_to(jnp.arange(ctx - t, ctx, dtype=jnp.int32), (b, t))
+    reps = reps or auto_reps(2 * k.size * 2)
+    share = 2 * reps * 2 * k.size * 2 > DISTINCT_KV_BYTES
+    sets = [(q + jnp.asarray(i * 1e-3, q.dtype), k if share else k + jnp.asarray(i * 1e-2, k.dtype),
+             v if share else v + jnp.asarray(i * 1e-2, v.dtype)) for i in range(2 * reps)]
+    r = jax.jit(lambda *x: attn_ref.cache_attention(*x, q_pos, scale=hd ** -0.5))(q, k, v).astype(jnp.float32)
+    row = dict(op="attention mosaic swap", B=b, ctx=ctx, T=t, default_swap=attn_mosaic.swap_default(q, k))
+    kv_bytes = 2 * b * ctx * nkv * hd * 2
+    for swap in (False, True):
+        f = lambda q_, k_, v_, swap=swap: attn_mosaic.cache_attention(q_, k_, v_, q_pos, scale=hd ** -0.5, swap=swap)
+        row[f"err_swap={swap}"] = float(jnp.max(jnp.abs(jax.jit(f)(q, k, v).astype(jnp.float32) - r)))
+        row[f"us_swap={swap}"] = timed(f, sets, calls=calls) * 1e6
+    ROWS.append(row)
+    pct = lambda us: kv_bytes / (us * 1e-6) / 1e12 / 4.34 * 100
+    log(f"| {b} | {ctx} | {t} | {row['us_swap=False']:.1f} ({pct(row['us_swap=False']):.1f}%, "
+        f"{row['err_swap=False']:.4f}) | {row['us_swap=True']:.1f} ({pct(row['us_swap=True']):.1f}%, "
+        f"{row['err_swap=True']:.4f}) | {row['default_swap']} |")
+    del q, k, v, sets, r
+    return row
+
+
 def check_attention_ragged(s: int):
     """Both kernels against the reference on ragged batches: per-row start positions and lengths, a sliding
     window, attention sinks; Llama (32/8 x 128) and GPT-OSS (64/8 x 64) geometries, s keys. Logs max abs error."""
@@ -395,6 +423,11 @@ def main():
                     bench_read_kv(ctx, reps=reps, calls=calls)
                 if ctx == 16384 and not a.smoke:  # GPT-OSS verify K = 11: 8 query heads per KV head (96 rows), hd 64
                     bench_attention(b, ctx, 12, reps=reps, calls=calls, nh=64, nkv=8, hd=64, label="gpt-oss")
+    if "attn-swap" in only and not a.smoke and attn_mosaic.available():  # Mosaic second consumer: rows vs columns
+        log("\n| B | context | T | rows us (% of 4.34 TB/s, err) | swap us (%, err) | default swap |"
+            "\n|---|---|---|---|---|---|")
+        for b, ctx in ((1, 16384), (1, 16384), (2, 16384), (8, 16384), (64, 16384)):
+            bench_mosaic_swap(b, ctx, 22, reps=reps, calls=calls)
     if ("attn" in only or "attn-check" in only) and not over_budget(a.budget):
         check_attention_ragged(256 if a.smoke else 16384)
     if "tune-meta" in only and not a.smoke:

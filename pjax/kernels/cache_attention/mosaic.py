@@ -9,6 +9,9 @@ and the tensor cores idle during the softmax. Here each program (b, KV head h, s
 - warpgroups 0 and 1 each own 64 query rows (rows r = (query r // g, head-in-group r % g), as in the Triton kernel,
   padded to 128) and take turns on the tensor cores (barrier `turn`): while one runs its q k^T / p v `wgmma`, the
   other runs its online softmax (base 2, scale folded into one multiply-add).
+With 65..96 rows and head_dim 128 at small batch (`swap_default`), warpgroup 1 instead takes the rows past 64 as
+the wgmma N dimension with keys as M (s^T = k q^T, o^T += v^T p^T; the online softmax reduces over the key axis across
+warps): 32 columns instead of 64 padded rows halve its products and exponentials (B=1 16K T=22: 25.2 vs 26.4 us).
 Only tiles at the edges of the visible range apply the mask (causal diagonal, window start, kv_len). Each program
 reads its row's key range and per-row positions from T scalar loads of q_pos (no XLA prologue launch); the q copy
 is issued first, before those loads and the K/V ring: issued behind the ring, q arrived ~5 us late at batch 1, when
@@ -16,7 +19,7 @@ every program requests its first three tiles at once. The output is the same unn
 `pallas.partials`, merged by the same Triton merge kernel. (Merging inside a thread-block cluster of a head's 16
 splits, in one launch, measured 2x slower: the H200 runs at most 7 such clusters at once; docs/benchmarks.md.)
 Measured (H200, JAX 0.11.2, docs/benchmarks.md section 2), whole op: 91-101% of HBM bandwidth at 16K for batch 8
-and 64 (Triton: 80-83%), 58-59% at batch 1 (Triton 56-57%); with 4 tiles or fewer per program (short caches) its fixed
+and 64 (Triton: 80-83%), 61% at batch 1 (Triton 56-57%); with 4 tiles or fewer per program (short caches) its fixed
 cost per program (~2 us more than Triton's) makes it slower, so `api.choose` keeps Triton there.
 Bytes moved: as the Triton kernel (K/V of the visible range once + the partials).
 """
@@ -34,7 +37,10 @@ from jax.experimental import pallas as pl
 from pjax.kernels.cache_attention.reference import check_inputs
 
 ROWS = 128  # query rows per program: two consumer warpgroups x 64 (the wgmma M tile)
+SWAP_COLS = 32  # rows past the first 64, up to this many, run as wgmma columns (see `cols_consumer`)
 BLOCK_K, STAGES = 128, 3  # keys per K/V tile, tiles in flight (H200: 64 x 4 and 128 x 2 measured slower)
+SWAP_MAX_TILES = 64  # `swap_default`: the swapped consumer for programs shorter than this
+REDUCTION_SCRATCH = 2048  # shared-memory bytes for the swapped consumer's cross-warp (key axis) reductions
 SMEM_BUDGET = 227 * 1024  # H100 / H200 shared memory per block
 LOG2E = 1.4426950408889634
 
@@ -74,7 +80,24 @@ def available() -> bool:
         return False
 
 
-def unsupported_reason(q, k, *, block_k: int = BLOCK_K, stages: int = STAGES) -> Optional[str]:
+def swapped(t: int, g: int, hd: int) -> bool:
+    """True when the rows past the first 64 (at most SWAP_COLS) go to the second consumer as wgmma columns: with
+    head_dim 128 (H200, B=1 16K T=22 split kernel 22.4 vs 23.5 us); with 64 its cross-warp reductions cost more
+    than the halved products save (GPT-OSS T=12: 17.3 vs 15.6 us)."""
+    return 64 < t * g <= 64 + SWAP_COLS and hd == 128
+
+
+def swap_default(q, k, *, block_k: int = BLOCK_K) -> bool:
+    """`swapped`, where each program streams fewer than SWAP_MAX_TILES tiles (H200, 16K, 88 rows: 8 tiles per
+    program (B=1) 24.9 vs 26.3 us; 64 (B=8) 134.0 vs 134.1; 512 (B=64) 1005 vs 993 us: its 2-stage ring)."""
+    from pjax.kernels.cache_attention.pallas import num_splits
+    b, t, nh, hd = q.shape
+    s_len, nkv = k.shape[1], k.shape[2]
+    tiles = -(-s_len // block_k)
+    return swapped(t, nh // nkv, hd) and -(-tiles // num_splits(b, nkv, s_len, block_k)) < SWAP_MAX_TILES
+
+
+def unsupported_reason(q, k, *, block_k: int = BLOCK_K, stages: Optional[int] = None) -> Optional[str]:
     """None when the kernel handles these inputs, else why not (the caller falls back to the Triton kernel)."""
     b, t, nh, hd = q.shape
     s_len, nkv = k.shape[1], k.shape[2]
@@ -87,13 +110,27 @@ def unsupported_reason(q, k, *, block_k: int = BLOCK_K, stages: int = STAGES) ->
         return f"{t} queries x {g} heads per KV head = {t * g} rows: 65..{ROWS} rows, g dividing {ROWS}"
     if s_len % block_k:
         return f"cache length {s_len} is not a multiple of block_k={block_k}"
-    if _smem_bytes(block_k, stages, hd, 2) > SMEM_BUDGET:
+    stages = stages or default_stages(t, g, hd, block_k)
+    if _smem_bytes(block_k, stages, hd, 2, swapped(t, g, hd)) > SMEM_BUDGET:
         return f"block_k={block_k} x {stages} stages x head_dim {hd} exceeds {SMEM_BUDGET} bytes of shared memory"
     return None
 
 
-def _smem_bytes(bk, stages, hd, itemsize):
-    return (2 * stages * bk + ROWS) * hd * itemsize + 2 * ROWS * 4 + 1024  # K/V ring, q / o tile, m and l, barriers
+def _smem_bytes(bk, stages, hd, itemsize, swap):
+    """K/V ring, q tile (staging o at the end), m and l, barriers; with `swap` also the second consumer's q^T, p^T
+    (later its o^T) tiles, its m / l and the cross-warp reduction scratch."""
+    if swap:
+        return (2 * stages * bk + ROWS + 64) * hd * itemsize + max(bk, hd) * SWAP_COLS * itemsize + 2 * ROWS * 4 + \
+            2 * SWAP_COLS * 4 + REDUCTION_SCRATCH + 2048
+    return (2 * stages * bk + ROWS) * hd * itemsize + 2 * ROWS * 4 + 1024
+
+
+def default_stages(t: int, g: int, hd: int, bk: int = BLOCK_K) -> int:
+    """STAGES, or fewer where the ring would not fit next to the swapped consumer's tiles (head_dim 128: 2)."""
+    stages = STAGES
+    while stages > 2 and _smem_bytes(bk, stages, hd, 2, swapped(t, g, hd)) > SMEM_BUDGET:
+        stages -= 1
+    return stages
 
 
 def _row_range(pos_ref, len_ref, b, *, t, s_len, bk, window):
@@ -110,14 +147,29 @@ def _row_range(pos_ref, len_ref, b, *, t, s_len, bk, window):
     return qp, lo, n_blocks, e0, e1, kv_hi
 
 
-def _kernel(q_ref, k_ref, v_ref, pos_ref, *refs, t, g, hd, s_len, bk, stages, ns, window, scale, interpret):
+def _pick(idx, values):
+    """values[idx] for an int vector idx from a short list of scalars (a select chain; idx past the end -> last)."""
+    out = values[-1]
+    for i in range(len(values) - 2, -1, -1):
+        out = jnp.where(idx == i, values[i], out)
+    return out
+
+
+def _kernel(q_ref, k_ref, v_ref, pos_ref, *refs, t, g, hd, s_len, bk, stages, ns, window, scale, has_len, swap,
+            interpret):
     plgpu = _plgpu()
-    len_ref, o_ref, m_ref, l_ref = refs if len(refs) == 4 else (None, *refs)
+    refs = list(refs)
+    len_ref = refs.pop(0) if has_len else None
+    o_ref, m_ref, l_ref = refs
     dtype = q_ref.dtype
     c = scale * LOG2E
 
     def body(qo_smem, k_smem, v_smem, ml_smem, q_bar, k_full, v_full, k_free, v_free, turn, *extra):
         b, h, sp, wg = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s"), lax.axis_index("wg")
+        extra = list(extra)
+        if swap:
+            q1_smem, p_smem, ml1_smem = extra[:3]
+            extra = extra[3:]
 
         @pl.when(wg == 2)
         def _issue_q():  # before the positions are read and the K/V ring is issued: behind the ring of every
@@ -133,6 +185,36 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, *refs, t, g, hd, s_len, bk, stages, ns
         per = (n_blocks + ns - 1) // ns
         blk0 = sp * per
         count = jnp.maximum(jnp.minimum(n_blocks, blk0 + per) - blk0, 0)
+        # tiles [0, e0) and [e1, n_blocks) of the row's range need the mask; this program owns [blk0, +count)
+        a = jnp.clip(e0 - blk0, 0, count)
+        z = jnp.clip(e1 - blk0, a, count)
+
+        def masked_scores(s, i, row_pos, key_axis):
+            kidx = plgpu.broadcasted_iota(jnp.int32, s.shape, key_axis, layout=plgpu.Layout.WGMMA) + (
+                lo + (blk0 + i) * bk)
+            vis = (kidx <= row_pos) & (kidx < kv_hi)
+            if window is not None:
+                vis &= kidx > row_pos - window
+            return jnp.where(vis, s, -jnp.inf)
+
+        def softmax_update(s, m, l, acc, key_axis):
+            """Online softmax step over `key_axis` of the scores s (base 2, scale folded into one multiply-add):
+            (p, new running max m, new sum l, acc rescaled); acc's query axis is the one s keeps."""
+            qdim = [1 - key_axis]
+            m_new = jnp.maximum(m, s.max(axis=key_axis) * c)
+            mc = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp2(m - mc)
+            p = jnp.exp2(s * c - lax.broadcast_in_dim(mc, s.shape, qdim))
+            return p, m_new, l * alpha + p.sum(axis=key_axis), acc * lax.broadcast_in_dim(alpha, acc.shape, qdim)
+
+        def take_turn():
+            plgpu.barrier_arrive(turn)
+            plgpu.barrier_wait(turn)
+
+        def run_tiles(step, carry):
+            carry = lax.fori_loop(0, a, functools.partial(step, masked=True), carry)
+            carry = lax.fori_loop(a, z, functools.partial(step, masked=False), carry)
+            return lax.fori_loop(z, count, functools.partial(step, masked=True), carry)
 
         @pl.when(wg == 2)
         def _producer():
@@ -153,8 +235,8 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, *refs, t, g, hd, s_len, bk, stages, ns
                     plgpu.barrier_wait(v_free.at[slot])
                 plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_full.at[slot])
 
-        @pl.when(wg < 2)
-        def _consumer():
+        def rows_consumer(wg):
+            """64 query rows [64 wg, +64) as the wgmma M dimension: s = q k^T [64, bk], o += p v [64, hd]."""
             plgpu.set_max_registers(232, action="increase")
             wgmma_layout = plgpu.Layout.WGMMA
             row_layout = wgmma_layout.reduce(1)
@@ -162,22 +244,16 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, *refs, t, g, hd, s_len, bk, stages, ns
             rows = pl.ds(wg * 64, 64)
             # row r = (query r // g, head r % g): its position, from the scalars (padding rows repeat the last query)
             t_idx = (plgpu.broadcasted_iota(jnp.int32, (64,), 0, layout=row_layout) + wg * 64) // g
-            pos = jnp.where(t_idx == 0, qp[0], qp[t - 1])
-            for i in range(1, t - 1):
-                pos = jnp.where(t_idx == i, qp[i], pos)
+            pos = _pick(t_idx, qp)
             if interpret:  # wgmma reads q from shared memory
                 qo_rows = lhs = qo_smem.at[wg]
                 plgpu.barrier_wait(q_bar.at[wg])
             else:  # wgmma reads q from registers
                 plgpu.barrier_wait(q_bar.at[0])
-                qo_rows = qo_smem.reshape(ROWS, hd).at[rows]
+                qo_rows = qo_smem.reshape(qo_smem.shape[0] * g, hd).at[rows]
                 lhs = _load(qo_rows, wgmma_layout)
                 ridx = plgpu.broadcasted_iota(jnp.int32, (64, hd), 0, layout=wgmma_layout) + wg * 64
                 lhs = jnp.where(ridx < t * g, lhs, jnp.zeros_like(lhs))  # rows past T x g: stale shared memory
-
-            def take_turn():
-                plgpu.barrier_arrive(turn)
-                plgpu.barrier_wait(turn)
 
             def step(i, carry, masked):
                 acc, m, l = carry
@@ -191,19 +267,8 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, *refs, t, g, hd, s_len, bk, stages, ns
                 s = pl.run_scoped(qk, plgpu.ACC((64, bk), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
                 if masked:
-                    kidx = plgpu.broadcasted_iota(jnp.int32, (64, bk), 1, layout=wgmma_layout) + (
-                        lo + (blk0 + i) * bk)
-                    row_pos = lax.broadcast_in_dim(pos, (64, bk), [0])
-                    vis = (kidx <= row_pos) & (kidx < kv_hi)
-                    if window is not None:
-                        vis &= kidx > row_pos - window
-                    s = jnp.where(vis, s, -jnp.inf)
-                m_new = jnp.maximum(m, s.max(axis=1) * c)
-                mc = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-                alpha = jnp.exp2(m - mc)
-                p = jnp.exp2(s * c - lax.broadcast_in_dim(mc, s.shape, [0]))
-                l = l * alpha + p.sum(axis=1)
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                    s = masked_scores(s, i, lax.broadcast_in_dim(pos, (64, bk), [0]), 1)
+                p, m_new, l, acc = softmax_update(s, m, l, acc, key_axis=1)
                 p16 = p.astype(dtype)
                 plgpu.barrier_arrive(turn)  # softmax done: the other warpgroup may issue its products
                 plgpu.barrier_wait(v_full.at[slot])
@@ -228,14 +293,11 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, *refs, t, g, hd, s_len, bk, stages, ns
             carry = (plgpu.layout_cast(jnp.zeros((64, hd), jnp.float32), wgmma_layout),
                      plgpu.layout_cast(jnp.full((64,), -jnp.inf, jnp.float32), row_layout),
                      plgpu.layout_cast(jnp.zeros((64,), jnp.float32), row_layout))
-            pl.when(wg == 1)(take_turn)  # offsets warpgroup 1 by half a step
-            # tiles [0, e0) and [e1, n_blocks) of the row's range need the mask; this program owns [blk0, +count)
-            a = jnp.clip(e0 - blk0, 0, count)
-            z = jnp.clip(e1 - blk0, a, count)
-            carry = lax.fori_loop(0, a, functools.partial(step, masked=True), carry)
-            carry = lax.fori_loop(a, z, functools.partial(step, masked=False), carry)
-            acc, m, l = lax.fori_loop(z, count, functools.partial(step, masked=True), carry)
-            pl.when(wg == 0)(take_turn)  # balances warpgroup 1's extra turn
+            if not isinstance(wg, int) or wg == 1:
+                pl.when(wg == 1)(take_turn)  # offsets warpgroup 1 by half a step
+            acc, m, l = run_tiles(step, carry)
+            if not isinstance(wg, int) or wg == 0:
+                pl.when(wg == 0)(take_turn)  # balances warpgroup 1's extra turn
 
             qo_rows[...] = acc.astype(dtype)  # these q rows are no longer read: stage o there
             ml_smem.at[0, wg][...] = m * (1.0 / LOG2E)  # the merge works in units of scale * score
@@ -246,12 +308,114 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, *refs, t, g, hd, s_len, bk, stages, ns
             plgpu.copy_smem_to_gmem(ml_smem.at[1, wg], l_ref.at[b, sp, h, rows])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the CTA may exit once shared memory is read
 
+        def cols_consumer():
+            """Rows [64, 64 + SWAP_COLS) as the wgmma N dimension, keys as M: s^T = k q^T [bk, SWAP_COLS],
+            o^T += v^T p^T [hd, SWAP_COLS]: half the products and exponentials of 64 padded rows. The online softmax
+            runs over the key axis (cross-warp reductions); at the end one wgmma with a 0/1 matrix transposes o^T."""
+            plgpu.set_max_registers(232, action="increase")
+            wgmma_layout = plgpu.Layout.WGMMA
+            col_layout = wgmma_layout.reduce(0)
+            ncol = SWAP_COLS
+            pt = p_smem.at[pl.ds(0, bk)]
+            pos = _pick((plgpu.broadcasted_iota(jnp.int32, (ncol,), 0, layout=col_layout) + 64) // g, qp)
+            if interpret:
+                plgpu.barrier_wait(q_bar.at[1])
+                q_cols = qo_smem.at[1, pl.ds(0, ncol)]
+            else:  # rows 64.. from the q tile into a swizzled tile, the layout wgmma reads its B operand in
+                plgpu.barrier_wait(q_bar.at[0])
+                q_rows = _load(qo_smem.reshape(ROWS, hd).at[pl.ds(64, 64)], wgmma_layout)
+                ridx = plgpu.broadcasted_iota(jnp.int32, (64, hd), 0, layout=wgmma_layout) + 64
+                q1_smem[...] = jnp.where(ridx < t * g, q_rows, jnp.zeros_like(q_rows))
+                plgpu.commit_smem()
+                q_cols = q1_smem.at[pl.ds(0, ncol)]
+
+            def step(i, carry, masked):
+                acc, m, l = carry
+                slot = lax.rem(i, stages)
+                plgpu.barrier_wait(k_full.at[slot])
+
+                def qk(s_ref):
+                    plgpu.wgmma(s_ref, k_smem.at[slot], q_cols.T)
+                    take_turn()
+                    return s_ref[...]
+                s = pl.run_scoped(qk, plgpu.ACC((bk, ncol), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[slot])
+                if masked:
+                    s = masked_scores(s, i, lax.broadcast_in_dim(pos, (bk, ncol), [1]), 0)
+                p, m_new, l, acc = softmax_update(s, m, l, acc, key_axis=0)
+                pt[...] = p.astype(dtype)  # the previous product that read pt has completed
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(turn)
+                plgpu.barrier_wait(v_full.at[slot])
+                plgpu.barrier_wait(turn)
+                if interpret:
+                    def pv(o_ref):
+                        plgpu.wgmma(o_ref, v_smem.at[slot].T, pt)
+                        return o_ref[...]
+                    acc = acc + pl.run_scoped(pv, plgpu.ACC((hd, ncol), jnp.float32))
+                else:
+                    def pv(o_acc):
+                        plgpu.wgmma(o_acc, v_smem.at[slot].T, pt)
+                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_new, l
+
+            carry = (plgpu.layout_cast(jnp.zeros((hd, ncol), jnp.float32), wgmma_layout),
+                     plgpu.layout_cast(jnp.full((ncol,), -jnp.inf, jnp.float32), col_layout),
+                     plgpu.layout_cast(jnp.zeros((ncol,), jnp.float32), col_layout))
+            take_turn()  # offsets this warpgroup by half a step
+            acc, m, l = run_tiles(step, carry)
+
+            # o rows [64, 64 + ncol) = eye [64, ncol] @ (o^T).T
+            ot = p_smem.at[pl.ds(0, hd)]
+            ot[...] = acc.astype(dtype)
+            eye = jnp.where(plgpu.broadcasted_iota(jnp.int32, (64, ncol), 0, layout=wgmma_layout)
+                            == plgpu.broadcasted_iota(jnp.int32, (64, ncol), 1, layout=wgmma_layout),
+                            1.0, 0.0).astype(dtype)
+            if interpret:
+                eye_smem = extra[1]
+                eye_smem[...] = eye
+                eye = eye_smem
+            plgpu.commit_smem()
+
+            def transpose(o_t):
+                plgpu.wgmma(o_t, eye, ot.T)
+                return o_t[...]
+            o_rows = pl.run_scoped(transpose, plgpu.ACC((64, hd), jnp.float32))
+            ml1_smem.at[0][...] = m * (1.0 / LOG2E)
+            ml1_smem.at[1][...] = l
+            stage = q1_smem if not interpret else qo_smem.at[1]  # q^T is no longer read: stage o there
+            stage[...] = o_rows.astype(dtype)
+            plgpu.commit_smem()
+            rows = pl.ds(64, ncol)
+            plgpu.copy_smem_to_gmem(stage.at[pl.ds(0, ncol)], o_ref.at[b, sp, h, rows])
+            plgpu.copy_smem_to_gmem(ml1_smem.at[0], m_ref.at[b, sp, h, rows])
+            plgpu.copy_smem_to_gmem(ml1_smem.at[1], l_ref.at[b, sp, h, rows])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        if swap:
+            pl.when(wg == 0)(lambda: rows_consumer(0))
+            pl.when(wg == 1)(cols_consumer)
+        else:
+            pl.when(wg < 2)(lambda: rows_consumer(wg))
+
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    tiled64 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(64))
+    if interpret:
+        q_tile = plgpu.SMEM((2, 64, hd), dtype, transforms=tiled)
+    else:
+        q_tile = plgpu.SMEM((ROWS // g, g, hd), dtype)
+    swap_scratch = [plgpu.SMEM((64, hd), dtype, transforms=tiled),  # the swapped rows' q (their o at the end)
+                    plgpu.SMEM((max(bk, hd), SWAP_COLS), dtype, transforms=tiled64),  # p^T, at the end o^T
+                    plgpu.SMEM((2, SWAP_COLS), jnp.float32)] if swap else []
+    if interpret:  # the first consumer's p tiles (and the swapped one's 0/1 matrix): wgmma operands in smem
+        swap_scratch += [plgpu.SMEM((2, 64, bk), dtype, transforms=tiled)] + (
+            [plgpu.SMEM((64, SWAP_COLS), dtype, transforms=tiled64)] if swap else [])
     pl.run_scoped(
         body,
-        plgpu.SMEM((2, 64, hd), dtype, transforms=tiled) if interpret else plgpu.SMEM((ROWS // g, g, hd), dtype),
+        q_tile,
         plgpu.SMEM((stages, bk, hd), dtype, transforms=tiled),
-        plgpu.SMEM((stages, bk, hd), dtype, transforms=tiled),
+        plgpu.SMEM((stages, bk, hd), dtype, transforms=tiled64 if swap else tiled),
         plgpu.SMEM((2, 2, 64), jnp.float32),
         plgpu.Barrier(num_barriers=2),
         plgpu.Barrier(num_barriers=stages),
@@ -259,14 +423,16 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, *refs, t, g, hd, s_len, bk, stages, ns
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2),
-        *([plgpu.SMEM((2, 64, bk), dtype, transforms=tiled)] if interpret else []),
+        *swap_scratch,
         collective_axes="wg",
     )
 
 
 def partials(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, kv_len=None, block_k: int = BLOCK_K,
-             stages: int = STAGES, splits: Optional[int] = None, interpret: bool = False):
-    """Same outputs as `pallas.partials` (o [B, ns, nkv, ROWS, hd] in q's dtype, m, l [B, ns, nkv, ROWS] f32)."""
+             stages: Optional[int] = None, splits: Optional[int] = None, swap: Optional[bool] = None,
+             interpret: bool = False):
+    """Same outputs as `pallas.partials` (o [B, ns, nkv, R, hd] in q's dtype, m, l [B, ns, nkv, R] f32; R = ROWS, or
+    64 + SWAP_COLS with `swap`: rows past 64 as wgmma columns, by default where `swap_default`)."""
     from pjax.kernels.cache_attention.pallas import num_splits
     plgpu = _plgpu()
     b, t, nh, hd = q.shape
@@ -275,30 +441,39 @@ def partials(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, kv_l
     reason = unsupported_reason(q, k, block_k=block_k, stages=stages)
     if reason:
         raise ValueError(f"cache_attention implementation='mosaic': {reason}")
+    if swap is None:
+        swap = swap_default(q, k, block_k=block_k)
+    elif swap and not swapped(t, g, hd):
+        raise ValueError(f"cache_attention implementation='mosaic': swap=True needs 65..{64 + SWAP_COLS} rows and "
+                         f"head_dim 128, found {t} queries x {g} heads = {t * g} rows, head_dim {hd}")
+    stages = stages or (default_stages(t, g, hd, block_k) if swap else STAGES)
     ns = splits or num_splits(b, nkv, s_len, block_k)
     f32 = jnp.float32
     kern = functools.partial(_kernel, t=t, g=g, hd=hd, s_len=s_len, bk=block_k, stages=stages, ns=ns, window=window,
-                             scale=float(scale), interpret=interpret)
+                             scale=float(scale), has_len=kv_len is not None, swap=swap, interpret=interpret)
+    ins = [q, k, v, q_pos.astype(jnp.int32)] + ([] if kv_len is None else [jnp.asarray(kv_len, jnp.int32)])
     if interpret:  # rows r = (query r // g, head-in-group r % g) of each KV head, padded: [B, nkv, ROWS, hd]
-        q = q.reshape(b, t, nkv, g, hd).transpose(0, 2, 1, 3, 4).reshape(b, nkv, t * g, hd)
-        q = jnp.pad(q, ((0, 0), (0, 0), (0, ROWS - t * g), (0, 0)))
+        rows = q.reshape(b, t, nkv, g, hd).transpose(0, 2, 1, 3, 4).reshape(b, nkv, t * g, hd)
+        ins[0] = jnp.pad(rows, ((0, 0), (0, 0), (0, ROWS - t * g), (0, 0)))
+    rows = 64 + SWAP_COLS if swap else ROWS  # every partial row is written (the merge reads them from L2)
     return plgpu.kernel(
         kern,
-        out_type=(jax.ShapeDtypeStruct((b, ns, nkv, ROWS, hd), q.dtype), jax.ShapeDtypeStruct((b, ns, nkv, ROWS), f32),
-                  jax.ShapeDtypeStruct((b, ns, nkv, ROWS), f32)),
+        out_type=(jax.ShapeDtypeStruct((b, ns, nkv, rows, hd), q.dtype), jax.ShapeDtypeStruct((b, ns, nkv, rows), f32),
+                  jax.ShapeDtypeStruct((b, ns, nkv, rows), f32)),
         grid=(b, nkv, ns), grid_names=("b", "h", "s"), num_threads=3, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),  # row reductions stay in-warp
+        # row reductions stay in-warp; the swapped consumer's key-axis reductions cross warps
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=REDUCTION_SCRATCH if swap else 0),
         **({"interpret": _interpret_params()} if interpret else {}),
-    )(q, k, v, q_pos.astype(jnp.int32), *([] if kv_len is None else [jnp.asarray(kv_len, jnp.int32)]))
+    )(*ins)
 
 
 def cache_attention(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, sinks=None, kv_len=None,
-                    block_k: int = BLOCK_K, stages: int = STAGES, splits: Optional[int] = None,
-                    interpret: bool = False):
+                    block_k: int = BLOCK_K, stages: Optional[int] = None, splits: Optional[int] = None,
+                    swap: Optional[bool] = None, interpret: bool = False):
     """Same contract as `pjax.kernels.cache_attention.reference.cache_attention`."""
     from pjax.kernels.cache_attention.pallas import merge
     check_inputs(q, k, v, q_pos, kv_len, sinks)
     parts = partials(q, k, v, q_pos, scale=scale, window=window, kv_len=kv_len, block_k=block_k, stages=stages,
-                     splits=splits, interpret=interpret)
+                     splits=splits, swap=swap, interpret=interpret)
     _, t, nh, hd = q.shape
     return merge(*parts, t=t, nh=nh, hd=hd, sinks=sinks, dtype=q.dtype)
