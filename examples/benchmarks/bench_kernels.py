@@ -208,25 +208,31 @@ ATTN_HEADER = ("\n| op | B | context | T | xla us | pallas us | xla/pallas | xla
                " mosaic us (TB/s, err) | auto | cfg |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
-@guarded
-def bench_attention(b, ctx, t, *, reps, calls, nh=32, nkv=8, hd=128, cfg=None, xla=True, label="", kernel_only=False):
-    key = jax.random.key(1)
-    kq, kk, kv_ = jax.random.split(key, 3)
+def _attention_inputs(b, ctx, t, nh, nkv, hd, reps):
+    """Random bf16 q [b, t, nh, hd], K/V [b, ctx, nkv, hd], q at the last t positions of the cache, and 2R copies
+    for the timing programs: distinct K/V per copy where they fit (no copy can hit another's bytes in L2), else only
+    q differs. -> (q, k, v, q_pos, sets, R, shared)."""
+    kq, kk, kv_ = jax.random.split(jax.random.key(1), 3)
     q = jax.random.normal(kq, (b, t, nh, hd), jnp.bfloat16)
     k = jax.random.normal(kk, (b, ctx, nkv, hd), jnp.bfloat16)
     v = jax.random.normal(kv_, (b, ctx, nkv, hd), jnp.bfloat16)
-    q_pos = jnp.broadcast_to(jnp.arange(ctx - t, ctx, dtype=jnp.int32), (b, t))  # last t positions of the cache
-    cfg = cfg or {}
+    q_pos = jnp.broadcast_to(jnp.arange(ctx - t, ctx, dtype=jnp.int32), (b, t))
     reps = reps or auto_reps(2 * k.size * 2)
+    share = 2 * reps * 2 * k.size * 2 > DISTINCT_KV_BYTES
+    sets = [(q + jnp.asarray(i * 1e-3, q.dtype), k if share else k + jnp.asarray(i * 1e-2, k.dtype),
+             v if share else v + jnp.asarray(i * 1e-2, v.dtype)) for i in range(2 * reps)]
+    return q, k, v, q_pos, sets, reps, share
+
+
+@guarded
+def bench_attention(b, ctx, t, *, reps, calls, nh=32, nkv=8, hd=128, cfg=None, xla=True, label="", kernel_only=False):
+    q, k, v, q_pos, sets, reps, share = _attention_inputs(b, ctx, t, nh, nkv, hd, reps)
+    cfg = cfg or {}
     fx = lambda q_, k_, v_: attn_ref.cache_attention(q_, k_, v_, q_pos, scale=hd ** -0.5)
     fp = lambda q_, k_, v_: attn_pallas.cache_attention(q_, k_, v_, q_pos, scale=hd ** -0.5, **cfg)
     if kernel_only:  # the split kernel without its XLA merge epilogue
         fp = lambda q_, k_, v_: attn_pallas.partials(q_, k_, v_, q_pos, scale=hd ** -0.5, **cfg)
     args = (q, k, v)
-    # distinct K/V per copy where they fit (no copy can hit another's bytes in L2); else only q differs
-    share = 2 * reps * 2 * k.size * 2 > DISTINCT_KV_BYTES
-    sets = [(q + jnp.asarray(i * 1e-3, q.dtype), k if share else k + jnp.asarray(i * 1e-2, k.dtype),
-             v if share else v + jnp.asarray(i * 1e-2, v.dtype)) for i in range(2 * reps)]
     p = jax.jit(fp)(*args)
     row = dict(op="attention", B=b, ctx=ctx, T=t, cfg=cfg, label=label, reps=reps, shared_kv=share)
     r = None if kernel_only else jax.jit(fx)(*args).astype(jnp.float32)
@@ -263,15 +269,7 @@ def bench_attention(b, ctx, t, *, reps, calls, nh=32, nkv=8, hd=128, cfg=None, x
 def bench_mosaic_swap(b, ctx, t, *, reps, calls, nh=32, nkv=8, hd=128):
     """The Mosaic kernel with its second consumer on 64 padded query rows vs on the rows past 64 as wgmma columns
     (`swap`), same inputs, same run: whole op (split kernel + merge), max abs error vs the reference."""
-    kq, kk, kv_ = jax.random.split(jax.random.key(1), 3)
-    q = jax.random.normal(kq, (b, t, nh, hd), jnp.bfloat16)
-    k = jax.random.normal(kk, (b, ctx, nkv, hd), jnp.bfloat16)
-    v = jax.random.normal(kv_, (b, ctx, nkv, hd), jnp.bfloat16)
-    q_pos = jnp.broadcast_to(jnp.arange(ctx - t, ctx, dtype=jnp.int32), (b, t))
-    reps = reps or auto_reps(2 * k.size * 2)
-    share = 2 * reps * 2 * k.size * 2 > DISTINCT_KV_BYTES
-    sets = [(q + jnp.asarray(i * 1e-3, q.dtype), k if share else k + jnp.asarray(i * 1e-2, k.dtype),
-             v if share else v + jnp.asarray(i * 1e-2, v.dtype)) for i in range(2 * reps)]
+    q, k, v, q_pos, sets, _, _ = _attention_inputs(b, ctx, t, nh, nkv, hd, reps)
     r = jax.jit(lambda *x: attn_ref.cache_attention(*x, q_pos, scale=hd ** -0.5))(q, k, v).astype(jnp.float32)
     row = dict(op="attention mosaic swap", B=b, ctx=ctx, T=t, default_swap=attn_mosaic.swap_default(q, k))
     kv_bytes = 2 * b * ctx * nkv * hd * 2

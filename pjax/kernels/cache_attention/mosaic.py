@@ -293,11 +293,9 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, *refs, t, g, hd, s_len, bk, stages, ns
             carry = (plgpu.layout_cast(jnp.zeros((64, hd), jnp.float32), wgmma_layout),
                      plgpu.layout_cast(jnp.full((64,), -jnp.inf, jnp.float32), row_layout),
                      plgpu.layout_cast(jnp.zeros((64,), jnp.float32), row_layout))
-            if not isinstance(wg, int) or wg == 1:
-                pl.when(wg == 1)(take_turn)  # offsets warpgroup 1 by half a step
+            pl.when(wg == 1)(take_turn)  # offsets warpgroup 1 by half a step (wg static: a Python if)
             acc, m, l = run_tiles(step, carry)
-            if not isinstance(wg, int) or wg == 0:
-                pl.when(wg == 0)(take_turn)  # balances warpgroup 1's extra turn
+            pl.when(wg == 0)(take_turn)  # balances warpgroup 1's extra turn
 
             qo_rows[...] = acc.astype(dtype)  # these q rows are no longer read: stage o there
             ml_smem.at[0, wg][...] = m * (1.0 / LOG2E)  # the merge works in units of scale * score
@@ -405,11 +403,11 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, *refs, t, g, hd, s_len, bk, stages, ns
         q_tile = plgpu.SMEM((2, 64, hd), dtype, transforms=tiled)
     else:
         q_tile = plgpu.SMEM((ROWS // g, g, hd), dtype)
-    swap_scratch = [plgpu.SMEM((64, hd), dtype, transforms=tiled),  # the swapped rows' q (their o at the end)
+    scratch = [plgpu.SMEM((64, hd), dtype, transforms=tiled),  # the swapped rows' q (their o at the end)
                     plgpu.SMEM((max(bk, hd), SWAP_COLS), dtype, transforms=tiled64),  # p^T, at the end o^T
                     plgpu.SMEM((2, SWAP_COLS), jnp.float32)] if swap else []
     if interpret:  # the first consumer's p tiles (and the swapped one's 0/1 matrix): wgmma operands in smem
-        swap_scratch += [plgpu.SMEM((2, 64, bk), dtype, transforms=tiled)] + (
+        scratch += [plgpu.SMEM((2, 64, bk), dtype, transforms=tiled)] + (
             [plgpu.SMEM((64, SWAP_COLS), dtype, transforms=tiled64)] if swap else [])
     pl.run_scoped(
         body,
@@ -423,7 +421,7 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, *refs, t, g, hd, s_len, bk, stages, ns
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2),
-        *swap_scratch,
+        *scratch,
         collective_axes="wg",
     )
 

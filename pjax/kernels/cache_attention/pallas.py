@@ -23,6 +23,7 @@ values).
 from __future__ import annotations
 
 import functools
+import math
 from typing import Optional
 
 import jax
@@ -243,9 +244,8 @@ def merge(o_s, m_s, l_s, *, t: int, nh: int, hd: int, sinks=None, dtype=jnp.bflo
     b, ns, nkv, m_rows, hdp = o_s.shape
     nsp = next_pow2(ns)
     db = min(MERGE_DIMS, hdp)
-    rb = 1 << (max(1, min(m_rows, MERGE_TILE // (nsp * db))).bit_length() - 1)  # Triton blocks: powers of two
-    while m_rows % rb:  # that tile the rows (the Mosaic kernel's partials have 96 with its swapped consumer)
-        rb //= 2
+    # rows per program: a power of two (Triton blocks) dividing the rows (the Mosaic kernel's swapped partials: 96)
+    rb = math.gcd(m_rows, 1 << (max(1, min(m_rows, MERGE_TILE // (nsp * db))).bit_length() - 1))
     spare = 1 if interpret() else 0  # see the final store in _merge_kernel
     ins = [o_s, m_s, l_s] + ([sinks.astype(jnp.float32)] if sinks is not None else [])
     out = pl.pallas_call(
