@@ -11,15 +11,15 @@ and the tensor cores idle during the softmax. Here each program (b, KV head h, s
   other runs its online softmax (base 2, scale folded into one multiply-add).
 With 65..96 rows and head_dim 128 at small batch (`swap_default`), warpgroup 1 instead takes the rows past 64 as
 the wgmma N dimension with keys as M (s^T = k q^T, o^T += v^T p^T; the online softmax reduces over the key axis across
-warps): 32 columns instead of 64 padded rows halve its products and exponentials (B=1 16K T=22: 25.2 vs 26.4 us).
+warps): 32 columns instead of 64 padded rows halve its products and exponentials (B=1 16K T=22: 25.0 vs 25.3 us).
 Only tiles at the edges of the visible range apply the mask (causal diagonal, window start, kv_len). Each program
 reads its row's key range and per-row positions from T scalar loads of q_pos (no XLA prologue launch); the q copy
 is issued first, before those loads and the K/V ring: issued behind the ring, q arrived ~5 us late at batch 1, when
-every program requests its first three tiles at once. The output is the same unnormalised per-split (o, m, l) as
+every program requests its first tiles at once. The output is the same unnormalised per-split (o, m, l) as
 `pallas.partials`, merged by the same Triton merge kernel. (Merging inside a thread-block cluster of a head's 16
 splits, in one launch, measured 2x slower: the H200 runs at most 7 such clusters at once; docs/benchmarks.md.)
-Measured (H200, JAX 0.11.2, docs/benchmarks.md section 2), whole op: 91-101% of HBM bandwidth at 16K for batch 8
-and 64 (Triton: 80-83%), 61% at batch 1 (Triton 56-57%); with 4 tiles or fewer per program (short caches) its fixed
+Measured (H200, JAX 0.11.2, docs/benchmarks.md section 2), whole op: 97-103% of HBM bandwidth at 16K for batch 8
+and 64 (Triton: 80-83%), 62% at batch 1 (Triton 56-57%); with 4 tiles or fewer per program (short caches) its fixed
 cost per program (~2 us more than Triton's) makes it slower, so `api.choose` keeps Triton there.
 Bytes moved: as the Triton kernel (K/V of the visible range once + the partials).
 """
@@ -38,8 +38,11 @@ from pjax.kernels.cache_attention.reference import check_inputs
 
 ROWS = 128  # query rows per program: two consumer warpgroups x 64 (the wgmma M tile)
 SWAP_COLS = 32  # rows past the first 64, up to this many, run as wgmma columns (see `cols_consumer`)
-BLOCK_K, STAGES = 128, 3  # keys per K/V tile, tiles in flight (H200: 64 x 4 and 128 x 2 measured slower)
-SWAP_MAX_TILES = 64  # `swap_default`: the swapped consumer for programs shorter than this
+# keys per K/V tile, tiles in flight: 2 stages beat 3 at every 16K shape measured (H200, 2026-11-22, tenth session: B=8
+# T=22 127.8 vs 132.8 us, B=64 965 vs 977; GPT-OSS T=12 B=1 / 8 / 64 17.2 / 86.2 / 634 vs 17.8 / 90.0 / 667 us);
+# 64-key tiles are slower (B=1 T=22, 64 x 4: 23.0 us split kernel on the rows path, 28.2 swapped, vs 22.2 / 21.5)
+BLOCK_K, STAGES = 128, 2
+SWAP_MAX_TILES = 16  # `swap_default`: the swapped consumer for programs shorter than this
 REDUCTION_SCRATCH = 2048  # shared-memory bytes for the swapped consumer's cross-warp (key axis) reductions
 SMEM_BUDGET = 227 * 1024  # H100 / H200 shared memory per block
 LOG2E = 1.4426950408889634
@@ -82,14 +85,14 @@ def available() -> bool:
 
 def swapped(t: int, g: int, hd: int) -> bool:
     """True when the rows past the first 64 (at most SWAP_COLS) go to the second consumer as wgmma columns: with
-    head_dim 128 (H200, B=1 16K T=22 split kernel 22.4 vs 23.5 us); with 64 its cross-warp reductions cost more
+    head_dim 128 (H200, B=1 16K T=22 split kernel 21.5 vs 22.2 us, both 2 stages); with 64 its cross-warp reductions cost more
     than the halved products save (GPT-OSS T=12: 17.3 vs 15.6 us)."""
     return 64 < t * g <= 64 + SWAP_COLS and hd == 128
 
 
 def swap_default(q, k, *, block_k: int = BLOCK_K) -> bool:
-    """`swapped`, where each program streams fewer than SWAP_MAX_TILES tiles (H200, 16K, 88 rows: 8 tiles per
-    program (B=1) 24.9 vs 26.3 us; 64 (B=8) 134.0 vs 134.1; 512 (B=64) 1005 vs 993 us: its 2-stage ring)."""
+    """`swapped`, where each program streams fewer than SWAP_MAX_TILES tiles (H200, 16K, 88 rows, both 2 stages,
+    whole op: 8 tiles per program (B=1) 25.0 vs 25.3 us; 32 (B=2) 41.3 vs 40.2; 64 (B=8) 135.0 vs 127.8 us)."""
     from pjax.kernels.cache_attention.pallas import num_splits
     b, t, nh, hd = q.shape
     s_len, nkv = k.shape[1], k.shape[2]
@@ -97,8 +100,10 @@ def swap_default(q, k, *, block_k: int = BLOCK_K) -> bool:
     return swapped(t, nh // nkv, hd) and -(-tiles // num_splits(b, nkv, s_len, block_k)) < SWAP_MAX_TILES
 
 
-def unsupported_reason(q, k, *, block_k: int = BLOCK_K, stages: Optional[int] = None) -> Optional[str]:
-    """None when the kernel handles these inputs, else why not (the caller falls back to the Triton kernel)."""
+def unsupported_reason(q, k, *, block_k: int = BLOCK_K, stages: Optional[int] = None,
+                       swap: Optional[bool] = None) -> Optional[str]:
+    """None when the kernel handles these inputs, else why not (the caller falls back to the Triton kernel);
+    `swap` as in `partials` (None: `swap_default`)."""
     b, t, nh, hd = q.shape
     s_len, nkv = k.shape[1], k.shape[2]
     g = nh // nkv
@@ -110,8 +115,9 @@ def unsupported_reason(q, k, *, block_k: int = BLOCK_K, stages: Optional[int] = 
         return f"{t} queries x {g} heads per KV head = {t * g} rows: 65..{ROWS} rows, g dividing {ROWS}"
     if s_len % block_k:
         return f"cache length {s_len} is not a multiple of block_k={block_k}"
-    stages = stages or default_stages(t, g, hd, block_k)
-    if _smem_bytes(block_k, stages, hd, 2, swapped(t, g, hd)) > SMEM_BUDGET:
+    stages = stages or STAGES
+    swap = swap_default(q, k, block_k=block_k) if swap is None else swap and swapped(t, g, hd)
+    if _smem_bytes(block_k, stages, hd, 2, swap) > SMEM_BUDGET:
         return f"block_k={block_k} x {stages} stages x head_dim {hd} exceeds {SMEM_BUDGET} bytes of shared memory"
     return None
 
@@ -123,14 +129,6 @@ def _smem_bytes(bk, stages, hd, itemsize, swap):
         return (2 * stages * bk + ROWS + 64) * hd * itemsize + max(bk, hd) * SWAP_COLS * itemsize + 2 * ROWS * 4 + \
             2 * SWAP_COLS * 4 + REDUCTION_SCRATCH + 2048
     return (2 * stages * bk + ROWS) * hd * itemsize + 2 * ROWS * 4 + 1024
-
-
-def default_stages(t: int, g: int, hd: int, bk: int = BLOCK_K) -> int:
-    """STAGES, or fewer where the ring would not fit next to the swapped consumer's tiles (head_dim 128: 2)."""
-    stages = STAGES
-    while stages > 2 and _smem_bytes(bk, stages, hd, 2, swapped(t, g, hd)) > SMEM_BUDGET:
-        stages -= 1
-    return stages
 
 
 def _row_range(pos_ref, len_ref, b, *, t, s_len, bk, window):
@@ -436,7 +434,7 @@ def partials(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, kv_l
     b, t, nh, hd = q.shape
     s_len, nkv = k.shape[1], k.shape[2]
     g = nh // nkv
-    reason = unsupported_reason(q, k, block_k=block_k, stages=stages)
+    reason = unsupported_reason(q, k, block_k=block_k, stages=stages, swap=swap)
     if reason:
         raise ValueError(f"cache_attention implementation='mosaic': {reason}")
     if swap is None:
@@ -444,7 +442,7 @@ def partials(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, kv_l
     elif swap and not swapped(t, g, hd):
         raise ValueError(f"cache_attention implementation='mosaic': swap=True needs 65..{64 + SWAP_COLS} rows and "
                          f"head_dim 128, found {t} queries x {g} heads = {t * g} rows, head_dim {hd}")
-    stages = stages or (default_stages(t, g, hd, block_k) if swap else STAGES)
+    stages = stages or STAGES
     ns = splits or num_splits(b, nkv, s_len, block_k)
     f32 = jnp.float32
     kern = functools.partial(_kernel, t=t, g=g, hd=hd, s_len=s_len, bk=block_k, stages=stages, ns=ns, window=window,
