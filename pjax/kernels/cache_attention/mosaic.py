@@ -18,8 +18,8 @@ is issued first, before those loads and the K/V ring: issued behind the ring, q 
 every program requests its first tiles at once. The output is the same unnormalised per-split (o, m, l) as
 `pallas.partials`, merged by the same Triton merge kernel. (Merging inside a thread-block cluster of a head's 16
 splits, in one launch, measured 2x slower: the H200 runs at most 7 such clusters at once; docs/benchmarks.md.)
-Measured (H200, JAX 0.11.2, docs/benchmarks.md section 2), whole op: 97-103% of HBM bandwidth at 16K for batch 8
-and 64 (Triton: 80-83%), 62% at batch 1 (Triton 56-57%); with 4 tiles or fewer per program (short caches) its fixed
+Measured (H200, JAX 0.11.2, docs/benchmarks.md section 2), whole op: 94-103% of HBM bandwidth at 16K for batch 8
+and 64 (Triton: 80-83%), 61% at batch 1 (Triton 56-57%); with 4 tiles or fewer per program (short caches) its fixed
 cost per program (~2 us more than Triton's) makes it slower, so `api.choose` keeps Triton there.
 Bytes moved: as the Triton kernel (K/V of the visible range once + the partials).
 """
@@ -85,8 +85,8 @@ def available() -> bool:
 
 def swapped(t: int, g: int, hd: int) -> bool:
     """True when the rows past the first 64 (at most SWAP_COLS) go to the second consumer as wgmma columns: with
-    head_dim 128 (H200, B=1 16K T=22 split kernel 21.5 vs 22.2 us, both 2 stages); with 64 its cross-warp reductions cost more
-    than the halved products save (GPT-OSS T=12: 17.3 vs 15.6 us)."""
+    head_dim 128 (H200, B=1 16K T=22 split kernel 21.5 vs 22.2 us, both 2 stages); with 64 its cross-warp
+    reductions cost more than the halved products save (GPT-OSS T=12: 17.3 vs 15.6 us)."""
     return 64 < t * g <= 64 + SWAP_COLS and hd == 128
 
 
