@@ -184,7 +184,7 @@ def test_mosaic_cache_attention_matches_reference(case):
 
 def test_mosaic_cache_attention_lowers_for_cuda(monkeypatch):
     """Pallas -> Mosaic GPU lowering on a CPU host: layout inference, TMA tiling of dynamic key offsets, the
-    shared-memory budget of the default 128-key x 3-stage ring (fails when any of them breaks)."""
+    shared-memory budget of the default 128-key x 2-stage ring (fails when any of them breaks)."""
     from pjax.kernels.cache_attention import mosaic
     bf = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
