@@ -14,9 +14,9 @@ import jax.numpy as jnp  # noqa: E402
 
 from pjax.config import LayerSpec, ModelConfig, RopeSpec  # noqa: E402
 from pjax.target import forward, init_target  # noqa: E402
-from pjax.train.data import (ByteTokenizer, Document, RowStream, build_vocab_mapping, chat_document,  # noqa: E402
-                             eagle_shift, load_documents, pack_documents, shift_and_pack_features,
-                             token_frequencies)
+from pjax.train.data import (ByteTokenizer, DataError, Document, FeatureStream, RowStream,  # noqa: E402
+                             build_vocab_mapping, chat_document, eagle_shift, load_documents, pack_documents,
+                             save_feature_sample, shift_and_pack_features, token_frequencies)
 from pjax.train.features import target_features  # noqa: E402
 from speculators.models.eagle3.data import shift_batch  # noqa: E402
 from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution  # noqa: E402
@@ -73,6 +73,41 @@ def test_pack_and_shift_match_speculators():
     np.testing.assert_array_equal(off["input_ids"][0], ref["input_ids"])
     np.testing.assert_array_equal(off["document_ids"][0], ref["doc"])
     np.testing.assert_array_equal(off["hidden_states"][0], ref["hidden_states"])
+
+
+def test_feature_stream_packs_splits_and_reads_files(tmp_path):
+    """Offline features: files round-trip, vLLM's [n, A+1, Ht] capture equals the split layout, samples longer than
+    a row are cut into pieces (no position lost), batches are deterministic, bad files fail naming the tensor."""
+    smps = samples([7, 12, 5, 40, 9], a=6, h=3)
+    paths = []
+    for i, smp in enumerate(smps):
+        paths.append(str(tmp_path / f"s{i}.safetensors"))
+        if i % 2:  # vLLM capture layout: A = 2 aux layers of Ht = 3, then the verifier's last state
+            smp = dict(input_ids=smp["input_ids"], loss_mask=smp["loss_mask"], hidden_states=np.concatenate(
+                [smp["hidden_states"].reshape(-1, 2, 3), smp["verifier_last_hidden_states"][:, None]], axis=1))
+        save_feature_sample(paths[-1], smp)
+    mem, disk = FeatureStream(smps, 16, 2, seed=4), FeatureStream(paths, 16, 2, seed=4)
+    assert mem.batches_per_epoch == disk.batches_per_epoch >= 2
+    for i in (0, 1, mem.batches_per_epoch + 1):
+        b1, b2 = mem.batch(i), disk.batch(i)
+        assert set(b1) == {"input_ids", "loss_mask", "document_ids", "hidden_states", "verifier_last_hidden_states"}
+        for k in b1:
+            np.testing.assert_array_equal(b1[k], b2[k])
+        assert b1["hidden_states"].shape == (2, 16, 6) and b1["verifier_last_hidden_states"].shape == (2, 16, 3)
+    # every shifted position of every sample lands in exactly one row of an epoch
+    assert sum(n for row in mem._plan(0) for _, _, n in row) == sum(len(s["input_ids"]) - 1 for s in smps)
+    # one row holding everything equals the one-row packer (which is checked against speculators above)
+    one = FeatureStream(smps[:3], 32, 1, shuffle=False).batch(0)
+    ref = shift_and_pack_features(smps[:3], 32)
+    for k in ref:
+        np.testing.assert_array_equal(one[k], ref[k])
+    bad = tmp_path / "bad.safetensors"
+    from convert.safetensors_io import save_file
+    save_file(dict(input_ids=np.arange(5, dtype=np.int32), hidden_states=np.zeros((4, 6), np.float32)), bad)
+    with pytest.raises(DataError, match="bad.safetensors.*hidden_states"):
+        FeatureStream([str(bad)], 16, 1).batch(0)
+    with pytest.raises(DataError, match="no such feature file"):
+        FeatureStream([str(tmp_path / "missing.safetensors")], 16, 1)
 
 
 def test_packing_splits_and_stream_is_deterministic():

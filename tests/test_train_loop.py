@@ -12,10 +12,11 @@ from pjax.config import LayerSpec, ModelConfig, RopeSpec
 from pjax.models.drafter import Drafter
 from pjax.target import init_target
 from pjax.train.cod import CodConfig, cod_sample
-from pjax.train.data import ByteTokenizer, RowStream, text_document
+from pjax.train.data import ByteTokenizer, FeatureStream, RowStream, pack_documents, stack_rows, text_document
 from pjax.train.loop import train_drafter
 from pjax.train.optim import OptimConfig, split_params, trainable_mask
 from pjax.train.state import TrainConfig, drafter_config_for_target, init_drafter_for_target, init_train_state
+from pjax.train.features import target_features
 from pjax.train.step import loss_and_grads, make_mesh, make_train_step, shard_batch
 
 S, B = 64, 4
@@ -88,6 +89,34 @@ def test_resume_is_exact(setup, tmp_path):
     for a, b in zip(jax.tree.leaves(straight.state), jax.tree.leaves(resumed.state)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert straight.history[-1]["loss"] < straight.history[0]["loss"]
+
+
+def test_offline_features_step_equals_online(setup):
+    """A train step on offline features (each document's target features computed alone, saved, packed by
+    `FeatureStream`) equals the step that computes them online from the packed raw row; wrong widths fail early."""
+    target, drafter, stream, cfg = setup
+    cfg1 = dataclasses.replace(cfg, batch_rows=1)
+    docs = [dataclasses.replace(d, tokens=d.tokens[:n], loss_mask=d.loss_mask[:n])
+            for d, n in zip(stream.docs, (20, 25, 15))]  # 60 raw tokens: one packed row of S = 64
+    online = stack_rows(pack_documents(docs, S))
+    aux_ids = drafter.config.resolved_aux_layer_ids(target.config)
+    smps = []
+    for d in docs:
+        aux, final = target_features(target, d.tokens[None], np.zeros((1, len(d.tokens)), np.int32), aux_ids)
+        smps.append(dict(input_ids=d.tokens, loss_mask=d.loss_mask, hidden_states=np.asarray(aux[0]),
+                         verifier_last_hidden_states=np.asarray(final[0])))
+    offline = FeatureStream(smps, S, 1, shuffle=False).batch(0)
+    shell = Drafter(drafter.config, drafter.graphdef, None, drafter.d2t)
+    step = make_train_step(cfg1, donate=False, compiler_options=FAST)
+    state = init_train_state(drafter, cfg1)
+    s_on, m_on = step(state, shell, target, shard_batch(online, None))
+    s_off, m_off = step(state, shell, target, shard_batch(offline, None))
+    assert rel(m_off["loss"], m_on["loss"]) <= 1e-5
+    np.testing.assert_array_equal(m_on["total"], m_off["total"])
+    assert tree_rel(s_off.params, s_on.params) <= 1e-5
+    wrong = dict(offline, hidden_states=offline["hidden_states"][..., :-1])
+    with pytest.raises(ValueError, match="hidden_states must be"):
+        step(state, shell, target, shard_batch(wrong, None))
 
 
 def test_data_parallel_matches_single_device(setup):

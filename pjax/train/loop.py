@@ -11,7 +11,7 @@ import numpy as np
 
 from pjax.models.drafter import Drafter
 from pjax.target import Target
-from pjax.train.data import RowStream
+from pjax.train.data import FeatureStream, RowStream
 from pjax.train.state import Checkpointer, TrainConfig, TrainState, drafter_from_state, init_train_state
 from pjax.train.step import make_mesh, make_train_step, replicate, shard_batch
 
@@ -45,13 +45,15 @@ def format_metrics(m: dict) -> str:
             f"lr {m['lr']:.2e} |g| {m['grad_norm']:.3f}")
 
 
-def train_drafter(target: Target, drafter: Drafter, stream: RowStream, cfg: TrainConfig, *,
+def train_drafter(target: Target, drafter: Drafter, stream: RowStream | FeatureStream, cfg: TrainConfig, *,
                   steps: Optional[int] = None, mesh=None, checkpoint_dir=None, save_every: Optional[int] = None,
                   resume: bool = True, log_every: int = 10, progress: bool = True,
                   log_fn: Optional[Callable[[dict], None]] = None, state: Optional[TrainState] = None,
                   compiler_options: Optional[dict] = None) -> TrainResult:
     """Train `drafter` (start point: random init, `init_drafter_for_target` or `convert.load_drafter`)
-    on `stream` against the frozen `target` until step `steps` (default cfg.total_steps).
+    on `stream` against the frozen `target` until step `steps` (default cfg.total_steps). A `RowStream` yields raw
+    token rows (target features computed in the step); a `FeatureStream` yields offline features (the target then
+    only supplies its final norm and lm_head for the loss).
 
     With `checkpoint_dir`, an existing checkpoint is restored first (resume=True) and the state is
     saved every `save_every` steps and at the end. mesh: a 1-D "data" mesh (`make_mesh`) for data

@@ -2,7 +2,8 @@
 (single pass or partitioned, spec D.5) -> AdamW update. Data parallel over a 1-D mesh axis "data".
 
 Batch: dict of [B, S] int32 arrays `tokens`, `loss_mask`, `document_ids` (raw packed rows, see
-`pjax.train.data`). The loss of a step is the mean over rows of each row's count-normalised loss
+`pjax.train.data.RowStream`), or an offline-feature batch (`pjax.train.data.FeatureStream`: shifted rows with
+`hidden_states` and `verifier_last_hidden_states`; the target then only supplies its final norm and lm_head). The loss of a step is the mean over rows of each row's count-normalised loss
 (speculators: DDP averages per-rank single-row losses), so any sharding of the rows gives the same
 value.
 """
@@ -30,13 +31,33 @@ from pjax.train.state import TrainConfig, TrainState
 DATA_AXIS = "data"
 
 
-def prepare_rows(target: Target, drafter: Drafter, batch: dict, cfg: TrainConfig, step_key):
-    """Online features + shift + COD layouts for a batch -> dict of per-row arrays (leading B)."""
+def offline_rows(target: Target, drafter: Drafter, batch: dict) -> dict:
+    """A `FeatureStream` batch (already shifted, features from disk) -> rows, checked against the models."""
     aux_ids = drafter.config.resolved_aux_layer_ids(target.config)
-    aux, final = target_features(target, batch["tokens"], batch["document_ids"], aux_ids, chunk=cfg.target_chunk)
-    rows = jax.vmap(eagle_shift)(batch["tokens"], batch["loss_mask"], batch["document_ids"], aux, final)
+    b, s = batch["input_ids"].shape
+    ht = target.config.hidden_size
+    want = dict(loss_mask=(b, s), document_ids=(b, s), hidden_states=(b, s, len(aux_ids) * ht),
+                verifier_last_hidden_states=(b, s, ht))
+    for k, shape in want.items():
+        if k not in batch or tuple(batch[k].shape) != shape:
+            found = tuple(batch[k].shape) if k in batch else "missing"
+            raise ValueError(f"offline feature batch: {k} must be {list(shape)} ({len(aux_ids)} aux layers x hidden "
+                             f"size {ht} of the target), found {found}")
+    return {k: batch[k] for k in ("input_ids", *want)}
+
+
+def prepare_rows(target: Target, drafter: Drafter, batch: dict, cfg: TrainConfig, step_key):
+    """Shift + COD layouts for a batch -> dict of per-row arrays (leading B). Raw packed rows (`tokens`, a
+    `RowStream` batch) get their target features online; `FeatureStream` batches bring them, shifted."""
+    if "hidden_states" in batch:
+        rows = offline_rows(target, drafter, batch)
+    else:
+        aux_ids = drafter.config.resolved_aux_layer_ids(target.config)
+        aux, final = target_features(target, batch["tokens"], batch["document_ids"], aux_ids,
+                                     chunk=cfg.target_chunk)
+        rows = jax.vmap(eagle_shift)(batch["tokens"], batch["loss_mask"], batch["document_ids"], aux, final)
     if cfg.objective == "peagle":
-        b = batch["tokens"].shape[0]
+        b = batch["document_ids"].shape[0]
         keys = jax.vmap(lambda i: jax.random.fold_in(step_key, i))(jnp.arange(b))
         rows["layout"] = jax.vmap(lambda k, lm, doc: cod_sample(k, lm, cfg.cod, doc))(
             keys, rows["loss_mask"], rows["document_ids"])
