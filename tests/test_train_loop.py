@@ -92,7 +92,7 @@ def test_resume_is_exact(setup, tmp_path):
 
 
 def test_offline_features_step_equals_online(setup):
-    """A train step on offline features (each document's target features computed alone, saved, packed by
+    """A train step on offline features (each document's target features computed alone, packed by
     `FeatureStream`) equals the step that computes them online from the packed raw row; wrong widths fail early."""
     target, drafter, stream, cfg = setup
     cfg1 = dataclasses.replace(cfg, batch_rows=1)

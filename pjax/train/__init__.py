@@ -20,7 +20,8 @@ from pjax.train.target_lm import train_target_lm
 
 __all__ = [
     "ByteTokenizer", "Checkpointer", "CodConfig", "CodLayout", "CodMask", "DocCausalMask", "Document", "FeatureStream",
-    "OptimConfig", "RowStream", "TinyRun", "TrainConfig", "TrainResult", "TrainState", "build_vocab_mapping", "chat_document",
+    "OptimConfig", "RowStream", "TinyRun", "TrainConfig", "TrainResult", "TrainState", "build_vocab_mapping",
+    "chat_document",
     "cod_attention_mask", "cod_budget", "cod_capacities", "cod_dense_mask", "cod_sample", "default_corpus_files",
     "draft_logits", "drafter_config_for_target", "drafter_from_state", "eagle3_loss", "eagle3_row_loss",
     "eagle_shift", "feature_sample", "init_drafter_for_target", "init_train_state", "layout_from_arrays",

@@ -1,11 +1,11 @@
-"""The jitted train step: target features online -> EAGLE shift -> COD sample -> loss and gradients
-(single pass or partitioned, spec D.5) -> AdamW update. Data parallel over a 1-D mesh axis "data".
+"""The jitted train step: target features (online, or offline in the batch) -> EAGLE shift -> COD sample ->
+loss and gradients (single pass or partitioned, spec D.5) -> AdamW update. Data parallel over a 1-D mesh axis "data".
 
 Batch: dict of [B, S] int32 arrays `tokens`, `loss_mask`, `document_ids` (raw packed rows, see
-`pjax.train.data.RowStream`), or an offline-feature batch (`pjax.train.data.FeatureStream`: shifted rows with
-`hidden_states` and `verifier_last_hidden_states`; the target then only supplies its final norm and lm_head). The loss of a step is the mean over rows of each row's count-normalised loss
-(speculators: DDP averages per-rank single-row losses), so any sharding of the rows gives the same
-value.
+`pjax.train.data.RowStream`), or an offline-feature batch (`pjax.train.data.FeatureStream`: shifted rows
+with `hidden_states` and `verifier_last_hidden_states`; the target then only supplies its final norm and
+lm_head). The loss of a step is the mean over rows of each row's count-normalised loss (speculators: DDP
+averages per-rank single-row losses), so any sharding of the rows gives the same value.
 """
 from __future__ import annotations
 
