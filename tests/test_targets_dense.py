@@ -78,3 +78,33 @@ def test_cached_extend_matches_full_forward(pair, chunk):
         ref = full[np.arange(b)[:, None], pos]
         assert rel_err(got, ref) <= 1e-5
         cur += chunk
+
+
+def test_one_token_decode_matches_full_forward(pair):
+    """Batch 1, one token per step: every projection takes the one-row path of `pjax.nn.Linear`."""
+    _, target = pair
+    ids = jnp.asarray(np.random.default_rng(3).integers(0, 97, (1, 12)), jnp.int32)
+    full = np.asarray(pjax.target_logits(target, ids))
+    step = jax.jit(forward)
+    cache = step(target, ids[:, :8], jnp.arange(8, dtype=jnp.int32)[None], init_cache(target.config, 1, 16,
+                                                                                        jnp.float32)).cache
+    for p in range(8, 12):
+        out = step(target, ids[:, p:p + 1], jnp.full((1, 1), p, jnp.int32), cache)
+        cache = out.cache
+        assert rel_err(np.asarray(logits_from_hidden(target, out.hidden))[0, 0], full[0, p]) <= 1e-5
+
+
+def test_one_row_linear_is_a_two_row_matrix_product():
+    """XLA on GPU turns a one-row product with a small weight into a slow multiply + column reduce; the padded
+    row keeps it a GEMM. The output equals the plain product for any leading shape."""
+    from flax import nnx
+
+    from pjax.nn import Linear
+    lin = Linear(64, 32, use_bias=True, rngs=nnx.Rngs(0))
+    w, b = np.asarray(lin.kernel[...]), np.asarray(lin.bias[...])
+    for shape in [(64,), (1, 64), (1, 1, 64), (3, 64)]:
+        x = np.random.default_rng(len(shape)).standard_normal(shape).astype(np.float32)
+        np.testing.assert_allclose(np.asarray(lin(jnp.asarray(x))), x @ w + b, rtol=1e-5, atol=1e-5)
+    hlo = jax.jit(lambda x: lin(x)).lower(jnp.zeros((1, 1, 64))).as_text()
+    dots = [line for line in hlo.splitlines() if "dot_general" in line]
+    assert len(dots) == 1 and "tensor<2x64xf32>" in dots[0], dots

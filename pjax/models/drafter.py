@@ -22,7 +22,7 @@ from flax import nnx
 from pjax.cache import init_cache
 from pjax.config import ConfigError, LayerSpec, ModelConfig
 from pjax.models.transformer import DecoderLayer
-from pjax.nn import MLP, Attention, LayerKV, RMSNorm
+from pjax.nn import MLP, Attention, LayerKV, Linear, RMSNorm
 
 MODEL_KINDS = ("peagle", "eagle3")
 
@@ -151,7 +151,7 @@ class DrafterModel(nnx.Module):
         self.input_norm = RMSNorm(cfg.fc_in, eps, dtype=dtype) if cfg.norm_before_fc else None
         self.fc_norm = nnx.List([RMSNorm(cfg.target_hidden_size, eps, dtype=dtype) for _ in range(cfg.num_aux)]) \
             if cfg.fc_norm else None
-        self.fc = nnx.Linear(cfg.fc_in, h, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.fc = Linear(cfg.fc_in, h, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
         first = FusedFirstLayer(lay, lay.layers[0], norm_before_residual=cfg.norm_before_residual, dtype=dtype,
                                 rngs=rngs)
         self.layers = nnx.List([first] + [DecoderLayer(lay, s, dtype=dtype, rngs=rngs) for s in lay.layers[1:]])
