@@ -223,7 +223,8 @@ class MLP(nnx.Module):
         return self.down_proj(activation(self.cfg.mlp_act, self.gate_proj(x), self.up_proj(x), self.cfg))
 
 
-# Token-expert pairs above this count use the sorted grouped-matmul path instead of weight gathers.
+# Token-expert pairs up to this count (decode / verify) use `expert_matmul` (each selected expert read once); more
+# (prefill, training) sort the pairs by expert for a grouped matmul.
 MOE_GATHER_MAX_PAIRS = 64
 
 
@@ -272,11 +273,12 @@ class MoE(nnx.Module):
         x = x.reshape(-1, shape[-1])
         n, k = x.shape[0], self.spec.top_k
         w, idx = self.route(x)
-        if n * k <= MOE_GATHER_MAX_PAIRS:  # decode / verify: read only the selected experts
+        if n * k <= MOE_GATHER_MAX_PAIRS:  # decode / verify: read only the selected experts, each once
+            from pjax.kernels.expert_matmul import expert_matmul
+
             def matmul(a, wts, second=False):
-                sel = wts[idx]  # [N, k, in, out]
-                eq = "nkf,nkfo->nko" if second else "nf,nkfo->nko"
-                return jnp.einsum(eq, a, sel, preferred_element_type=jnp.float32).astype(a.dtype)
+                rows = a.reshape(n * k, -1) if second else jnp.repeat(a, k, axis=0)  # pair (token, j) rows
+                return expert_matmul(rows, idx.reshape(-1), wts).reshape(n, k, -1)
             out = self._expert_out(idx, x, matmul)  # [N, k, H]
             y = jnp.einsum("nk,nkh->nh", w.astype(jnp.float32), out.astype(jnp.float32))
         else:  # prefill / training: sort token-expert pairs by expert, grouped matmul

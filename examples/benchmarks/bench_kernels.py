@@ -40,6 +40,8 @@ from pjax.kernels.cache_attention import api as attn_api
 from pjax.kernels.cache_attention import mosaic as attn_mosaic
 from pjax.kernels.cache_attention import pallas as attn_pallas
 from pjax.kernels.cache_attention import reference as attn_ref
+from pjax.kernels.expert_matmul import pallas as em_pallas
+from pjax.kernels.expert_matmul import reference as em_ref
 from pjax.kernels.metadata import pallas as meta_pallas
 from pjax.kernels.metadata import reference as meta_ref
 
@@ -200,6 +202,42 @@ def bench_metadata(b, k, *, reps, calls, cfg=None):
     ROWS.append(row)
     log(f"| metadata | {b} | {k} | {row['xla_us']:.2f} | {row['pallas_us']:.2f} | {row['ratio']:.2f} | {exact} | "
         f"{n_x:.2f} / {LAUNCHES[0]:.2f} | {cfg} |")
+    return row
+
+
+# ---------------------------------------------------------------- expert matmul (MoE decode / verify)
+EXPERT_HEADER = ("\n| op | model | tokens x top-k | din x dout | distinct experts | xla us | pallas us | xla/pallas | "
+                 "pallas TB/s | max rel err | cfg |\n|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+@guarded
+def bench_expert_matmul(model, e, din, dout, n, k, *, reps, calls, block_n=None):
+    """n tokens x top-k experts (distinct per token) against w [e, din, dout]; each copy routes to other experts
+    (copy i starts at expert i * k), so copies do not share weights through L2. Bandwidth = distinct selected
+    experts' bytes / time."""
+    w = (jax.random.normal(jax.random.key(0), (e, din, dout), jnp.float32) * 0.05).astype(jnp.bfloat16)
+    rs = np.random.default_rng(0)
+    reps = reps or 8
+
+    def ids(i):
+        return jnp.asarray((np.stack([rs.choice(e, k, replace=False) for _ in range(n)]) + i * k) % e, jnp.int32)
+    sets = [(jax.random.normal(jax.random.key(i + 1), (n * k, din), jnp.bfloat16), ids(i).reshape(-1), w)
+            for i in range(2 * reps)]
+    x, idx, _ = sets[0]
+    fp = functools.partial(em_pallas.expert_matmul, block_n=block_n)
+    r = np.asarray(jax.jit(em_ref.expert_matmul)(x, idx, w), np.float32)
+    got = np.asarray(jax.jit(fp)(x, idx, w), np.float32)
+    err = float(np.max(np.abs(got - r)) / max(np.max(np.abs(r)), 1e-9))
+    t_x = timed(em_ref.expert_matmul, sets, calls=calls)
+    t_p = timed(fp, sets, calls=calls)
+    distinct = len(np.unique(np.asarray(idx)))
+    tbps = distinct * din * dout * 2 / t_p / 1e12
+    bn = block_n or em_pallas.tiles(n * k, din, dout)[1]
+    row = dict(op="expert_matmul", model=model, tokens=n, top_k=k, din=din, dout=dout, distinct=distinct,
+               xla_us=t_x * 1e6, pallas_us=t_p * 1e6, ratio=t_x / t_p, pallas_tbps=tbps, err=err, block_n=bn)
+    ROWS.append(row)
+    log(f"| expert_matmul | {model} | {n} x {k} | {din} x {dout} | {distinct} | {t_x * 1e6:.1f} | {t_p * 1e6:.1f} | "
+        f"{t_x / t_p:.2f} | {tbps:.2f} | {err:.1e} | bn={bn} |")
     return row
 
 
@@ -370,7 +408,7 @@ def bench_read(nbytes, *, reps, calls):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpret mode)")
-    ap.add_argument("--only", default="meta,acc,attn,tune")
+    ap.add_argument("--only", default="meta,acc,moe,attn,tune")
     ap.add_argument("--budget", type=float, default=380.0, help="seconds; later sections are skipped past it")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -409,6 +447,15 @@ def main():
         check_inverse_temperature()
         for b in batches:
             bench_acceptance(b, 7 if not a.smoke else ks[0], vocabs[0], reps=reps, calls=calls, temp=None)
+    if "moe" in only or "moe-tune" in only:  # (model, experts, hidden, expert intermediate, top-k)
+        moes = [("tiny", 8, 64, 48, 2)] if a.smoke else [("qwen3-30b-a3b", 128, 2048, 768, 8),
+                                                          ("gpt-oss-20b", 32, 2880, 2880, 4)]
+        log(EXPERT_HEADER)
+        for model, e, h, inter, k in moes:
+            for n in ((1, 3) if a.smoke else (1, 8)):  # decode, verify K = 7
+                for din, dout in ((h, 2 * inter), (inter, h)):  # gate_up, down
+                    for bn in ((None,) if "moe-tune" not in only else (None, 32, 64, 128)):
+                        bench_expert_matmul(model, e, din, dout, n, k, reps=reps, calls=calls, block_n=bn)
     if "attn" in only and not over_budget(a.budget):
         log(ATTN_HEADER)
         for ctx in ctxs:

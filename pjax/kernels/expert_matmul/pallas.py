@@ -1,0 +1,102 @@
+"""Pallas (Triton) expert matmul for the few token-expert pairs of a MoE decode / verify step.
+
+Why: the XLA path gathers the selected experts' weights `w[ids]` into a new [P, din, dout] array before the product
+(read, write, read again: three passes over the bytes that matter) and, for one token, XLA turns the batched
+vector-matrix product into a column reduction that streams several times slower. Here program (s, j) owns pair
+slot s and output columns [j * bn, +bn): if s is the first pair of its expert it streams that expert's [din, bn]
+weight tile from HBM once and multiplies it into every pair routed to the same expert (a [pp, bk] x [bk, bn]
+`dot` per step, rows of other experts masked to zero); other slots exit at once. Every selected expert is read
+exactly once, nothing is materialised.
+Bytes moved: distinct selected experts x din x dout x itemsize + P x (din + dout) x itemsize.
+Numerics: float32 accumulation, output cast to x's dtype (as the reference).
+Measured (H200, docs/benchmarks.md section 2): 3.5-20x the XLA path; 3.5-4.05 TB/s with 8 tokens, 2.1-3.6 TB/s
+with one (4-8 experts: a short launch).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pjax.kernels._dispatch import interpret
+from pjax.kernels._pallas_util import call_kwargs, next_pow2
+from pjax.kernels.expert_matmul.reference import check_inputs
+
+MAX_ROWS = 64  # pairs held in one program's [pp, bn] accumulator
+BLOCK_K = 128  # din per pipeline step (the largest power of two <= this dividing din)
+BLOCK_N = 128  # output columns per program, halved while fewer than MIN_PROGRAMS programs would run
+MIN_PROGRAMS = 256  # ~2 per H200 SM: a program streams ~30 GB/s, so the launch needs them all busy
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+    return min(cap, n & -n)
+
+
+def tiles(p: int, din: int, dout: int) -> tuple[int, int]:
+    """(bk, bn): power-of-two tiles dividing din / dout (no masked weight loads), bn halved (down to 32) while the
+    grid would have fewer than MIN_PROGRAMS programs."""
+    bk, bn = _pow2_divisor(din, BLOCK_K), _pow2_divisor(dout, BLOCK_N)
+    while bn > 32 and p * (dout // bn) < MIN_PROGRAMS:
+        bn //= 2
+    return bk, bn
+
+
+def unsupported_reason(x, w):
+    """None when the kernel takes these shapes, else why not (the caller uses the reference)."""
+    p, din = x.shape
+    dout = w.shape[2]
+    if p > MAX_ROWS:
+        return f"{p} rows: at most {MAX_ROWS}"
+    if din % 16 or dout % 16:
+        return f"din {din} / dout {dout}: multiples of 16 only"
+    return None
+
+
+def _kernel(ids_ref, x_ref, w_ref, o_ref, *, pp, din, bk, bn, precision):
+    s, j = pl.program_id(0), pl.program_id(1)
+    pairs = jnp.arange(pp, dtype=jnp.int32)
+    ids = ids_ref[pl.ds(0, pp)]  # padded with -1 past the real pairs
+    e = ids_ref[s]
+    mine = ids == e
+    first = jnp.min(jnp.where(mine, pairs, pp)) == s  # the lowest slot of each expert does its work
+
+    @pl.when(first)
+    def _():
+        def step(c, acc):
+            k0 = pl.multiple_of(c * bk, bk)
+            xt = pltriton.load(x_ref.at[pl.ds(0, pp), pl.ds(k0, bk)], mask=mine[:, None], other=0)
+            wt = w_ref[e, pl.ds(k0, bk), pl.ds(j * bn, bn)]
+            return acc + jax.lax.dot(xt, wt, precision=precision, preferred_element_type=jnp.float32)
+
+        acc = jax.lax.fori_loop(0, din // bk, step, jnp.zeros((pp, bn), jnp.float32))
+        pltriton.store(o_ref.at[pl.ds(0, pp), pl.ds(j * bn, bn)], acc.astype(o_ref.dtype), mask=mine[:, None])
+
+
+def expert_matmul(x, expert_ids, w, *, block_n=None, num_warps: int = 4, num_stages: int = 3):
+    """Same contract as `reference.expert_matmul`; `block_n` overrides the column tile (benchmarks)."""
+    check_inputs(x, expert_ids, w)
+    reason = unsupported_reason(x, w)
+    if reason:
+        raise ValueError(f"expert_matmul implementation='pallas': {reason}")
+    p, din = x.shape
+    dout = w.shape[2]
+    pp = max(16, next_pow2(p))  # dot rows: at least 16
+    bk, bn = tiles(p, din, dout)
+    if block_n is not None:
+        if block_n % 16 or dout % block_n:
+            raise ValueError(f"expert_matmul: block_n={block_n} must be a multiple of 16 dividing dout={dout}")
+        bn = block_n
+    ids = jnp.pad(expert_ids.astype(jnp.int32), (0, pp - p), constant_values=-1)
+    xp = jnp.pad(x, ((0, pp - p), (0, 0)))
+    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    full = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
+    out = pl.pallas_call(
+        functools.partial(_kernel, pp=pp, din=din, bk=bk, bn=bn, precision=precision),
+        grid=(p, dout // bn), out_shape=jax.ShapeDtypeStruct((pp, dout), x.dtype),
+        in_specs=[full(ids), full(xp), full(w)], out_specs=full(jax.ShapeDtypeStruct((pp, dout), x.dtype)),
+        name="pjax_expert_matmul", **call_kwargs(num_warps, num_stages),
+    )(ids, xp, w)
+    return out[:p]
