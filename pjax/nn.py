@@ -110,11 +110,11 @@ class Linear(nnx.Linear):
     Llama-3.1-8B decode step went from 5.42 to 4.37 ms (docs/benchmarks.md section 1).
     """
 
-    def __call__(self, x):
-        if math.prod(x.shape[:-1]) != 1:
-            return super().__call__(x)
-        y = super().__call__(jnp.pad(x.reshape(1, -1), ((0, 1), (0, 0))))
-        return y[:1].reshape(*x.shape[:-1], -1)
+    def __call__(self, inputs, out_sharding=None):
+        if math.prod(inputs.shape[:-1]) != 1:
+            return super().__call__(inputs, out_sharding)
+        y = super().__call__(jnp.pad(inputs.reshape(1, -1), ((0, 1), (0, 0))), out_sharding)
+        return y[:1].reshape(*inputs.shape[:-1], -1)
 
 
 def _linear(din, dout, bias, dtype, rngs):
@@ -225,7 +225,7 @@ class MLP(nnx.Module):
 
 # Token-expert pairs up to this count (decode / verify) use `expert_matmul` (each selected expert read once); more
 # (prefill, training) sort the pairs by expert for a grouped matmul.
-MOE_GATHER_MAX_PAIRS = 64
+MOE_FEW_PAIRS = 64
 
 
 class MoE(nnx.Module):
@@ -273,7 +273,7 @@ class MoE(nnx.Module):
         x = x.reshape(-1, shape[-1])
         n, k = x.shape[0], self.spec.top_k
         w, idx = self.route(x)
-        if n * k <= MOE_GATHER_MAX_PAIRS:  # decode / verify: read only the selected experts, each once
+        if n * k <= MOE_FEW_PAIRS:  # decode / verify: read only the selected experts, each once
             from pjax.kernels.expert_matmul import expert_matmul
 
             def matmul(a, wts, second=False):

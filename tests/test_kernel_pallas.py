@@ -131,10 +131,28 @@ def test_expert_matmul_kernel_equals_reference(p, din, dout, e, dtype):
     got = np.asarray(expert_matmul(x, ids, w, implementation="pallas"), np.float32)
     tol = 1e-5 if dtype == jnp.float32 else 1e-2
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
-    with pytest.raises(ValueError, match="block_n=24 must be a multiple of 16 dividing dout"):
-        em_pallas.expert_matmul(x, ids, w, block_n=24)
-    with pytest.raises(ValueError, match="expert_ids"):
+    for bad in (24, 48 if dout % 48 == 0 and dout != 48 else 24, 2 * dout):
+        with pytest.raises(ValueError, match=f"block_n={bad} must be a power of two >= 16 dividing dout"):
+            em_pallas.expert_matmul(x, ids, w, block_n=bad)
+    with pytest.raises(ValueError, match=r"expected x \[P, din\], expert_ids \[P\]"):
         expert_matmul(x, ids[:-1], w)
+
+
+def test_expert_matmul_ids_out_of_range_gradient_and_mixed_dtypes():
+    """Ids index like `w[ids]` (negative wrap, too large clamp: normalised before the kernel, which would otherwise
+    read outside w on a GPU); gradients go through the reference's VJP; mixed dtypes are not the kernel's."""
+    rs = np.random.default_rng(1)
+    x = jnp.asarray(rs.standard_normal((6, 32)), jnp.float32)
+    w = jnp.asarray(rs.standard_normal((4, 32, 64)), jnp.float32)
+    ids = jnp.asarray([-1, 4, 9, 0, -4, 2], jnp.int32)
+    want = expert_matmul(x, ids, w, implementation="xla")
+    np.testing.assert_allclose(np.asarray(expert_matmul(x, ids, w, implementation="pallas")), np.asarray(want),
+                               rtol=1e-5, atol=1e-5)
+    ids = ids % 4
+    loss = lambda impl: lambda x_, w_: jnp.sum(jnp.sin(expert_matmul(x_, ids, w_, implementation=impl)))
+    for got, ref in zip(jax.grad(loss("pallas"), (0, 1))(x, w), jax.grad(loss("xla"), (0, 1))(x, w)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    assert "one dtype" in em_pallas.unsupported_reason(x.astype(jnp.bfloat16), w)
 
 
 def test_expert_matmul_lowers_to_triton_and_moe_uses_it(monkeypatch):
@@ -160,6 +178,7 @@ def test_expert_matmul_lowers_to_triton_and_moe_uses_it(monkeypatch):
     got = moe(x)
     jax.clear_caches()
     assert len(calls) == 2  # gate_up and down
+    assert nn.MOE_FEW_PAIRS <= em_pallas.MAX_ROWS  # every few-pair MoE call fits the kernel
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 

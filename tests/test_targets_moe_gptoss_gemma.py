@@ -14,7 +14,7 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 import convert
 import pjax
 from convert.safetensors_io import SafetensorsFile, save_file
-from pjax.nn import MOE_GATHER_MAX_PAIRS
+from pjax.nn import MOE_FEW_PAIRS
 from tests.hf_utils import check_cached_extend, hf_hidden_states, pjax_full_forward, randomize, rel_err
 
 V = 97
@@ -84,7 +84,7 @@ def aux_ids(target):
 def test_logits_match_transformers(pair):
     _, target, _, extra = pair
     if target.config.moe is not None:  # many tokens: sorted ragged_dot path
-        assert IDS.size * target.config.moe.top_k > MOE_GATHER_MAX_PAIRS
+        assert IDS.size * target.config.moe.top_k > MOE_FEW_PAIRS
     assert rel_err(extra["logits"], extra["hf_logits"]) <= 1e-4
 
 
@@ -111,11 +111,11 @@ def test_config_geometry(pair):
 
 def test_cached_extend_matches_full_forward(pair):
     """Ragged prefixes, then chunks of 1 and K+1 = 4 tokens. For MoE families these few-token steps take
-    the gather path (<= MOE_GATHER_MAX_PAIRS token-expert pairs) and are also checked against transformers
+    the few-pair path (<= MOE_FEW_PAIRS token-expert pairs) and are also checked against transformers
     directly; the full forward they are compared with took the ragged_dot path."""
     _, target, _, extra = pair
     if target.config.moe is not None:
-        assert IDS.shape[0] * 4 * target.config.moe.top_k <= MOE_GATHER_MAX_PAIRS
+        assert IDS.shape[0] * 4 * target.config.moe.top_k <= MOE_FEW_PAIRS
     # Gemma 4 attends with scale 1.0 over normalised q/k: peaked softmaxes amplify float32 rounding a bit.
     tol = 5e-5 if target.config.model_type == "gemma4_text" else 1e-5
     check_cached_extend(target, IDS, extra["logits"], prefix=(5, 11), chunks=(1, 4), hf_full=extra["hf_logits"],

@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import numpy as np
 
 from pjax.kernels import _dispatch
 from pjax.kernels.expert_matmul import reference
@@ -14,10 +15,32 @@ from pjax.kernels.expert_matmul import reference
 
 @functools.partial(jax.jit, static_argnames=("implementation",))
 def expert_matmul(x, expert_ids, w, *, implementation: str = "auto"):
-    """out [P, dout] = x[p] @ w[expert_ids[p]]: x [P, din], expert_ids [P] int, w [E, din, dout]; float32
-    accumulation, x's dtype out. "auto" takes the Pallas kernel on a GPU where it supports the shapes."""
+    """out [P, dout] = x[p] @ w[expert_ids[p]]: x [P, din], expert_ids [P] int (indexed as `w[expert_ids]`: negative
+    ids wrap, too large ones clamp), w [E, din, dout]; float32 accumulation, x's dtype out. "auto" takes the Pallas
+    kernel on a GPU where it supports the shapes. Differentiable (the kernel's VJP is the reference's)."""
     from pjax.kernels.expert_matmul import pallas
+    reference.check_inputs(x, expert_ids, w)
     supported = pallas.unsupported_reason(x, w) is None
     if _dispatch.resolve(implementation, auto_pallas=supported) == "pallas":
-        return pallas.expert_matmul(x, expert_ids, w)
+        return _pallas_with_reference_vjp(x, expert_ids, w)
     return reference.expert_matmul(x, expert_ids, w)
+
+
+@jax.custom_vjp
+def _pallas_with_reference_vjp(x, expert_ids, w):
+    from pjax.kernels.expert_matmul import pallas
+    return pallas.expert_matmul(x, expert_ids, w)
+
+
+def _fwd(x, expert_ids, w):
+    return _pallas_with_reference_vjp(x, expert_ids, w), (x, expert_ids, w)
+
+
+def _bwd(res, g):
+    x, expert_ids, w = res
+    _, vjp = jax.vjp(lambda x_, w_: reference.expert_matmul(x_, expert_ids, w_), x, w)
+    dx, dw = vjp(g)
+    return dx, np.zeros(expert_ids.shape, jax.dtypes.float0), dw
+
+
+_pallas_with_reference_vjp.defvjp(_fwd, _bwd)

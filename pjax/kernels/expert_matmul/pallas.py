@@ -21,7 +21,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pjax.kernels._dispatch import interpret
 from pjax.kernels._pallas_util import call_kwargs, next_pow2
 from pjax.kernels.expert_matmul.reference import check_inputs
 
@@ -48,6 +47,8 @@ def unsupported_reason(x, w):
     """None when the kernel takes these shapes, else why not (the caller uses the reference)."""
     p, din = x.shape
     dout = w.shape[2]
+    if x.dtype != w.dtype:
+        return f"x {x.dtype} and w {w.dtype}: one dtype only (the tensor-core dot)"
     if p > MAX_ROWS:
         return f"{p} rows: at most {MAX_ROWS}"
     if din % 16 or dout % 16:
@@ -86,10 +87,13 @@ def expert_matmul(x, expert_ids, w, *, block_n=None, num_warps: int = 4, num_sta
     pp = max(16, next_pow2(p))  # dot rows: at least 16
     bk, bn = tiles(p, din, dout)
     if block_n is not None:
-        if block_n % 16 or dout % block_n:
-            raise ValueError(f"expert_matmul: block_n={block_n} must be a multiple of 16 dividing dout={dout}")
+        if block_n < 16 or block_n & (block_n - 1) or dout % block_n:
+            raise ValueError(f"expert_matmul: block_n={block_n} must be a power of two >= 16 dividing dout={dout}")
         bn = block_n
-    ids = jnp.pad(expert_ids.astype(jnp.int32), (0, pp - p), constant_values=-1)
+    e = w.shape[0]
+    ids = expert_ids.astype(jnp.int32)
+    ids = jnp.clip(jnp.where(ids < 0, ids + e, ids), 0, e - 1)  # the reference's indexing: wrap, then clamp
+    ids = jnp.pad(ids, (0, pp - p), constant_values=-1)
     xp = jnp.pad(x, ((0, pp - p), (0, 0)))
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
     full = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
