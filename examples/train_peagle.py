@@ -57,6 +57,8 @@ def _args(argv=None, objective="peagle"):
     p.add_argument("--save-every", type=int, default=None)
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--all-devices", action="store_true", help="data parallel over every local device")
+    p.add_argument("--split-target", action="store_true",
+                   help="with --all-devices: each device keeps 1/n of every large target weight instead of a copy")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--no-generate", action="store_true", help="tiny job: skip the speculative decoding check")
     p.add_argument("--seed", type=int, default=0)
@@ -164,7 +166,8 @@ def target_job(argv=None, objective="peagle"):
     stream = RowStream(docs, seq, rows, seed=a.seed)
     res = train_drafter(target, drafter, stream, cfg, mesh=make_mesh() if a.all_devices else None,
                         checkpoint_dir=a.checkpoint_dir, save_every=a.save_every, log_every=a.log_every,
-                        progress=not a.no_progress, log_fn=_log if a.no_progress else None)
+                        progress=not a.no_progress, log_fn=_log if a.no_progress else None,
+                        split_target=a.split_target)
     out = save_drafter(res.drafter, a.out, verifier_name_or_path=a.target)
     print(f"exported {out}")
     return dict(history=res.history, export=str(out))

@@ -17,7 +17,7 @@ from pjax.train.loop import train_drafter
 from pjax.train.optim import OptimConfig, split_params, trainable_mask
 from pjax.train.state import TrainConfig, drafter_config_for_target, init_drafter_for_target, init_train_state
 from pjax.train.features import target_features
-from pjax.train.step import loss_and_grads, make_mesh, make_train_step, shard_batch
+from pjax.train.step import loss_and_grads, make_mesh, make_train_step, shard_batch, shard_target
 
 S, B = 64, 4
 FAST = {"xla_backend_optimization_level": 0}  # CPU: much faster compiles of these tiny programs
@@ -136,6 +136,14 @@ def test_data_parallel_matches_single_device(setup):
     assert rel(m4["loss"], m1["loss"]) <= 1e-5
     np.testing.assert_array_equal(m1["total"], m4["total"])
     assert tree_rel(s4.params, s1.params) <= 1e-5
+    # the frozen target split over the 4 devices (ZeRO-3 style) gives the same step
+    sharded = shard_target(target, mesh, min_elements=1)
+    big = [x for x in jax.tree.leaves(sharded.params) if x.size >= 256]
+    assert big and all(x.addressable_shards[0].data.size * 4 == x.size for x in big)
+    s4t, m4t = many(jax.device_put(init_train_state(drafter, cfg), rep), jax.device_put(shell, rep), sharded,
+                    shard_batch(batch, mesh))
+    assert rel(m4t["loss"], m1["loss"]) <= 1e-5
+    assert tree_rel(s4t.params, s1.params) <= 1e-5
 
 
 def test_tiny_end_to_end_learns():

@@ -46,6 +46,7 @@ def _args(argv=None):
     p.add_argument("--segments", type=int, nargs="*", default=None, help="partition counts (1 = single pass)")
     p.add_argument("--rows", type=int, default=1, help="rows per step (one per device)")
     p.add_argument("--steps", type=int, default=None, help="timed steps")
+    p.add_argument("--split-target", action="store_true", help="target weights split over the devices (shard_target)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--num-depths", type=int, default=8)
     p.add_argument("--max-anchors", type=int, default=0, help="0 = unlimited (paper / Automodel); 512 = speculators")
@@ -84,7 +85,7 @@ def run_one(a, length, segments):
     from pjax.target import init_target
     from pjax.train import (CodConfig, OptimConfig, TrainConfig, drafter_config_for_target, init_drafter_for_target,
                             init_train_state, make_mesh, make_train_step)
-    from pjax.train.step import replicate, shard_batch
+    from pjax.train.step import replicate, shard_batch, shard_target
     shape = "tiny" if a.tiny else "llama3.1-8b"
     tshape, head_layers, vd = SHAPES[shape]
     tcfg = _cfg(*tshape)
@@ -105,7 +106,7 @@ def run_one(a, length, segments):
     step = make_train_step(cfg, mesh)
     state = replicate(init_train_state(drafter, cfg), mesh)
     shell = replicate(Drafter(drafter.config, drafter.graphdef, None, drafter.d2t), mesh)
-    target = replicate(target, mesh)
+    target = shard_target(target, mesh) if a.split_target else replicate(target, mesh)  # the unplaced copy is freed
     batches = [shard_batch(synthetic_batch(a.rows, length, tcfg.vocab_size, seed=i), mesh) for i in range(4)]
     t0 = time.perf_counter()
     state, m = step(state, shell, target, batches[0])
@@ -121,12 +122,13 @@ def run_one(a, length, segments):
         jax.block_until_ready(m)
         times.append(time.perf_counter() - t0)
     med = statistics.median(times)
-    stats = jax.local_devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}  # device 0 (it also held the target before placement)
     tokens = a.rows * length
     return dict(length=length, segments=segments, rows=a.rows, step_s=med, step_s_min=min(times),
                 tokens_per_s=tokens / med, compile_s=compile_s, loss=float(m["loss"]),
                 elements=int(np.sum(jax.device_get(m["total"]))),
                 peak_gib=stats.get("peak_bytes_in_use", 0) / 2**30 if stats else None,
+                live_gib=stats.get("bytes_in_use", 0) / 2**30 if stats else None, split_target=a.split_target,
                 device=str(jax.devices()[0].device_kind), shape=shape)
 
 
@@ -152,8 +154,9 @@ def main(argv=None):
             else:
                 results.append(json.loads(line[0][7:]))
                 r = results[-1]
+                mem = "n/a" if r["peak_gib"] is None else f"peak {r['peak_gib']:.2f} GiB, live {r['live_gib']:.2f} GiB"
                 print(f"length {length} segments {seg}: {r['tokens_per_s']:.0f} tok/s, step {r['step_s']*1e3:.1f} ms, "
-                      f"peak {r['peak_gib'] if r['peak_gib'] is None else round(r['peak_gib'], 2)} GiB", flush=True)
+                      f"{mem}", flush=True)
     print("\n| tokens/row | segments | supervised COD elements | step (ms) | tokens/s | peak memory (GiB) | compile (s) |")
     print("|---|---|---|---|---|---|---|")
     for r in results:

@@ -15,7 +15,7 @@ from pjax.train.optim import OptimConfig, make_optimizer
 from pjax.train.recipes import TinyRun, tiny_run, tiny_target_config
 from pjax.train.state import (Checkpointer, TrainConfig, TrainState, drafter_config_for_target,
                               drafter_from_state, init_drafter_for_target, init_train_state)
-from pjax.train.step import make_mesh, make_train_step, train_step
+from pjax.train.step import make_mesh, make_train_step, shard_target, train_step
 from pjax.train.target_lm import train_target_lm
 
 __all__ = [
@@ -27,7 +27,8 @@ __all__ = [
     "eagle_shift", "feature_sample", "init_drafter_for_target", "init_train_state", "layout_from_arrays",
     "load_documents", "load_feature_sample",
     "make_mesh", "make_optimizer", "make_train_step", "pack_documents", "partition_layout", "peagle_loss",
-    "peagle_loss_and_metrics", "partition_segment", "save_feature_sample", "segment_bounds", "shift_and_pack_features",
+    "peagle_loss_and_metrics", "partition_segment", "save_feature_sample", "segment_bounds", "shard_target",
+    "shift_and_pack_features",
     "target_features", "text_document",
     "tiny_run", "tiny_target_config", "token_frequencies", "train_drafter", "train_step", "train_target_lm",
 ]

@@ -13,7 +13,7 @@ from pjax.models.drafter import Drafter
 from pjax.target import Target
 from pjax.train.data import FeatureStream, RowStream
 from pjax.train.state import Checkpointer, TrainConfig, TrainState, drafter_from_state, init_train_state
-from pjax.train.step import make_mesh, make_train_step, replicate, shard_batch
+from pjax.train.step import make_mesh, make_train_step, replicate, shard_batch, shard_target
 
 
 @dataclasses.dataclass
@@ -49,7 +49,7 @@ def train_drafter(target: Target, drafter: Drafter, stream: RowStream | FeatureS
                   steps: Optional[int] = None, mesh=None, checkpoint_dir=None, save_every: Optional[int] = None,
                   resume: bool = True, log_every: int = 10, progress: bool = True,
                   log_fn: Optional[Callable[[dict], None]] = None, state: Optional[TrainState] = None,
-                  compiler_options: Optional[dict] = None) -> TrainResult:
+                  compiler_options: Optional[dict] = None, split_target: bool = False) -> TrainResult:
     """Train `drafter` (start point: random init, `init_drafter_for_target` or `convert.load_drafter`)
     on `stream` against the frozen `target` until step `steps` (default cfg.total_steps). A `RowStream` yields raw
     token rows (target features computed in the step); a `FeatureStream` yields offline features (the target then
@@ -57,7 +57,8 @@ def train_drafter(target: Target, drafter: Drafter, stream: RowStream | FeatureS
 
     With `checkpoint_dir`, an existing checkpoint is restored first (resume=True) and the state is
     saved every `save_every` steps and at the end. mesh: a 1-D "data" mesh (`make_mesh`) for data
-    parallelism; default one device. Returns the trained head, final state, metrics."""
+    parallelism; default one device. split_target: keep 1/n of each large target weight per device
+    (`pjax.train.step.shard_target`) instead of a full copy on each. Returns the trained head, final state, metrics."""
     cfg.validate()
     if stream.batch_rows != cfg.batch_rows or stream.total_seq_len != cfg.total_seq_len:
         raise ValueError(f"stream yields {stream.batch_rows} x {stream.total_seq_len} batches but the config says "
@@ -69,7 +70,7 @@ def train_drafter(target: Target, drafter: Drafter, stream: RowStream | FeatureS
         state = replicate(init_train_state(drafter, cfg), mesh)
         if ckpt is not None and resume and ckpt.latest_step() is not None:
             state = ckpt.restore(state)
-    target = replicate(target, mesh)
+    target = shard_target(target, mesh) if split_target else replicate(target, mesh)
     shell = replicate(Drafter(drafter.config, drafter.graphdef, None, drafter.d2t), mesh)
     step_fn = make_train_step(cfg, mesh, compiler_options=compiler_options)
     start = int(jax.device_get(state.step))

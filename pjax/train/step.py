@@ -9,6 +9,7 @@ averages per-rank single-row losses), so any sharding of the rows gives the same
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Optional
 
@@ -168,8 +169,9 @@ def make_mesh(devices=None) -> jax.sharding.Mesh:
 
 def make_train_step(cfg: TrainConfig, mesh: Optional[jax.sharding.Mesh] = None, donate: bool = True,
                     compiler_options: Optional[dict] = None):
-    """jit(train_step) for a config; with a mesh, batch rows are sharded over "data" and the state,
-    head and target replicated (batch_rows must divide by the mesh size). Cached per arguments, so
+    """jit(train_step) for a config; with a mesh, batch rows are sharded over "data", the state and head
+    replicated, and the target kept as placed (`replicate` or `shard_target`; batch_rows must divide by the mesh
+    size). Cached per arguments, so
     repeated runs reuse one compilation. compiler_options: XLA options (e.g.
     {"xla_backend_optimization_level": 0} for fast CPU compiles in tests)."""
     opts = None if compiler_options is None else tuple(sorted(compiler_options.items()))
@@ -190,7 +192,7 @@ def _make_train_step(cfg: TrainConfig, mesh, donate: bool, opts):
         raise ValueError(f"batch_rows={cfg.batch_rows} is not divisible by the {n} devices of the mesh")
     rep = NamedSharding(mesh, P())
     rows = NamedSharding(mesh, P(DATA_AXIS))
-    return jax.jit(fn, in_shardings=(rep, rep, rep, rows), out_shardings=(rep, rep), **kw)
+    return jax.jit(fn, in_shardings=(rep, rep, None, rows), out_shardings=(rep, rep), **kw)  # None: as placed
 
 
 def shard_batch(batch: dict, mesh: Optional[jax.sharding.Mesh]):
@@ -204,3 +206,26 @@ def replicate(tree, mesh: Optional[jax.sharding.Mesh]):
     if mesh is None:
         return tree
     return jax.device_put(tree, NamedSharding(mesh, P()))
+
+
+SHARD_MIN_ELEMENTS = 1 << 16  # smaller target leaves (norms, biases) stay replicated
+
+
+def target_leaf_spec(shape: tuple, n: int, min_elements: int = SHARD_MIN_ELEMENTS) -> P:
+    """Partition of one frozen-target weight over the "data" axis of n devices: its largest dimension that n divides
+    (the first of equal ones), or replicated when none does or the leaf has fewer than `min_elements`."""
+    if n == 1 or int(np.prod(shape)) < min_elements:
+        return P()
+    dims = [int(d) for d in np.argsort([-x for x in shape], kind="stable") if shape[d] % n == 0]
+    return P(*[DATA_AXIS if i == dims[0] else None for i in range(len(shape))]) if dims else P()
+
+
+def shard_target(target: Target, mesh: jax.sharding.Mesh, min_elements: int = SHARD_MIN_ELEMENTS) -> Target:
+    """The frozen target with each large weight split over the mesh's "data" devices (ZeRO-3 style: every device
+    keeps 1/n of it and XLA gathers the weights inside the jitted step where it needs them). Trades those collectives
+    for memory: a target too big to replicate next to the head's training state still trains data parallel. The
+    step equals the replicated one (tests/test_train_loop.py)."""
+    n = mesh.devices.size
+    params = jax.tree.map(
+        lambda x: jax.device_put(x, NamedSharding(mesh, target_leaf_spec(x.shape, n, min_elements))), target.params)
+    return dataclasses.replace(target, params=params)
