@@ -223,9 +223,11 @@ class MLP(nnx.Module):
         return self.down_proj(activation(self.cfg.mlp_act, self.gate_proj(x), self.up_proj(x), self.cfg))
 
 
-# Token-expert pairs up to this count (decode / verify) use `expert_matmul` (each selected expert read once); more
-# (prefill, training) sort the pairs by expert for a grouped matmul.
-MOE_FEW_PAIRS = 64
+# Token-expert pairs up to this count, and up to twice the expert count, use `expert_matmul` (each selected expert read
+# once); more (prefill, training) sort the pairs by expert for a grouped matmul, which reads every expert. H200, MoE
+# layer (docs/benchmarks.md section 2): 128 experts, top-8: 64 / 96 / 128 pairs 159 / 273 / 313 us vs 349 / 383 / 403;
+# 32 experts, top-4: 32 / 64 pairs 272 / 363 vs 409 / 422 us, but 128 pairs (all experts selected) 492 vs 455 us.
+MOE_FEW_PAIRS = 128
 
 
 class MoE(nnx.Module):
@@ -273,7 +275,7 @@ class MoE(nnx.Module):
         x = x.reshape(-1, shape[-1])
         n, k = x.shape[0], self.spec.top_k
         w, idx = self.route(x)
-        if n * k <= MOE_FEW_PAIRS:  # decode / verify: read only the selected experts, each once
+        if n * k <= min(MOE_FEW_PAIRS, 2 * self.spec.num_experts):  # decode / verify: selected experts, once each
             from pjax.kernels.expert_matmul import expert_matmul
 
             def matmul(a, wts, second=False):

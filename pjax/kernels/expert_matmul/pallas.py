@@ -24,9 +24,10 @@ from jax.experimental.pallas import triton as pltriton
 from pjax.kernels._pallas_util import call_kwargs, next_pow2
 from pjax.kernels.expert_matmul.reference import check_inputs
 
-MAX_ROWS = 64  # pairs held in one program's [pp, bn] accumulator
+MAX_ROWS = 128  # pairs held in one program's [pp, bn] accumulator (pp = rows padded to a power of two >= 16)
+ACC_ELEMENTS = 64 * 128  # pp x bn float32 accumulators per program at most (64 registers a thread at 4 warps)
 BLOCK_K = 128  # din per pipeline step (the largest power of two <= this dividing din)
-BLOCK_N = 128  # output columns per program, halved while fewer than MIN_PROGRAMS programs would run
+BLOCK_N = 128  # output columns per program (<= ACC_ELEMENTS / pp), halved while fewer than MIN_PROGRAMS would run
 MIN_PROGRAMS = 256  # ~2 per H200 SM: a program streams ~30 GB/s, so the launch needs them all busy
 
 
@@ -34,10 +35,14 @@ def _pow2_divisor(n: int, cap: int) -> int:
     return min(cap, n & -n)
 
 
+def padded_rows(p: int) -> int:
+    return max(16, next_pow2(p))  # dot rows: at least 16
+
+
 def tiles(p: int, din: int, dout: int) -> tuple[int, int]:
-    """(bk, bn): power-of-two tiles dividing din / dout (no masked weight loads), bn halved (down to 32) while the
-    grid would have fewer than MIN_PROGRAMS programs."""
-    bk, bn = _pow2_divisor(din, BLOCK_K), _pow2_divisor(dout, BLOCK_N)
+    """(bk, bn): power-of-two tiles dividing din / dout (no masked weight loads), bn at most ACC_ELEMENTS / pp and
+    halved (down to 32) while the grid would have fewer than MIN_PROGRAMS programs."""
+    bk, bn = _pow2_divisor(din, BLOCK_K), _pow2_divisor(dout, min(BLOCK_N, ACC_ELEMENTS // padded_rows(p)))
     while bn > 32 and p * (dout // bn) < MIN_PROGRAMS:
         bn //= 2
     return bk, bn
@@ -84,11 +89,12 @@ def expert_matmul(x, expert_ids, w, *, block_n=None, num_warps: int = 4, num_sta
         raise ValueError(f"expert_matmul implementation='pallas': {reason}")
     p, din = x.shape
     dout = w.shape[2]
-    pp = max(16, next_pow2(p))  # dot rows: at least 16
+    pp = padded_rows(p)
     bk, bn = tiles(p, din, dout)
     if block_n is not None:
-        if block_n < 16 or block_n & (block_n - 1) or dout % block_n:
-            raise ValueError(f"expert_matmul: block_n={block_n} must be a power of two >= 16 dividing dout={dout}")
+        if block_n < 16 or block_n & (block_n - 1) or dout % block_n or pp * block_n > ACC_ELEMENTS:
+            raise ValueError(f"expert_matmul: block_n={block_n} must be a power of two >= 16 dividing dout={dout}, "
+                             f"at most {ACC_ELEMENTS // pp} for {p} rows")
         bn = block_n
     e = w.shape[0]
     ids = expert_ids.astype(jnp.int32)
