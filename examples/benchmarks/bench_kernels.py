@@ -211,7 +211,7 @@ EXPERT_HEADER = ("\n| op | model | tokens x top-k | din x dout | distinct expert
 
 
 @guarded
-def bench_expert_matmul(model, e, din, dout, n, k, *, reps, calls, block_n=None):
+def bench_expert_matmul(model, e, din, dout, n, k, *, reps, calls, cfg=None):
     """n tokens x top-k experts (distinct per token) against w [e, din, dout]; each copy routes to other experts
     (copy i starts at expert i * k), so copies do not share weights through L2. Bandwidth = distinct selected
     experts' bytes / time."""
@@ -224,7 +224,8 @@ def bench_expert_matmul(model, e, din, dout, n, k, *, reps, calls, block_n=None)
     sets = [(jax.random.normal(jax.random.key(i + 1), (n * k, din), jnp.bfloat16), ids(i).reshape(-1), w)
             for i in range(2 * reps)]
     x, idx, _ = sets[0]
-    fp = functools.partial(em_pallas.expert_matmul, block_n=block_n)
+    cfg = cfg or {}
+    fp = functools.partial(em_pallas.expert_matmul, **cfg)
     r = np.asarray(jax.jit(em_ref.expert_matmul)(x, idx, w), np.float32)
     got = np.asarray(jax.jit(fp)(x, idx, w), np.float32)
     err = float(np.max(np.abs(got - r)) / max(np.max(np.abs(r)), 1e-9))
@@ -232,12 +233,12 @@ def bench_expert_matmul(model, e, din, dout, n, k, *, reps, calls, block_n=None)
     t_p = timed(fp, sets, calls=calls)
     distinct = len(np.unique(np.asarray(idx)))
     tbps = distinct * din * dout * 2 / t_p / 1e12
-    bn = block_n or em_pallas.tiles(n * k, din, dout)[1]
+    cfg = {"block_n": em_pallas.tiles(n * k, din, dout)[1], **cfg}
     row = dict(op="expert_matmul", model=model, tokens=n, top_k=k, din=din, dout=dout, distinct=distinct,
-               xla_us=t_x * 1e6, pallas_us=t_p * 1e6, ratio=t_x / t_p, pallas_tbps=tbps, err=err, block_n=bn)
+               xla_us=t_x * 1e6, pallas_us=t_p * 1e6, ratio=t_x / t_p, pallas_tbps=tbps, err=err, cfg=cfg)
     ROWS.append(row)
     log(f"| expert_matmul | {model} | {n} x {k} | {din} x {dout} | {distinct} | {t_x * 1e6:.1f} | {t_p * 1e6:.1f} | "
-        f"{t_x / t_p:.2f} | {tbps:.2f} | {err:.1e} | bn={bn} |")
+        f"{t_x / t_p:.2f} | {tbps:.2f} | {err:.1e} | {cfg} |")
     return row
 
 
@@ -454,8 +455,11 @@ def main():
         for model, e, h, inter, k in moes:
             for n in ((1, 3) if a.smoke else (1, 8)):  # decode, verify K = 7
                 for din, dout in ((h, 2 * inter), (inter, h)):  # gate_up, down
-                    for bn in ((None,) if "moe-tune" not in only else (None, 32, 64, 128)):
-                        bench_expert_matmul(model, e, din, dout, n, k, reps=reps, calls=calls, block_n=bn)
+                    sweep = [{}] + ([dict(block_n=bn) for bn in (32, 64, 128) if dout % bn == 0] + [
+                        dict(num_warps=w, num_stages=st) for w, st in ((4, 2), (4, 4), (8, 3), (8, 4))]
+                        if "moe-tune" in only else [])
+                    for cfg in sweep:
+                        bench_expert_matmul(model, e, din, dout, n, k, reps=reps, calls=calls, cfg=cfg)
     if "attn" in only and not over_budget(a.budget):
         log(ATTN_HEADER)
         for ctx in ctxs:
