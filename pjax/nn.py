@@ -278,9 +278,9 @@ class MoE(nnx.Module):
         if n * k <= min(MOE_FEW_PAIRS, 2 * self.spec.num_experts):  # decode / verify: selected experts, once each
             from pjax.kernels.expert_matmul import expert_matmul
 
-            def matmul(a, wts, second=False):
-                rows = a.reshape(n * k, -1) if second else jnp.repeat(a, k, axis=0)  # pair (token, j) rows
-                return expert_matmul(rows, idx.reshape(-1), wts).reshape(n, k, -1)
+            def matmul(a, wts, second=False):  # pairs (token, j) in row-major order; token rows feed k pairs
+                rows = a.reshape(n * k, -1) if second else a
+                return expert_matmul(rows, idx.reshape(-1), wts, repeat=1 if second else k).reshape(n, k, -1)
             out = self._expert_out(idx, x, matmul)  # [N, k, H]
             y = jnp.einsum("nk,nkh->nh", w.astype(jnp.float32), out.astype(jnp.float32))
         else:  # prefill / training: sort token-expert pairs by expert, grouped matmul

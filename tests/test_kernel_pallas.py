@@ -136,8 +136,14 @@ def test_expert_matmul_kernel_equals_reference(p, din, dout, e, dtype):
     for bad in [24, 48 if dout % 48 == 0 and dout != 48 else 24, 2 * dout] + too_wide:
         with pytest.raises(ValueError, match=f"block_n={bad} must be a power of two >= 16 dividing dout"):
             em_pallas.expert_matmul(x, ids, w, block_n=bad)
-    with pytest.raises(ValueError, match=r"expected x \[P, din\], expert_ids \[P\]"):
+    with pytest.raises(ValueError, match=r"expected x \[P / repeat, din\], expert_ids \[P\]"):
         expert_matmul(x, ids[:-1], w)
+    if p % 4 == 0:  # token rows feeding top-4 pairs each: out[q] = x[q // 4] @ w[ids[q]]
+        want = np.asarray(expert_matmul(x[:p // 4], ids, w, repeat=4, implementation="xla"), np.float32)
+        np.testing.assert_allclose(np.repeat(np.asarray(x[:p // 4], np.float32), 4, 0)[:, None, :] @ np.asarray(
+            w, np.float32)[np.asarray(ids)], want[:, None, :], rtol=tol, atol=tol * np.abs(want).max())
+        got = np.asarray(expert_matmul(x[:p // 4], ids, w, repeat=4, implementation="pallas"), np.float32)
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
 
 
 def test_expert_matmul_ids_out_of_range_gradient_and_mixed_dtypes():
@@ -160,8 +166,8 @@ def test_expert_matmul_ids_out_of_range_gradient_and_mixed_dtypes():
 def test_expert_matmul_lowers_to_triton_and_moe_uses_it(monkeypatch):
     """The kernel lowers for CUDA; pjax.nn.MoE's decode path goes through it (forced on CPU) and matches."""
     bf = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
-    for p in (16, 96):  # 16 and 128 padded rows
-        lower_for_gpu(lambda x, i, w: em_pallas.expert_matmul(x, i, w), bf(p, 2048),
+    for p, r in ((16, 8), (96, 1)):  # 16 and 128 padded rows; token rows feeding 8 pairs each
+        lower_for_gpu(lambda x, i, w: em_pallas.expert_matmul(x, i, w, repeat=r), bf(p // r, 2048),
                       jax.ShapeDtypeStruct((p,), jnp.int32), bf(128, 2048, 1536))
     from flax import nnx
 

@@ -9,36 +9,37 @@ import numpy as np
 from pjax.kernels import _dispatch
 from pjax.kernels.expert_matmul import reference
 
-# H200 (JAX 0.11.2, 2026-11-22, device time from the profiler): the kernel is 3.5-20x faster than the XLA gather path at
+# H200 (JAX 0.11.2, 2026-11-22, device time from the profiler): the kernel is 4.1-21x faster than the XLA gather path at
 # the Qwen3-30B-A3B and GPT-OSS-20B expert shapes with 1 and 8 tokens (docs/benchmarks.md section 2).
 
 
-@functools.partial(jax.jit, static_argnames=("implementation",))
-def expert_matmul(x, expert_ids, w, *, implementation: str = "auto"):
-    """out [P, dout] = x[p] @ w[expert_ids[p]]: x [P, din], expert_ids [P] int (indexed as `w[expert_ids]`: negative
-    ids wrap, too large ones clamp), w [E, din, dout]; float32 accumulation, x's dtype out. "auto" takes the Pallas
-    kernel on a GPU where it supports the shapes. Differentiable (the kernel's VJP is the reference's)."""
+@functools.partial(jax.jit, static_argnames=("repeat", "implementation"))
+def expert_matmul(x, expert_ids, w, *, repeat: int = 1, implementation: str = "auto"):
+    """out [P, dout] = x[p // repeat] @ w[expert_ids[p]]: x [P / repeat, din] (repeat = top-k lets each token row feed
+    its k pairs), expert_ids [P] int (indexed as `w[expert_ids]`: negative ids wrap, too large ones clamp),
+    w [E, din, dout]; float32 accumulation, x's dtype out. "auto" takes the Pallas kernel on a GPU where it supports
+    the shapes. Differentiable (the kernel's VJP is the reference's)."""
     from pjax.kernels.expert_matmul import pallas
-    reference.check_inputs(x, expert_ids, w)
-    supported = pallas.unsupported_reason(x, w) is None
+    reference.check_inputs(x, expert_ids, w, repeat)
+    supported = pallas.unsupported_reason(x, w, repeat) is None
     if _dispatch.resolve(implementation, auto_pallas=supported) == "pallas":
-        return _pallas_with_reference_vjp(x, expert_ids, w)
-    return reference.expert_matmul(x, expert_ids, w)
+        return _pallas_with_reference_vjp(x, expert_ids, w, repeat)
+    return reference.expert_matmul(x, expert_ids, w, repeat)
 
 
-@jax.custom_vjp
-def _pallas_with_reference_vjp(x, expert_ids, w):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _pallas_with_reference_vjp(x, expert_ids, w, repeat):
     from pjax.kernels.expert_matmul import pallas
-    return pallas.expert_matmul(x, expert_ids, w)
+    return pallas.expert_matmul(x, expert_ids, w, repeat=repeat)
 
 
-def _fwd(x, expert_ids, w):
-    return _pallas_with_reference_vjp(x, expert_ids, w), (x, expert_ids, w)
+def _fwd(x, expert_ids, w, repeat):
+    return _pallas_with_reference_vjp(x, expert_ids, w, repeat), (x, expert_ids, w)
 
 
-def _bwd(res, g):
+def _bwd(repeat, res, g):
     x, expert_ids, w = res
-    _, vjp = jax.vjp(lambda x_, w_: reference.expert_matmul(x_, expert_ids, w_), x, w)
+    _, vjp = jax.vjp(lambda x_, w_: reference.expert_matmul(x_, expert_ids, w_, repeat), x, w)
     dx, dw = vjp(g)
     return dx, np.zeros(expert_ids.shape, jax.dtypes.float0), dw
 

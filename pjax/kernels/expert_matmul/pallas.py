@@ -9,7 +9,7 @@ weight tile from HBM once and multiplies it into every pair routed to the same e
 exactly once, nothing is materialised.
 Bytes moved: distinct selected experts x din x dout x itemsize + P x (din + dout) x itemsize.
 Numerics: float32 accumulation, output cast to x's dtype (as the reference).
-Measured (H200, docs/benchmarks.md section 2): 3.5-20x the XLA path; 3.5-4.05 TB/s with 8 tokens, 2.1-3.6 TB/s
+Measured (H200, docs/benchmarks.md section 2): 4.1-21x the XLA path; 3.5-4.5 TB/s with 8 tokens, 2.8-4.1 TB/s
 with one (4-8 experts: a short launch).
 """
 from __future__ import annotations
@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pjax.kernels._dispatch import interpret
 from pjax.kernels._pallas_util import call_kwargs, next_pow2
 from pjax.kernels.expert_matmul.reference import check_inputs
 
@@ -48,9 +49,9 @@ def tiles(p: int, din: int, dout: int) -> tuple[int, int]:
     return bk, bn
 
 
-def unsupported_reason(x, w):
+def unsupported_reason(x, w, repeat: int = 1):
     """None when the kernel takes these shapes, else why not (the caller uses the reference)."""
-    p, din = x.shape
+    p, din = x.shape[0] * repeat, x.shape[1]
     dout = w.shape[2]
     if x.dtype != w.dtype:
         return f"x {x.dtype} and w {w.dtype}: one dtype only (the tensor-core dot)"
@@ -61,33 +62,46 @@ def unsupported_reason(x, w):
     return None
 
 
-def _kernel(ids_ref, x_ref, w_ref, o_ref, *, pp, din, bk, bn, precision):
+def _expert(ids, e_count):
+    """`w[ids]` indexing in the kernel: negative ids wrap, too large ones clamp (as the reference)."""
+    return jnp.clip(jnp.where(ids < 0, ids + e_count, ids), 0, e_count - 1)
+
+
+def _kernel(ids_ref, x_ref, w_ref, o_ref, *, p, pp, din, bk, bn, e_count, repeat, precision):
     s, j = pl.program_id(0), pl.program_id(1)
     pairs = jnp.arange(pp, dtype=jnp.int32)
-    ids = ids_ref[pl.ds(0, pp)]  # padded with -1 past the real pairs
-    e = ids_ref[s]
+    real = pairs < p
+    row = jnp.minimum(pairs, p - 1)  # in-bounds addresses for the padding lanes (masked)
+    ids = jnp.where(real, _expert(pltriton.load(ids_ref.at[row]), e_count), -1)
+    e = _expert(ids_ref[s], e_count)
     mine = ids == e
     first = jnp.min(jnp.where(mine, pairs, pp)) == s  # the lowest slot of each expert does its work
 
     @pl.when(first)
     def _():
+        kk = jnp.arange(bk, dtype=jnp.int32)
+
         def step(c, acc):
             k0 = pl.multiple_of(c * bk, bk)
-            xt = pltriton.load(x_ref.at[pl.ds(0, pp), pl.ds(k0, bk)], mask=mine[:, None], other=0)
+            xt = pltriton.load(x_ref.at[(row // repeat)[:, None], (k0 + kk)[None, :]], mask=mine[:, None], other=0)
             wt = w_ref[e, pl.ds(k0, bk), pl.ds(j * bn, bn)]
             return acc + jax.lax.dot(xt, wt, precision=precision, preferred_element_type=jnp.float32)
 
         acc = jax.lax.fori_loop(0, din // bk, step, jnp.zeros((pp, bn), jnp.float32))
-        pltriton.store(o_ref.at[pl.ds(0, pp), pl.ds(j * bn, bn)], acc.astype(o_ref.dtype), mask=mine[:, None])
+        # interpret mode stores masked lanes as a read-modify-write scatter: there every lane has its own row
+        out_row = pairs if o_ref.shape[0] == pp else row
+        cols = j * bn + jnp.arange(bn, dtype=jnp.int32)
+        pltriton.store(o_ref.at[out_row[:, None], cols[None, :]], acc.astype(o_ref.dtype), mask=mine[:, None])
 
 
-def expert_matmul(x, expert_ids, w, *, block_n=None, num_warps: int = 4, num_stages: int = 3):
-    """Same contract as `reference.expert_matmul`; `block_n` overrides the column tile (benchmarks)."""
-    check_inputs(x, expert_ids, w)
-    reason = unsupported_reason(x, w)
+def expert_matmul(x, expert_ids, w, *, repeat: int = 1, block_n=None, num_warps: int = 4, num_stages: int = 3):
+    """Same contract as `reference.expert_matmul`; `block_n` overrides the column tile (benchmarks). One launch:
+    ids, rows and the output are read and written in place (no padding or slicing ops around it on a GPU)."""
+    check_inputs(x, expert_ids, w, repeat)
+    reason = unsupported_reason(x, w, repeat)
     if reason:
         raise ValueError(f"expert_matmul implementation='pallas': {reason}")
-    p, din = x.shape
+    p, din = expert_ids.shape[0], x.shape[1]
     dout = w.shape[2]
     pp = padded_rows(p)
     bk, bn = tiles(p, din, dout)
@@ -96,17 +110,15 @@ def expert_matmul(x, expert_ids, w, *, block_n=None, num_warps: int = 4, num_sta
             raise ValueError(f"expert_matmul: block_n={block_n} must be a power of two >= 16 dividing dout={dout}, "
                              f"at most {ACC_ELEMENTS // pp} for {p} rows")
         bn = block_n
-    e = w.shape[0]
-    ids = expert_ids.astype(jnp.int32)
-    ids = jnp.clip(jnp.where(ids < 0, ids + e, ids), 0, e - 1)  # the reference's indexing: wrap, then clamp
-    ids = jnp.pad(ids, (0, pp - p), constant_values=-1)
-    xp = jnp.pad(x, ((0, pp - p), (0, 0)))
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-    full = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
+    out_rows = pp if interpret() else p
+    ids = expert_ids.astype(jnp.int32)
+    full = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
     out = pl.pallas_call(
-        functools.partial(_kernel, pp=pp, din=din, bk=bk, bn=bn, precision=precision),
-        grid=(p, dout // bn), out_shape=jax.ShapeDtypeStruct((pp, dout), x.dtype),
-        in_specs=[full(ids), full(xp), full(w)], out_specs=full(jax.ShapeDtypeStruct((pp, dout), x.dtype)),
+        functools.partial(_kernel, p=p, pp=pp, din=din, bk=bk, bn=bn, e_count=w.shape[0], repeat=repeat,
+                          precision=precision),
+        grid=(p, dout // bn), out_shape=jax.ShapeDtypeStruct((out_rows, dout), x.dtype),
+        in_specs=[full(ids.shape), full(x.shape), full(w.shape)], out_specs=full((out_rows, dout)),
         name="pjax_expert_matmul", **call_kwargs(num_warps, num_stages),
-    )(ids, xp, w)
-    return out[:p]
+    )(ids, x, w)
+    return out[:p] if out_rows != p else out
