@@ -164,6 +164,8 @@ def target_job(argv=None, objective="peagle"):
                                         train_embeddings=a.objective == "peagle"),
                       compute_dtype=a.compute_dtype, seed=a.seed)
     stream = RowStream(docs, seq, rows, seed=a.seed)
+    if a.split_target and not a.all_devices:
+        raise SystemExit("--split-target needs --all-devices (the target is split over the data-parallel devices)")
     res = train_drafter(target, drafter, stream, cfg, mesh=make_mesh() if a.all_devices else None,
                         checkpoint_dir=a.checkpoint_dir, save_every=a.save_every, log_every=a.log_every,
                         progress=not a.no_progress, log_fn=_log if a.no_progress else None,

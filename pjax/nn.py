@@ -226,7 +226,8 @@ class MLP(nnx.Module):
 # Token-expert pairs up to this count, and up to twice the expert count, use `expert_matmul` (each selected expert read
 # once); more (prefill, training) sort the pairs by expert for a grouped matmul, which reads every expert. H200, MoE
 # layer (docs/benchmarks.md section 2): 128 experts, top-8: 64 / 96 / 128 pairs 159 / 273 / 313 us vs 349 / 383 / 403;
-# 32 experts, top-4: 32 / 64 pairs 272 / 363 vs 409 / 422 us, but 128 pairs (all experts selected) 492 vs 455 us.
+# 32 experts, top-4: 32 / 64 pairs 272 / 363 vs 409 / 422 us, but 128 pairs (all experts selected) 492 vs 455 us
+# (the boundary between 2x and 4x the expert count was not measured more finely).
 MOE_FEW_PAIRS = 128
 
 

@@ -157,9 +157,10 @@ def test_expert_matmul_ids_out_of_range_gradient_and_mixed_dtypes():
     np.testing.assert_allclose(np.asarray(expert_matmul(x, ids, w, implementation="pallas")), np.asarray(want),
                                rtol=1e-5, atol=1e-5)
     ids = ids % 4
-    loss = lambda impl: lambda x_, w_: jnp.sum(jnp.sin(expert_matmul(x_, ids, w_, implementation=impl)))
-    for got, ref in zip(jax.grad(loss("pallas"), (0, 1))(x, w), jax.grad(loss("xla"), (0, 1))(x, w)):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    for xs, r in ((x, 1), (x[:3], 2)):  # token rows feeding 2 pairs each: their gradients sum over the pairs
+        loss = lambda impl: lambda x_, w_: jnp.sum(jnp.sin(expert_matmul(x_, ids, w_, repeat=r, implementation=impl)))
+        for got, ref in zip(jax.grad(loss("pallas"), (0, 1))(xs, w), jax.grad(loss("xla"), (0, 1))(xs, w)):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
     assert "one dtype" in em_pallas.unsupported_reason(x.astype(jnp.bfloat16), w)
 
 

@@ -140,10 +140,17 @@ def test_data_parallel_matches_single_device(setup):
     sharded = shard_target(target, mesh, min_elements=1)
     big = [x for x in jax.tree.leaves(sharded.params) if x.size >= 256]
     assert big and all(x.addressable_shards[0].data.size * 4 == x.size for x in big)
-    s4t, m4t = many(jax.device_put(init_train_state(drafter, cfg), rep), jax.device_put(shell, rep), sharded,
-                    shard_batch(batch, mesh))
+    args = (jax.device_put(init_train_state(drafter, cfg), rep), jax.device_put(shell, rep), sharded,
+            shard_batch(batch, mesh))
+    compiled_target = many.lower(*args).compile().input_shardings[0][2]  # the step keeps the split placement
+    assert [s.spec for s in jax.tree.leaves(compiled_target.params)] == [
+        x.sharding.spec for x in jax.tree.leaves(sharded.params)]
+    s4t, m4t = many(*args)
     assert rel(m4t["loss"], m1["loss"]) <= 1e-5
+    np.testing.assert_array_equal(m1["total"], m4t["total"])
     assert tree_rel(s4t.params, s1.params) <= 1e-5
+    with pytest.raises(ValueError, match="split_target=True needs a mesh of more than one device"):
+        train_drafter(target, drafter, stream, cfg, steps=1, progress=False, split_target=True)
 
 
 def test_tiny_end_to_end_learns():

@@ -65,6 +65,9 @@ def train_drafter(target: Target, drafter: Drafter, stream: RowStream | FeatureS
                          f"batch_rows={cfg.batch_rows}, total_seq_len={cfg.total_seq_len}")
     steps = cfg.total_steps if steps is None else int(steps)
     mesh = make_mesh(jax.devices()[:1]) if mesh is None else mesh  # explicit placement: restored == fresh state
+    if split_target and mesh.devices.size == 1:
+        raise ValueError("split_target=True needs a mesh of more than one device (make_mesh()); with one device "
+                         "there is nothing to split the target over")
     ckpt = Checkpointer(checkpoint_dir) if checkpoint_dir is not None else None
     if state is None:
         state = replicate(init_train_state(drafter, cfg), mesh)

@@ -170,8 +170,8 @@ def make_mesh(devices=None) -> jax.sharding.Mesh:
 def make_train_step(cfg: TrainConfig, mesh: Optional[jax.sharding.Mesh] = None, donate: bool = True,
                     compiler_options: Optional[dict] = None):
     """jit(train_step) for a config; with a mesh, batch rows are sharded over "data", the state and head
-    replicated, and the target kept as placed (`replicate` or `shard_target`; batch_rows must divide by the mesh
-    size). Cached per arguments, so
+    replicated, and the target kept as placed: place it on the mesh with `replicate` or `shard_target` first (a target
+    committed to other devices is an error; batch_rows must divide by the mesh size). Cached per arguments, so
     repeated runs reuse one compilation. compiler_options: XLA options (e.g.
     {"xla_backend_optimization_level": 0} for fast CPU compiles in tests)."""
     opts = None if compiler_options is None else tuple(sorted(compiler_options.items()))
@@ -222,9 +222,9 @@ def target_leaf_spec(shape: tuple, n: int, min_elements: int = SHARD_MIN_ELEMENT
 
 def shard_target(target: Target, mesh: jax.sharding.Mesh, min_elements: int = SHARD_MIN_ELEMENTS) -> Target:
     """The frozen target with each large weight split over the mesh's "data" devices (ZeRO-3 style: every device
-    keeps 1/n of it and XLA gathers the weights inside the jitted step where it needs them). Trades those collectives
-    for memory: a target too big to replicate next to the head's training state still trains data parallel. The
-    step equals the replicated one (tests/test_train_loop.py)."""
+    stores 1/n of it and XLA gathers the weights inside the jitted step where it needs them). Trades those collectives
+    for stored memory; the step's peak falls by less (H200 x2, 8B target: 46.0 vs 49.6 GiB, docs/benchmarks.md
+    section 4). The step equals the replicated one (tests/test_train_loop.py)."""
     n = mesh.devices.size
     params = jax.tree.map(
         lambda x: jax.device_put(x, NamedSharding(mesh, target_leaf_spec(x.shape, n, min_elements))), target.params)

@@ -8,8 +8,9 @@ def check_inputs(x, expert_ids, w, repeat: int = 1):
     """x [P / repeat, din], expert_ids [P] int, w [E, din, dout]: raise ValueError naming the mismatch."""
     if (x.ndim != 2 or expert_ids.ndim != 1 or expert_ids.shape[0] != x.shape[0] * repeat or w.ndim != 3
             or w.shape[1] != x.shape[1]):
-        raise ValueError(f"expert_matmul: expected x [P / repeat, din], expert_ids [P], w [E, din, dout] with repeat="
-                         f"{repeat}; found x {tuple(x.shape)}, expert_ids {tuple(expert_ids.shape)}, w {tuple(w.shape)}")
+        raise ValueError(f"expert_matmul: expected x [P / repeat, din], expert_ids [P], w [E, din, dout] with "
+                         f"repeat={repeat}; found x {tuple(x.shape)}, expert_ids {tuple(expert_ids.shape)}, "
+                         f"w {tuple(w.shape)}")
     if not jnp.issubdtype(expert_ids.dtype, jnp.integer):
         raise ValueError(f"expert_matmul: expert_ids must be integers, found {expert_ids.dtype}")
 
