@@ -472,6 +472,12 @@ def main():
                     bench_read_kv(ctx, reps=reps, calls=calls)
                 if ctx == 16384 and not a.smoke:  # GPT-OSS verify K = 11: 8 query heads per KV head (96 rows), hd 64
                     bench_attention(b, ctx, 12, reps=reps, calls=calls, nh=64, nkv=8, hd=64, label="gpt-oss")
+    if "attn-table" in only and not a.smoke:  # docs/benchmarks.md's attention table: 16K, batch 1 / 8 / 64
+        log(ATTN_HEADER)
+        for b in batches:
+            bench_attention(b, 16384, 22, reps=reps, calls=calls)  # Llama draft of K = 11
+            bench_attention(b, 16384, 12, reps=reps, calls=calls, nh=64, nkv=8, hd=64, label="gpt-oss")
+        check_attention_ragged(16384)
     if "attn-swap" in only and not a.smoke and attn_mosaic.available():  # Mosaic second consumer: rows vs columns
         log("\n| B | context | T | rows us (% of 4.34 TB/s, err) | swap us (%, err) | default swap |"
             "\n|---|---|---|---|---|---|")

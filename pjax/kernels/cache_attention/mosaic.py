@@ -15,11 +15,15 @@ warps): 32 columns instead of 64 padded rows halve its products and exponentials
 Only tiles at the edges of the visible range apply the mask (causal diagonal, window start, kv_len). Each program
 reads its row's key range and per-row positions from T scalar loads of q_pos (no XLA prologue launch); the q copy
 is issued first, before those loads and the K/V ring: issued behind the ring, q arrived ~5 us late at batch 1, when
-every program requests its first tiles at once. The output is the same unnormalised per-split (o, m, l) as
-`pallas.partials`, merged by the same Triton merge kernel. (Merging inside a thread-block cluster of a head's 16
-splits, in one launch, measured 2x slower: the H200 runs at most 7 such clusters at once; docs/benchmarks.md.)
-Measured (H200, JAX 0.11.2, docs/benchmarks.md section 2), whole op: 94-103% of HBM bandwidth at 16K for batch 8
-and 64 (Triton: 80-83%), 61% at batch 1 (Triton 56-57%); with 4 tiles or fewer per program (short caches) its fixed
+every program requests its first tiles at once. Split s of ns takes tiles s, s + ns, s + 2 ns, ... of the range
+(all programs stream neighbouring tiles at the same time); without a window the range starts at key 0, so its
+first tiles are issued together with q, before the positions are read (B=1 16K T=22: 24.5 vs 25.3 us with
+contiguous blocks issued after them; B=64: 999 vs 1052 us). The output is the same unnormalised per-split
+(o, m, l) as `pallas.partials`, merged by the same Triton merge kernel. (Merging in the same launch measured
+slower both ways: inside a thread-block cluster of a head's 16 splits, 2x, as the H200 runs at most 7 such clusters
+at once; behind a global-memory semaphore per head, 28.1 vs 24.5 us; docs/benchmarks.md.)
+Measured (H200, JAX 0.11.2, docs/benchmarks.md section 2), whole op: 95-101% of HBM bandwidth at 16K for batch 8
+and 64 (Triton: 79-80%), 63% at batch 1 (Triton 56%); with 4 tiles or fewer per program (short caches) its fixed
 cost per program (~2 us more than Triton's) makes it slower, so `api.choose` keeps Triton there.
 Bytes moved: as the Triton kernel (K/V of the visible range once + the partials).
 """
@@ -51,6 +55,11 @@ LOG2E = 1.4426950408889634
 def _plgpu():
     from jax.experimental.pallas import mosaic_gpu as plgpu
     return plgpu
+
+
+def _mgpu():
+    from jax.experimental.mosaic import gpu as mgpu
+    return mgpu
 
 
 def _load(ref, layout):
@@ -169,27 +178,41 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, *refs, t, g, hd, s_len, bk, stages, ns
             q1_smem, p_smem, ml1_smem = extra[:3]
             extra = extra[3:]
 
+        def kv_copy(i, slot, lo, reuse=None):
+            """K and V tile i of this program (keys lo + (sp + i ns) bk ...) into ring slot `slot`; where `reuse`, each
+            once its slot is free."""
+            keys = (b, pl.ds(pl.multiple_of(lo + (sp + i * ns) * bk, bk), bk), h)
+            for ref, smem, full, free in ((k_ref, k_smem, k_full, k_free), (v_ref, v_smem, v_full, v_free)):
+                if reuse is not None:
+                    pl.when(reuse)(lambda: plgpu.barrier_wait(free.at[slot]))
+                plgpu.copy_gmem_to_smem(ref.at[keys], smem.at[slot], full.at[slot])
+
+        # Program sp takes tiles sp, sp + ns, sp + 2 ns, ... of the row's range. Without a window the range starts at
+        # key 0, so its first `spec` tiles are known before the positions are read: the producer issues them at once
+        # (at batch 1 the position loads took ~1 us, H200) and drains those past the range.
+        spec = stages if window is None else 0
+
         @pl.when(wg == 2)
-        def _issue_q():  # before the positions are read and the K/V ring is issued: behind the ring of every
-            # program, q arrived ~5 us late at batch 1 (H200 profile)
+        def _issue_first():  # q first: issued behind the ring of every program, it arrived ~5 us late at batch 1
+            plgpu.set_max_registers(40, action="decrease")
             if interpret:  # q_ref holds the rows already ([B, nkv, ROWS, hd]), one tile per consumer
                 for w in range(2):
                     plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(w * 64, 64)], qo_smem.at[w], q_bar.at[w])
             else:  # one [T, g, hd] copy; rows (t, j) are its row-major reshape
                 plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(0, t), pl.ds(h * g, g)], qo_smem.at[pl.ds(0, t)],
                                         q_bar.at[0])
+            for i in range(spec):
+                pl.when((sp + i * ns) * bk < s_len)(functools.partial(kv_copy, i, i, jnp.int32(0)))
 
         qp, lo, n_blocks, e0, e1, kv_hi = _row_range(pos_ref, len_ref, b, t=t, s_len=s_len, bk=bk, window=window)
-        per = (n_blocks + ns - 1) // ns
-        blk0 = sp * per
-        count = jnp.maximum(jnp.minimum(n_blocks, blk0 + per) - blk0, 0)
-        # tiles [0, e0) and [e1, n_blocks) of the row's range need the mask; this program owns [blk0, +count)
-        a = jnp.clip(e0 - blk0, 0, count)
-        z = jnp.clip(e1 - blk0, a, count)
+        count = jnp.maximum(-((sp - n_blocks) // ns), 0)  # tiles sp + i ns < n_blocks
+        # tiles [0, e0) and [e1, n_blocks) of the row's range need the mask: this program's i < a and i >= z
+        a = jnp.clip(-((sp - e0) // ns), 0, count)
+        z = jnp.clip(-((sp - e1) // ns), a, count)
 
         def masked_scores(s, i, row_pos, key_axis):
             kidx = plgpu.broadcasted_iota(jnp.int32, s.shape, key_axis, layout=plgpu.Layout.WGMMA) + (
-                lo + (blk0 + i) * bk)
+                lo + (sp + i * ns) * bk)
             vis = (kidx <= row_pos) & (kidx < kv_hi)
             if window is not None:
                 vis &= kidx > row_pos - window
@@ -216,22 +239,22 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, *refs, t, g, hd, s_len, bk, stages, ns
 
         @pl.when(wg == 2)
         def _producer():
-            plgpu.set_max_registers(40, action="decrease")
+            for i in range(spec):  # issued tiles this program has no use for: wait until they have landed
+                @pl.when((i >= count) & ((sp + i * ns) * bk < s_len))
+                def _():
+                    plgpu.barrier_wait(k_full.at[i])
+                    plgpu.barrier_wait(v_full.at[i])
 
-            @pl.loop(0, count)
+            @pl.loop(spec, count)
             def _(i):
-                slot = lax.rem(i, stages)
-                keys = (b, pl.ds(pl.multiple_of(lo + (blk0 + i) * bk, bk), bk), h)
+                kv_copy(i, lax.rem(i, stages), lo, reuse=i >= stages)
 
-                @pl.when(i >= stages)
-                def _():
-                    plgpu.barrier_wait(k_free.at[slot])
-                plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_full.at[slot])
-
-                @pl.when(i >= stages)
-                def _():
-                    plgpu.barrier_wait(v_free.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_full.at[slot])
+            if interpret:  # the interpreter wants every phase of a barrier seen by each thread that waits on it:
+                # the releases of the last tiles of each slot it reused (on the GPU nothing waits for them)
+                @pl.loop(jnp.maximum(count - stages, stages), count)
+                def _(j):
+                    plgpu.barrier_wait(k_free.at[lax.rem(j, stages)])
+                    plgpu.barrier_wait(v_free.at[lax.rem(j, stages)])
 
         def rows_consumer(wg):
             """64 query rows [64 wg, +64) as the wgmma M dimension: s = q k^T [64, bk], o += p v [64, hd]."""
@@ -457,8 +480,11 @@ def partials(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, kv_l
         out_type=(jax.ShapeDtypeStruct((b, ns, nkv, rows, hd), q.dtype), jax.ShapeDtypeStruct((b, ns, nkv, rows), f32),
                   jax.ShapeDtypeStruct((b, ns, nkv, rows), f32)),
         grid=(b, nkv, ns), grid_names=("b", "h", "s"), num_threads=3, thread_name="wg",
-        # row reductions stay in-warp; the swapped consumer's key-axis reductions cross warps
-        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=REDUCTION_SCRATCH if swap else 0),
+        # row reductions stay in-warp; the swapped consumer's key-axis reductions cross warps. Lane semantics (the
+        # JAX 0.10 default; 0.11 defaults to Warpgroup): every register layout here is explicit, and Warpgroup's
+        # layout inference took 18-21 s per head_dim-128 shape on the H200 host (Lane: 3-6 s), same kernel time
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=REDUCTION_SCRATCH if swap else 0,
+                                             lowering_semantics=_mgpu().LoweringSemantics.Lane),
         **({"interpret": _interpret_params()} if interpret else {}),
     )(*ins)
 
