@@ -229,7 +229,8 @@ MOSAIC_CASES = [  # (b, t, nh, nkv, hd, s, window, kv_len, splits, block_k, stag
     (3, 22, 8, 2, 64, 192, 30, False, 3, 64, 3, None),  # head_dim 64: both consumers on 64 rows each
     (2, 22, 8, 2, 128, 384, 100, True, 2, 64, 2, False),  # 88 rows on the rows path at head_dim 128
     (1, 30, 16, 4, 128, 256, None, True, 2, 64, 2, None),  # 120 rows: past SWAP_COLS, rows path
-    # no window: each split's first 3 of 8 strided tiles go out before the positions are read, the rest via the ring
+    # no window: each split's first 3 of its 8 / 7 strided tiles (15 visible at this seed) go out before the
+    # positions are read, the rest through the 3-slot ring, reusing every slot
     (1, 22, 8, 2, 128, 1024, None, True, 2, 64, 3, None),
 ]
 
