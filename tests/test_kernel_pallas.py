@@ -274,9 +274,11 @@ def test_mosaic_cache_attention_lowers_for_cuda(monkeypatch):
     assert "mosaic_gpu_v2" in text
     lower_for_gpu(lambda q_, k_, v_, p_: mosaic.cache_attention(q_, k_, v_, p_, scale=0.1),
                   bf(1, 12, 64, 64), bf(1, 8192, 8, 64), bf(1, 8192, 8, 64), i32(1, 12))
-    # swapped second consumer (96 partial rows: the Triton merge must tile them in powers of two), 2 splits
-    lower_for_gpu(lambda q_, k_, v_, p_: mosaic.cache_attention(q_, k_, v_, p_, scale=0.1),
-                  bf(64, 22, 32, 128), bf(64, 16384, 8, 128), bf(64, 16384, 8, 128), i32(64, 22))
+    # batch 1: the swapped second consumer (96 partial rows: the Triton merge must tile them in powers of two);
+    # batch 64: the rows path, 2 splits
+    for batch in (1, 64):
+        lower_for_gpu(lambda q_, k_, v_, p_: mosaic.cache_attention(q_, k_, v_, p_, scale=0.1),
+                      bf(batch, 22, 32, 128), bf(batch, 16384, 8, 128), bf(batch, 16384, 8, 128), i32(batch, 22))
     monkeypatch.setattr(mosaic, "SMEM_BUDGET", 1 << 20)  # past pjax's own estimate: Mosaic's check must still fire
     with pytest.raises(ValueError, match="exceeds available shared memory"):
         lower_for_gpu(lambda q_, k_, v_, p_: mosaic.partials(q_, k_, v_, p_, scale=0.1, stages=4),

@@ -325,6 +325,26 @@ def bench_mosaic_swap(b, ctx, t, *, reps, calls, nh=32, nkv=8, hd=128):
     return row
 
 
+def bench_merge_dims(b, t, *, calls, nh=32, nkv=8, hd=128, dims=(32, 64)):
+    """The whole op (`api.choose`'s kernel + the Triton merge) with `pallas.MERGE_DIMS` head dims per merge program,
+    same inputs, same run, each setting twice: op time (chain) and the merge kernel's profiler duration, us."""
+    q, k, v, q_pos, sets, _, _ = _attention_inputs(b, 16384, t, nh, nkv, hd, 4)
+    impl = attn_api.choose(q, k)
+    op = attn_mosaic.cache_attention if impl == "mosaic" else attn_pallas.cache_attention
+    default, cells = attn_pallas.MERGE_DIMS, []
+    try:
+        for d in dims * 2:
+            attn_pallas.MERGE_DIMS = d
+            prog = jax.jit(lambda s, d=d: [op(*a, q_pos, scale=hd ** -0.5) for a in s])
+            spans, kernels = profile_calls(prog, (sets[:len(sets) // 2],), calls=calls)
+            merge = statistics.median(dur for ks in kernels for name, _, dur in ks if "merge" in name) / 1e3
+            cells.append(f"{d}: {statistics.median(spans) / (len(sets) // 2) / 1e3:.2f} ({merge:.2f})")
+    finally:
+        attn_pallas.MERGE_DIMS = default
+    log(f"| {b} | {t} | {nh}/{nkv} x {hd} | {impl} | " + " | ".join(cells) + " |")
+    del q, k, v, sets
+
+
 def check_attention_ragged(s: int):
     """Both kernels against the reference on ragged batches: per-row start positions and lengths, a sliding
     window, attention sinks; Llama (32/8 x 128) and GPT-OSS (64/8 x 64) geometries, s keys. Logs max abs error."""
@@ -478,6 +498,10 @@ def main():
             bench_attention(b, 16384, 22, reps=reps, calls=calls)  # Llama draft of K = 11
             bench_attention(b, 16384, 12, reps=reps, calls=calls, nh=64, nkv=8, hd=64, label="gpt-oss")
         check_attention_ragged(16384)
+    if "attn-merge" in only and not a.smoke and jax.default_backend() == "gpu":  # head dims per merge program
+        log("\n| B | T | heads x hd | kernel | merge dims: op us (merge kernel us), twice each |\n|---|---|---|---|---|")
+        for b, t, geo in ((1, 22, {}), (1, 12, dict(nh=64, hd=64)), (8, 22, {}), (1, 8, {}), (8, 12, dict(nh=64, hd=64))):
+            bench_merge_dims(b, t, calls=calls, **geo)
     if "attn-swap" in only and not a.smoke and attn_mosaic.available():  # Mosaic second consumer: rows vs columns
         log("\n| B | context | T | rows us (% of 4.34 TB/s, err) | swap us (%, err) | default swap |"
             "\n|---|---|---|---|---|---|")
