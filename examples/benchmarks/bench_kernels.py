@@ -335,7 +335,7 @@ def bench_merge_dims(b, t, *, calls, nh=32, nkv=8, hd=128, dims=(32, 64)):
     try:
         for d in dims * 2:
             attn_pallas.MERGE_DIMS = d
-            prog = jax.jit(lambda s, d=d: [op(*a, q_pos, scale=hd ** -0.5) for a in s])
+            prog = jax.jit(lambda s: [op(*a, q_pos, scale=hd ** -0.5) for a in s])  # a new trace per setting
             spans, kernels = profile_calls(prog, (sets[:len(sets) // 2],), calls=calls)
             merge = statistics.median(dur for ks in kernels for name, _, dur in ks if "merge" in name) / 1e3
             cells.append(f"{d}: {statistics.median(spans) / (len(sets) // 2) / 1e3:.2f} ({merge:.2f})")
