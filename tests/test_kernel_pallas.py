@@ -275,7 +275,7 @@ def test_mosaic_cache_attention_lowers_for_cuda(monkeypatch):
     lower_for_gpu(lambda q_, k_, v_, p_: mosaic.cache_attention(q_, k_, v_, p_, scale=0.1),
                   bf(1, 12, 64, 64), bf(1, 8192, 8, 64), bf(1, 8192, 8, 64), i32(1, 12))
     # batch 1: the swapped second consumer (96 partial rows: the Triton merge must tile them in powers of two);
-    # batch 64: the rows path, 2 splits
+    # batch 64: the rows path, one split per KV head
     for batch in (1, 64):
         lower_for_gpu(lambda q_, k_, v_, p_: mosaic.cache_attention(q_, k_, v_, p_, scale=0.1),
                       bf(batch, 22, 32, 128), bf(batch, 16384, 8, 128), bf(batch, 16384, 8, 128), i32(batch, 22))

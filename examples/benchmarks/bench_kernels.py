@@ -331,14 +331,14 @@ def bench_merge_dims(b, t, *, calls, nh=32, nkv=8, hd=128, dims=(32, 64)):
     q, k, v, q_pos, sets, _, _ = _attention_inputs(b, 16384, t, nh, nkv, hd, 4)
     impl = attn_api.choose(q, k)
     op = attn_mosaic.cache_attention if impl == "mosaic" else attn_pallas.cache_attention
-    default, cells = attn_pallas.MERGE_DIMS, []
+    default, cells, half = attn_pallas.MERGE_DIMS, [], len(sets) // 2
     try:
         for d in dims * 2:
             attn_pallas.MERGE_DIMS = d
             prog = jax.jit(lambda s: [op(*a, q_pos, scale=hd ** -0.5) for a in s])  # a new trace per setting
-            spans, kernels = profile_calls(prog, (sets[:len(sets) // 2],), calls=calls)
+            spans, kernels = profile_calls(prog, (sets[:half],), calls=calls)
             merge = statistics.median(dur for ks in kernels for name, _, dur in ks if "merge" in name) / 1e3
-            cells.append(f"{d}: {statistics.median(spans) / (len(sets) // 2) / 1e3:.2f} ({merge:.2f})")
+            cells.append(f"{d}: {statistics.median(spans) / half / 1e3:.2f} ({merge:.2f})")
     finally:
         attn_pallas.MERGE_DIMS = default
     log(f"| {b} | {t} | {nh}/{nkv} x {hd} | {impl} | " + " | ".join(cells) + " |")
