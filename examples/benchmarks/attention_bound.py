@@ -1,0 +1,93 @@
+"""How fast could the batch-1 Mosaic cache attention be if its consumers did no math?
+
+    PYTHONPATH=.:examples/benchmarks python3 examples/benchmarks/attention_bound.py   # GPU (Hopper, JAX >= 0.11), ~3 min
+
+Why: at batch 1 (Llama geometry, 22 draft queries, 16 splits per KV head = 128 programs) the op stays under 70% of
+HBM bandwidth. This probe separates the kernel's streaming structure from its math. It builds variants of
+`pjax/kernels/cache_attention/mosaic.py` by patching its source text: a consumer marked *idle* keeps every barrier
+handshake of its step (ring slots, turn-taking) but issues no wgmma and runs no softmax, so the producer, the ring,
+the prologue and the epilogue stay as landed. With both consumers idle the split kernel moves the same bytes through
+the same pipeline and computes nothing: a floor for this design. The patch anchors are asserted, so a change to
+`mosaic.py` that moves them fails here (and in the test that builds the variants) instead of measuring something
+else. Timing as `bench_kernels.timed`: a chain of copies with their own K/V, the profiler's kernel durations and the
+device span per copy, median of 20 calls. Results: docs/benchmarks.md section 2.
+"""
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import statistics
+import sys
+import tempfile
+
+SOURCE = pathlib.Path(__file__).resolve().parents[2] / "pjax/kernels/cache_attention/mosaic.py"
+STEP = "            def step(i, carry, masked):\n"  # the rows consumer's step, then the swapped (columns) one's
+IDLE = """                if IDLE_{n}:  # probe: the step's barrier handshakes only
+                    slot = lax.rem(i, stages)
+                    plgpu.barrier_wait(k_full.at[slot])
+                    take_turn()
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    plgpu.barrier_arrive(turn)
+                    plgpu.barrier_wait(v_full.at[slot])
+                    plgpu.barrier_wait(turn)
+                    plgpu.barrier_arrive(v_free.at[slot])
+                    return carry
+"""
+ANCHOR = "LOG2E = 1.4426950408889634\n"
+VARIANTS = {"landed": (False, False), "rows consumer idle": (True, False), "columns consumer idle": (False, True),
+            "both idle": (True, True)}
+
+
+def variant(idle_rows: bool, idle_cols: bool):
+    """The landed `mosaic` module with the chosen consumers idle (see the module docstring)."""
+    src = SOURCE.read_text()
+    if src.count(STEP) != 2 or src.count(ANCHOR) != 1:
+        raise RuntimeError(f"{SOURCE}: expected 2 consumer steps ({STEP.strip()!r}) and one {ANCHOR.strip()!r}; "
+                           "update this probe's patch anchors")
+    first = src.index(STEP) + len(STEP)
+    second = src.index(STEP, first) + len(STEP)
+    src = src[:first] + IDLE.format(n=0) + src[first:second] + IDLE.format(n=1) + src[second:]
+    src = src.replace(ANCHOR, ANCHOR + f"IDLE_0, IDLE_1 = {idle_rows}, {idle_cols}\n")
+    path = pathlib.Path(tempfile.mkdtemp(prefix="pjax_attention_bound_")) / "mosaic_variant.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location(f"mosaic_variant_{int(idle_rows)}{int(idle_cols)}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main():
+    import jax
+
+    import bench_kernels as bk
+    from devtime import profile_calls
+    from pjax.kernels.cache_attention import pallas as attn_pallas
+
+    nh, nkv, hd, t = 32, 8, 128, 22
+    mods = {name: variant(*flags) for name, flags in VARIANTS.items()}
+    print(f"{jax.devices()[0].device_kind}, JAX {jax.__version__}")
+    print("| variant | context | split kernel (us) | span per copy (us) | % of 4.34 TB/s (span) |")
+    print("|---|---|---|---|---|")
+    for ctx in (8192, 16384, 32768):
+        q, k, v, q_pos, sets, _, _ = bk._attention_inputs(1, ctx, t, nh, nkv, hd, 4)
+        half = len(sets) // 2
+        kv_bytes = 2 * ctx * nkv * hd * 2
+        ops = {name: (lambda q_, k_, v_, m=m: m.partials(q_, k_, v_, q_pos, scale=hd ** -0.5, splits=16, swap=True))
+               for name, m in mods.items()}
+        if ctx == 16384:  # the whole op (split kernel + Triton merge) for the landed kernel and the no-math floor
+            for name in ("landed", "both idle"):
+                ops[f"{name}, whole op"] = lambda q_, k_, v_, m=mods[name]: attn_pallas.merge(
+                    *m.partials(q_, k_, v_, q_pos, scale=hd ** -0.5, splits=16, swap=True), t=t, nh=nh, hd=hd,
+                    sinks=None, dtype=q_.dtype)
+        for name, op in ops.items():
+            prog = jax.jit(lambda s, op=op: [op(*a) for a in s])
+            spans, kernels = profile_calls(prog, (sets[:half],), calls=20)
+            split = statistics.median(d for ks in kernels for n, _, d in ks if "mosaic" in n) / 1e3
+            span = statistics.median(spans) / half / 1e3
+            print(f"| {name} | {ctx} | {split:.2f} | {span:.2f} | {kv_bytes / (span * 1e-6) / 4.34e12:.0%} |",
+                  flush=True)
+        del q, k, v, sets
+
+
+if __name__ == "__main__":
+    sys.exit(main())
