@@ -319,11 +319,12 @@ def test_attention_bound_probe_variants_lower_for_cuda():
     for idle_rows, idle_cols in probe.VARIANTS.values():
         m = probe.variant(idle_rows, idle_cols)
         assert (m.IDLE_0, m.IDLE_1) == (idle_rows, idle_cols)
-        exp = jax.export.export(
-            jax.jit(lambda q_, k_, v_, p_: m.partials(q_, k_, v_, p_, scale=0.1, splits=16, swap=True)),
-            platforms=["cuda"], disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2")])(
-            bf(1, 22, 32, 128), bf(1, 16384, 8, 128), bf(1, 16384, 8, 128), jax.ShapeDtypeStruct((1, 22), jnp.int32))
-        assert "mosaic_gpu" in exp.mlir_module()
+        for nh, hd, t, swap, _ in probe.GEOMETRIES.values():
+            exp = jax.export.export(
+                jax.jit(lambda q_, k_, v_, p_: m.partials(q_, k_, v_, p_, scale=0.1, splits=16, swap=swap)),
+                platforms=["cuda"], disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2")])(
+                bf(1, t, nh, hd), bf(1, 16384, 8, hd), bf(1, 16384, 8, hd), jax.ShapeDtypeStruct((1, t), jnp.int32))
+            assert "mosaic_gpu" in exp.mlir_module()
 
 
 def test_cache_attention_implementation_choice(monkeypatch):

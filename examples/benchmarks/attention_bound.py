@@ -2,8 +2,8 @@
 
     PYTHONPATH=.:examples/benchmarks python3 examples/benchmarks/attention_bound.py   # GPU (Hopper, JAX >= 0.11), ~3 min
 
-Why: at batch 1 (Llama geometry, 22 draft queries, 16 splits per KV head = 128 programs) the op stays under 70% of
-HBM bandwidth. This probe separates the kernel's streaming structure from its math. It builds variants of
+Why: at batch 1 (16 splits per KV head = 128 programs; Llama geometry with 22 draft queries, GPT-OSS with 12
+verify queries) the op stays under 70% of HBM bandwidth. This probe separates the kernel's streaming structure from its math. It builds variants of
 `pjax/kernels/cache_attention/mosaic.py` by patching its source text: a consumer marked *idle* keeps every barrier
 handshake of its step (ring slots, turn-taking) but issues no wgmma and runs no softmax, so the producer, the ring,
 the prologue and the epilogue stay as landed. With both consumers idle the split kernel moves the same bytes through
@@ -56,37 +56,53 @@ def variant(idle_rows: bool, idle_cols: bool):
     return mod
 
 
+# (heads, head_dim, queries, swapped second consumer, contexts); without the swap both consumers run the rows step
+GEOMETRIES = {"Llama T=22": (32, 128, 22, True, (8192, 16384, 32768)), "GPT-OSS T=12": (64, 64, 12, False, (16384,))}
+
+
 def main():
     import jax
+    import jax.numpy as jnp
 
     import bench_kernels as bk
     from devtime import profile_calls
     from pjax.kernels.cache_attention import pallas as attn_pallas
+    from pjax.kernels.cache_attention import reference as attn_ref
 
-    nh, nkv, hd, t = 32, 8, 128, 22
+    nkv = 8
     mods = {name: variant(*flags) for name, flags in VARIANTS.items()}
-    print(f"{jax.devices()[0].device_kind}, JAX {jax.__version__}")
-    print("| variant | context | split kernel (us) | span per copy (us) | % of 4.34 TB/s (span) |")
-    print("|---|---|---|---|---|")
-    for ctx in (8192, 16384, 32768):
-        q, k, v, q_pos, sets, _, _ = bk._attention_inputs(1, ctx, t, nh, nkv, hd, 4)
-        half = len(sets) // 2
-        kv_bytes = 2 * ctx * nkv * hd * 2
-        ops = {name: (lambda q_, k_, v_, m=m: m.partials(q_, k_, v_, q_pos, scale=hd ** -0.5, splits=16, swap=True))
-               for name, m in mods.items()}
-        if ctx == 16384:  # the whole op (split kernel + Triton merge) for the landed kernel and the no-math floor
-            for name in ("landed", "both idle"):
-                ops[f"{name}, whole op"] = lambda q_, k_, v_, m=mods[name]: attn_pallas.merge(
-                    *m.partials(q_, k_, v_, q_pos, scale=hd ** -0.5, splits=16, swap=True), t=t, nh=nh, hd=hd,
-                    sinks=None, dtype=q_.dtype)
-        for name, op in ops.items():
-            prog = jax.jit(lambda s, op=op: [op(*a) for a in s])
-            spans, kernels = profile_calls(prog, (sets[:half],), calls=20)
-            split = statistics.median(d for ks in kernels for n, _, d in ks if "mosaic" in n) / 1e3
-            span = statistics.median(spans) / half / 1e3
-            print(f"| {name} | {ctx} | {split:.2f} | {span:.2f} | {kv_bytes / (span * 1e-6) / 4.34e12:.0%} |",
-                  flush=True)
-        del q, k, v, sets
+    print(f"{jax.devices()[0].device_kind}, JAX {jax.__version__}, batch 1, 16 splits per KV head")
+    print("| shape | variant | context | split kernel (us) | span per copy (us) | % of 4.34 TB/s (span) |")
+    print("|---|---|---|---|---|---|")
+    for shape, (nh, hd, t, swap, contexts) in GEOMETRIES.items():
+        # without the swap the rows step is both consumers': "rows consumer idle" is already "both idle"
+        names = list(mods) if swap else ["landed", "both idle"]
+        for ctx in contexts:
+            q, k, v, q_pos, sets, _, _ = bk._attention_inputs(1, ctx, t, nh, nkv, hd, 4)
+            half = len(sets) // 2
+            kv_bytes = 2 * ctx * nkv * hd * 2
+            part = lambda m, q_, k_, v_, stages=2: m.partials(q_, k_, v_, q_pos, scale=hd ** -0.5, splits=16,
+                                                              swap=swap, stages=stages)
+            ops = {name: (lambda q_, k_, v_, m=mods[name]: part(m, q_, k_, v_)) for name in names}
+            if ctx == 16384:  # the whole op (split kernel + Triton merge), landed and no math, for each ring depth
+                for stages in (2, 3, 4):  # that fits in shared memory (2: the default)
+                    for name in ("landed", "both idle"):
+                        if mods[name].unsupported_reason(q, k, stages=stages, swap=swap) is None:
+                            ops[f"{name}, whole op" + (f", {stages} stages" if stages != 2 else "")] = (
+                                lambda q_, k_, v_, m=mods[name], s=stages: attn_pallas.merge(
+                                    *part(m, q_, k_, v_, s), t=t, nh=nh, hd=hd, sinks=None, dtype=q_.dtype))
+                # the patched landed variant still computes attention
+                want = attn_ref.cache_attention(q, k, v, q_pos, scale=hd ** -0.5).astype(jnp.float32)
+                got = jax.jit(ops["landed, whole op"])(q, k, v).astype(jnp.float32)
+                print(f"| {shape} | landed, max abs error vs reference: {float(jnp.max(jnp.abs(got - want))):.1e} |")
+            for name, op in ops.items():
+                prog = jax.jit(lambda s, op=op: [op(*a) for a in s])
+                spans, kernels = profile_calls(prog, (sets[:half],), calls=20)
+                split = statistics.median(d for ks in kernels for n, _, d in ks if "mosaic" in n) / 1e3
+                span = statistics.median(spans) / half / 1e3
+                print(f"| {shape} | {name} | {ctx} | {split:.2f} | {span:.2f} | "
+                      f"{kv_bytes / (span * 1e-6) / 4.34e12:.1%} |", flush=True)
+            del q, k, v, sets
 
 
 if __name__ == "__main__":
