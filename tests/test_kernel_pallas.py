@@ -308,7 +308,7 @@ def test_cluster_waves_probe_lowers_for_cuda():
 def test_attention_bound_probe_variants_lower_for_cuda():
     """The probe behind the batch-1 no-math floor (examples/benchmarks/attention_bound.py, docs/benchmarks.md
     section 2) stays runnable: its patch anchors are still in mosaic.py, and every variant (idle consumers keep
-    their barrier handshakes) lowers for CUDA at the batch-1 swapped shape."""
+    their barrier handshakes) lowers for CUDA at both batch-1 shapes it measures (swapped and rows layouts)."""
     import importlib.util
     from pathlib import Path
     path = Path(__file__).resolve().parents[1] / "examples/benchmarks/attention_bound.py"

@@ -1,15 +1,15 @@
 """How fast could the batch-1 Mosaic cache attention be if its consumers did no math?
 
-    PYTHONPATH=.:examples/benchmarks python3 examples/benchmarks/attention_bound.py   # GPU (Hopper, JAX >= 0.11), ~3 min
+    PYTHONPATH=.:examples/benchmarks python3 examples/benchmarks/attention_bound.py  # Hopper GPU, JAX >= 0.11, ~3 min
 
 Why: at batch 1 (16 splits per KV head = 128 programs; Llama geometry with 22 draft queries, GPT-OSS with 12
-verify queries) the op stays under 70% of HBM bandwidth. This probe separates the kernel's streaming structure from its math. It builds variants of
-`pjax/kernels/cache_attention/mosaic.py` by patching its source text: a consumer marked *idle* keeps every barrier
-handshake of its step (ring slots, turn-taking) but issues no wgmma and runs no softmax, so the producer, the ring,
-the prologue and the epilogue stay as landed. With both consumers idle the split kernel moves the same bytes through
-the same pipeline and computes nothing: a floor for this design. The patch anchors are asserted, so a change to
-`mosaic.py` that moves them fails here (and in the test that builds the variants) instead of measuring something
-else. Timing as `bench_kernels.timed`: a chain of copies with their own K/V, the profiler's kernel durations and the
+verify queries) the op stays under 70% of HBM bandwidth. This probe separates the kernel's streaming structure from
+its math. It builds variants of `pjax/kernels/cache_attention/mosaic.py` by patching its source text: a consumer
+marked *idle* keeps every barrier handshake of its step (ring slots, turn-taking) but issues no wgmma and runs no
+softmax, so the producer, the ring, the prologue and the epilogue stay as landed. With both consumers idle the
+split kernel moves the same bytes through the same pipeline and computes nothing: a floor for this design. The patch
+anchors are asserted, so a change to `mosaic.py` that moves them fails here (and in the test that builds the
+variants) instead of measuring something else. Timing as `bench_kernels.timed`: a chain of copies with their own K/V, the profiler's kernel durations and the
 device span per copy, median of 20 calls. Results: docs/benchmarks.md section 2.
 """
 from __future__ import annotations
@@ -48,11 +48,12 @@ def variant(idle_rows: bool, idle_cols: bool):
     second = src.index(STEP, first) + len(STEP)
     src = src[:first] + IDLE.format(n=0) + src[first:second] + IDLE.format(n=1) + src[second:]
     src = src.replace(ANCHOR, ANCHOR + f"IDLE_0, IDLE_1 = {idle_rows}, {idle_cols}\n")
-    path = pathlib.Path(tempfile.mkdtemp(prefix="pjax_attention_bound_")) / "mosaic_variant.py"
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location(f"mosaic_variant_{int(idle_rows)}{int(idle_cols)}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    with tempfile.TemporaryDirectory(prefix="pjax_attention_bound_") as tmp:
+        path = pathlib.Path(tmp) / "mosaic_variant.py"
+        path.write_text(src)
+        spec = importlib.util.spec_from_file_location(f"mosaic_variant_{int(idle_rows)}{int(idle_cols)}", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
     return mod
 
 
