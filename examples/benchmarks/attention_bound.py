@@ -9,8 +9,9 @@ marked *idle* keeps every barrier handshake of its step (ring slots, turn-taking
 softmax, so the producer, the ring, the prologue and the epilogue stay as landed. With both consumers idle the
 split kernel moves the same bytes through the same pipeline and computes nothing: a floor for this design. The patch
 anchors are asserted, so a change to `mosaic.py` that moves them fails here (and in the test that builds the
-variants) instead of measuring something else. Timing as `bench_kernels.timed`: a chain of copies with their own K/V, the profiler's kernel durations and the
-device span per copy, median of 20 calls. Results: docs/benchmarks.md section 2.
+variants) instead of measuring something else. Timing as `bench_kernels.timed`: a chain of copies with their own
+K/V, the profiler's kernel durations and the device span per copy, median of 20 calls. Results: docs/benchmarks.md
+section 2.
 """
 from __future__ import annotations
 
