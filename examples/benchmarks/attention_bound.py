@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
-import statistics
 import sys
 import tempfile
 
@@ -67,7 +66,6 @@ def main():
     import jax.numpy as jnp
 
     import bench_kernels as bk
-    from devtime import profile_calls
     from pjax.kernels.cache_attention import pallas as attn_pallas
     from pjax.kernels.cache_attention import reference as attn_ref
 
@@ -81,7 +79,6 @@ def main():
         names = list(mods) if swap else ["landed", "both idle"]
         for ctx in contexts:
             q, k, v, q_pos, sets, _, _ = bk._attention_inputs(1, ctx, t, nh, nkv, hd, 4)
-            half = len(sets) // 2
             kv_bytes = 2 * ctx * nkv * hd * 2
             part = lambda m, q_, k_, v_, stages=2: m.partials(q_, k_, v_, q_pos, scale=hd ** -0.5, splits=16,
                                                               swap=swap, stages=stages)
@@ -98,10 +95,7 @@ def main():
                 got = jax.jit(ops["landed, whole op"])(q, k, v).astype(jnp.float32)
                 print(f"| {shape} | landed, max abs error vs reference: {float(jnp.max(jnp.abs(got - want))):.1e} |")
             for name, op in ops.items():
-                prog = jax.jit(lambda s, op=op: [op(*a) for a in s])
-                spans, kernels = profile_calls(prog, (sets[:half],), calls=20)
-                split = statistics.median(d for ks in kernels for n, _, d in ks if "mosaic" in n) / 1e3
-                span = statistics.median(spans) / half / 1e3
+                span, split = bk.chain_times(op, sets, calls=20, kernel="mosaic")
                 print(f"| {shape} | {name} | {ctx} | {split:.2f} | {span:.2f} | "
                       f"{kv_bytes / (span * 1e-6) / 4.34e12:.1%} |", flush=True)
             del q, k, v, sets

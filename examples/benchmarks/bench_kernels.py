@@ -83,6 +83,17 @@ def timed(op, arg_sets, *, calls: int) -> float:
     return (median_call(arg_sets) - median_call(arg_sets[:half])) / half
 
 
+def chain_times(op, arg_sets, *, calls: int, kernel: str):
+    """GPU only: the op once per element of `arg_sets[:R]` (R = len // 2) in one jitted program, called `calls`
+    times under the profiler -> (median device span per copy, median duration of the kernels whose name contains
+    `kernel`), in us."""
+    half = len(arg_sets) // 2
+    prog = jax.jit(lambda s: [op(*a) for a in s])
+    spans, kernels = profile_calls(prog, (arg_sets[:half],), calls=calls)
+    dur = statistics.median(d for ks in kernels for name, _, d in ks if kernel in name)
+    return statistics.median(spans) / half / 1e3, dur / 1e3
+
+
 def auto_reps(nbytes: float, lo: int = 4, hi: int = 40) -> int:
     """Copies R of the smaller timing program (the larger runs 2R)."""
     return int(max(lo, min(hi, round(0.25e9 / max(nbytes, 1)))))
@@ -331,14 +342,12 @@ def bench_merge_dims(b, t, *, calls, nh=32, nkv=8, hd=128, dims=(32, 64)):
     q, k, v, q_pos, sets, _, _ = _attention_inputs(b, 16384, t, nh, nkv, hd, 4)
     impl = attn_api.choose(q, k)
     op = attn_mosaic.cache_attention if impl == "mosaic" else attn_pallas.cache_attention
-    default, cells, half = attn_pallas.MERGE_DIMS, [], len(sets) // 2
+    default, cells = attn_pallas.MERGE_DIMS, []
     try:
         for d in dims * 2:
-            attn_pallas.MERGE_DIMS = d
-            prog = jax.jit(lambda s: [op(*a, q_pos, scale=hd ** -0.5) for a in s])  # a new trace per setting
-            spans, kernels = profile_calls(prog, (sets[:half],), calls=calls)
-            merge = statistics.median(dur for ks in kernels for name, _, dur in ks if "merge" in name) / 1e3
-            cells.append(f"{d}: {statistics.median(spans) / half / 1e3:.2f} ({merge:.2f})")
+            attn_pallas.MERGE_DIMS = d  # chain_times traces its program anew for each setting
+            span, merge = chain_times(lambda *a: op(*a, q_pos, scale=hd ** -0.5), sets, calls=calls, kernel="merge")
+            cells.append(f"{d}: {span:.2f} ({merge:.2f})")
     finally:
         attn_pallas.MERGE_DIMS = default
     log(f"| {b} | {t} | {nh}/{nkv} x {hd} | {impl} | " + " | ".join(cells) + " |")
