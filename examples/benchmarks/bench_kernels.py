@@ -336,20 +336,26 @@ def bench_mosaic_swap(b, ctx, t, *, reps, calls, nh=32, nkv=8, hd=128):
     return row
 
 
-def bench_merge_dims(b, t, *, calls, nh=32, nkv=8, hd=128, dims=(32, 64)):
-    """The whole op (`api.choose`'s kernel + the Triton merge) with `pallas.MERGE_DIMS` head dims per merge program,
-    same inputs, same run, each setting twice: op time (chain) and the merge kernel's profiler duration, us."""
+MERGE_SETTINGS = ({"MERGE_DIMS": 32}, {}, {"MERGE_WARPS": 2}, {"MERGE_WARPS": 8}, {"MERGE_TILE": 16384})
+
+
+def bench_merge_settings(b, t, *, calls, nh=32, nkv=8, hd=128, settings=MERGE_SETTINGS):
+    """The whole op (`api.choose`'s kernel + the Triton merge) with each setting of the merge's module constants
+    (`pallas.MERGE_DIMS` / `MERGE_WARPS` / `MERGE_TILE`; {} = the landed defaults), same inputs, same run, each
+    setting twice: op time (chain) and the merge kernel's profiler duration, us."""
     q, k, v, q_pos, sets, _, _ = _attention_inputs(b, 16384, t, nh, nkv, hd, 4)
     impl = attn_api.choose(q, k)
     op = attn_mosaic.cache_attention if impl == "mosaic" else attn_pallas.cache_attention
-    default, cells = attn_pallas.MERGE_DIMS, []
+    defaults, cells = {n: getattr(attn_pallas, n) for n in ("MERGE_DIMS", "MERGE_WARPS", "MERGE_TILE")}, []
     try:
-        for d in dims * 2:
-            attn_pallas.MERGE_DIMS = d  # chain_times traces its program anew for each setting
+        for setting in settings * 2:
+            for name, value in {**defaults, **setting}.items():  # chain_times traces its program anew each time
+                setattr(attn_pallas, name, value)
             span, merge = chain_times(lambda *a: op(*a, q_pos, scale=hd ** -0.5), sets, calls=calls, kernel="merge")
-            cells.append(f"{d}: {span:.2f} ({merge:.2f})")
+            cells.append(f"{span:.2f} ({merge:.2f})")
     finally:
-        attn_pallas.MERGE_DIMS = default
+        for name, value in defaults.items():
+            setattr(attn_pallas, name, value)
     log(f"| {b} | {t} | {nh}/{nkv} x {hd} | {impl} | " + " | ".join(cells) + " |")
     del q, k, v, sets
 
@@ -507,10 +513,11 @@ def main():
             bench_attention(b, 16384, 22, reps=reps, calls=calls)  # Llama draft of K = 11
             bench_attention(b, 16384, 12, reps=reps, calls=calls, nh=64, nkv=8, hd=64, label="gpt-oss")
         check_attention_ragged(16384)
-    if "attn-merge" in only and not a.smoke and jax.default_backend() == "gpu":  # head dims per merge program
-        log("\n| B | T | heads x hd | kernel | merge dims: op us (merge kernel us), twice each |\n|---|---|---|---|---|")
+    if "attn-merge" in only and not a.smoke and jax.default_backend() == "gpu":  # the merge kernel's settings
+        names = " | ".join(str(st or "defaults") for st in MERGE_SETTINGS * 2)  # cells: op us (merge kernel us)
+        log(f"\n| B | T | heads x hd | kernel | {names} |\n|" + "---|" * (4 + 2 * len(MERGE_SETTINGS)))
         for b, t, geo in ((1, 22, {}), (1, 12, dict(nh=64, hd=64)), (8, 22, {}), (1, 8, {}), (8, 12, dict(nh=64, hd=64))):
-            bench_merge_dims(b, t, calls=calls, **geo)
+            bench_merge_settings(b, t, calls=calls, **geo)
     if "attn-swap" in only and not a.smoke and attn_mosaic.available():  # Mosaic second consumer: rows vs columns
         log("\n| B | context | T | rows us (% of 4.34 TB/s, err) | swap us (%, err) | default swap |"
             "\n|---|---|---|---|---|---|")

@@ -208,6 +208,10 @@ MERGE_TILE = 8192  # elements of partial o one merge program loads at once ([spl
 # (`bench_kernels.py --only attn-merge`): the B=1 T=22 merge kernel takes 2.37-2.46 us vs 2.62-2.69 at 32 dims;
 # the other shapes measured stay within run-to-run spread
 MERGE_DIMS = 64
+# warps per merge program. H200, 16K, merge kernel us (`bench_kernels.py --only attn-merge`, 2026-11-23): 4 warps
+# 2.37-2.43 / 2.08-2.11 / 2.43 at B=1 T=22, GPT-OSS B=1 T=12, B=8 T=22; 2 warps 2.34 / 2.11 / 2.98-3.04; 8 warps
+# 2.88-2.91 / 2.27-2.37 / 2.46; 1 warp (scratch run) 3.10 at B=1 T=22
+MERGE_WARPS = 4
 
 
 def _merge_kernel(o_ref, m_ref, l_ref, *refs, t, g, hd, ns, nsp, rb, db, has_sinks):
@@ -257,7 +261,7 @@ def merge(o_s, m_s, l_s, *, t: int, nh: int, hd: int, sinks=None, dtype=jnp.bflo
         grid=(b, nkv, (m_rows // rb) * (hdp // db)), out_shape=jax.ShapeDtypeStruct((b, t + spare, nh, hd), dtype),
         in_specs=[pl.BlockSpec(x.shape, lambda *_, n=x.ndim: (0,) * n) for x in ins],
         out_specs=pl.BlockSpec((b, t + spare, nh, hd), lambda *_: (0, 0, 0, 0)), name="pjax_cache_attention_merge",
-        **call_kwargs(4, 1),
+        **call_kwargs(MERGE_WARPS, 1),
     )(*ins)
     return out[:, :t] if spare else out
 
