@@ -11,7 +11,7 @@ speculators format, and speculative decoding with `pjax.generate` reports the ac
 
 Data files: .jsonl rows with "messages" (chat; loss on assistant turns, rendered with the target's
 chat template), "text" (all tokens supervised) or "input_ids" + "loss_mask"; other files are plain
-text documents. --init-head starts from any head `convert.load_drafter` reads (fine-tuning).
+text documents. --init-head starts from any head `pjax.load_drafter` reads (fine-tuning).
 """
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def acceptance_report(target, drafter, docs, *, k, objective, prompts=8, prompt_
 def tiny_job(argv=None, objective="peagle") -> dict:
     """The README main job: tiny target + head, export, acceptance length. Returns a report dict."""
     a = _args(argv, objective)
-    from convert import save_drafter
+    from pjax.checkpoint import save_drafter
     from pjax.train import tiny_run
     t0 = time.time()
     run = tiny_run(objective=a.objective, seq_len=a.seq_len or 128, batch_rows=a.batch_rows or 8,
@@ -135,7 +135,7 @@ def target_job(argv=None, objective="peagle"):
     a = _args(argv, objective)
     from transformers import AutoTokenizer
 
-    from convert import load_drafter, load_target, save_drafter
+    from pjax.checkpoint import load_drafter, load_target, save_drafter
     from pjax.train import (CodConfig, OptimConfig, RowStream, TrainConfig, build_vocab_mapping,
                             drafter_config_for_target, init_drafter_for_target, load_documents, make_mesh,
                             token_frequencies, train_drafter)

@@ -73,9 +73,8 @@ def main(argv=None):
     ap.add_argument("--temperatures", default="0.5,1.0,1.5")
     args = ap.parse_args(argv)
     if args.target:
-        import convert
-        target = convert.load_target(args.target)
-        drafter = convert.load_drafter(args.drafter, target=target)
+        target = pjax.load_target(args.target)
+        drafter = pjax.load_drafter(args.drafter, target=target)
     else:
         target, drafter = tiny_models()
     prompt = [int(x) for x in args.prompt.split(",")]

@@ -1,15 +1,22 @@
-"""pjax: P-EAGLE parallel speculative decoding in JAX / Flax NNX / Pallas."""
-from pjax.cache import init_cache
+"""pjax: P-EAGLE parallel speculative decoding in JAX / Flax NNX / Pallas.
+
+The curated API. Subpackages hold the rest: `pjax.models` (targets, drafters, layers), `pjax.decode` (the engine
+and its research API), `pjax.train`, `pjax.checkpoint`, `pjax.kernels`.
+"""
+from pjax.checkpoint import CheckpointError, load_drafter, load_target, save_drafter, save_native_target
 from pjax.config import ConfigError, LayerSpec, ModelConfig, MoeSpec, RopeSpec
 from pjax.decode import GenerateResult, generate
-from pjax.models.drafter import (Drafter, DrafterConfig, abstract_drafter, combine, draft_logits_from_hidden,
-                                  draft_to_target, drafter_forward, init_drafter, init_drafter_cache, mask_feature)
-from pjax.target import Target, abstract_target, forward, init_target, logits_from_hidden, target_logits
+from pjax.models import Drafter, DrafterConfig, Target, init_drafter, init_target
 
 __all__ = [
-    "ConfigError", "Drafter", "DrafterConfig", "LayerSpec", "ModelConfig", "MoeSpec", "RopeSpec", "Target",
-    "GenerateResult",
-    "abstract_drafter", "abstract_target", "combine", "draft_logits_from_hidden", "draft_to_target",
-    "drafter_forward", "forward", "generate", "init_drafter", "init_drafter_cache", "init_cache", "init_target",
-    "logits_from_hidden", "mask_feature", "target_logits",
+    "CheckpointError", "ConfigError", "Drafter", "DrafterConfig", "GenerateResult", "LayerSpec", "ModelConfig",
+    "MoeSpec", "RopeSpec", "Target", "generate", "init_drafter", "init_target", "load_drafter", "load_target",
+    "save_drafter", "save_native_target", "train_drafter",
 ]
+
+
+def __getattr__(name):  # training pulls in optax / orbax: imported on first use
+    if name == "train_drafter":
+        from pjax.train import train_drafter
+        return train_drafter
+    raise AttributeError(f"module 'pjax' has no attribute {name!r}")

@@ -144,8 +144,16 @@ class ModelConfig:
         return len(self.layers)
 
     def default_aux_layer_ids(self) -> tuple[int, ...]:
+        """vLLM's default feature layers (2, n//2, n-3); below 8 layers those collide, so shallow targets (n >= 3)
+        take three evenly spread distinct ids (1, ~n/2, n) instead (n itself = the stream after the last layer)."""
         n = self.num_layers
-        return (2, n // 2, n - 3)
+        ids = (2, n // 2, n - 3)
+        if len(set(ids)) == 3 and min(ids) >= 0:
+            return ids
+        if n < 3:
+            raise ConfigError(f"a target of {n} layers has no 3 distinct default aux layers; pass "
+                              "eagle_aux_hidden_state_layer_ids explicitly")
+        return (1, (n + 1) // 2, n)
 
     def validate(self) -> "ModelConfig":
         if self.num_layers < 1:

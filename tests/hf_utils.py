@@ -53,7 +53,7 @@ def pjax_full_forward(target, ids, aux_layer_ids=()):
     import jax
     import jax.numpy as jnp
 
-    from pjax.target import forward, logits_from_hidden
+    from pjax.models.target import forward, logits_from_hidden
 
     @jax.jit
     def run(target, ids):
@@ -71,8 +71,8 @@ def check_cached_extend(target, ids, full, prefix, chunks=(1, 4), capacity=None,
     import jax
     import jax.numpy as jnp
 
-    from pjax.cache import init_cache
-    from pjax.target import forward, logits_from_hidden
+    from pjax.models.cache import init_cache
+    from pjax.models.target import forward, logits_from_hidden
     ids = jnp.asarray(ids, jnp.int32)
     b, total = ids.shape
     prefix = np.asarray(prefix)

@@ -14,10 +14,10 @@ import pytest
 import torch
 import transformers as tf
 
-import convert
-from convert.__main__ import main as cli_main
-from convert.native import load_native_target, save_native_target
-from convert.safetensors_io import SafetensorsFile, save_file
+import pjax
+from pjax.checkpoint.cli import main as cli_main
+from pjax.checkpoint.native import load_native_target, save_native_target
+from pjax.checkpoint.safetensors import SafetensorsFile, save_file
 from pjax.config import ConfigError
 from pjax.models.families import config_from_hf
 
@@ -50,36 +50,36 @@ def mutate(src, dst, *, drop=(), replace=None, config=None):
 
 
 def load(path):
-    return convert.load_target(path, dtype=jnp.float32)
+    return pjax.load_target(path, dtype=jnp.float32)
 
 
 def test_truncated_safetensors(hf_dir, tmp_path):
     d = mutate(hf_dir, tmp_path / "t")
     f = d / "model.safetensors"
     f.write_bytes(f.read_bytes()[:-100])
-    with pytest.raises(convert.CheckpointError, match=r"model\.safetensors: tensors need \d+ bytes but the file "
+    with pytest.raises(pjax.CheckpointError, match=r"model\.safetensors: tensors need \d+ bytes but the file "
                                                       r"has \d+ \(truncated"):
         load(d)
     f.write_bytes(b"\x10\x00")
-    with pytest.raises(convert.CheckpointError, match="too short for a safetensors header"):
+    with pytest.raises(pjax.CheckpointError, match="too short for a safetensors header"):
         load(d)
 
 
 def test_missing_tensor(hf_dir, tmp_path):
-    with pytest.raises(convert.CheckpointError, match=rf"tensor '{QK}' is missing \(expected shape \[32, 32\]\)"):
+    with pytest.raises(pjax.CheckpointError, match=rf"tensor '{QK}' is missing \(expected shape \[32, 32\]\)"):
         load(mutate(hf_dir, tmp_path / "m", drop=[QK]))
 
 
 def test_wrong_shape(hf_dir, tmp_path):
     d = mutate(hf_dir, tmp_path / "w", replace={QK: np.zeros((32, 16), np.float32)})
-    with pytest.raises(convert.CheckpointError, match=rf"model\.safetensors: tensor '{QK}' has shape \[32, 16\], "
+    with pytest.raises(pjax.CheckpointError, match=rf"model\.safetensors: tensor '{QK}' has shape \[32, 16\], "
                                                       r"expected \[32, 32\]"):
         load(d)
 
 
 def test_unexpected_tensor(hf_dir, tmp_path):
     d = mutate(hf_dir, tmp_path / "u", replace={"model.layers.0.extra.weight": np.zeros(3, np.float32)})
-    with pytest.raises(convert.CheckpointError, match=r"1 unexpected tensor\(s\) for model_type 'llama': "
+    with pytest.raises(pjax.CheckpointError, match=r"1 unexpected tensor\(s\) for model_type 'llama': "
                                                       r"\['model.layers.0.extra.weight'\]"):
         load(d)
 
@@ -87,24 +87,24 @@ def test_unexpected_tensor(hf_dir, tmp_path):
 def test_missing_shard(hf_dir, tmp_path):
     d = mutate(hf_dir, tmp_path / "s")
     (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {EMB: "model-00002.safetensors"}}))
-    with pytest.raises(convert.CheckpointError, match=r"index.json: shard 'model-00002.safetensors' is missing"):
+    with pytest.raises(pjax.CheckpointError, match=r"index.json: shard 'model-00002.safetensors' is missing"):
         load(d)
 
 
 def test_unknown_model_type(hf_dir, tmp_path):
-    with pytest.raises(convert.CheckpointError, match=r"config.json: model_type 'bert' is not supported "
+    with pytest.raises(pjax.CheckpointError, match=r"config.json: model_type 'bert' is not supported "
                                                       r"\(supported: \[.*'gemma4'.*'gpt_oss'.*\]\)"):
         load(mutate(hf_dir, tmp_path / "b", config={"model_type": "bert"}))
 
 
 def test_unsupported_quantization(hf_dir, tmp_path):
     d = mutate(hf_dir, tmp_path / "q", config={"quantization_config": {"quant_method": "gptq", "bits": 4}})
-    with pytest.raises(convert.CheckpointError, match=r"config.json: quantization_config.quant_method 'gptq' is "
+    with pytest.raises(pjax.CheckpointError, match=r"config.json: quantization_config.quant_method 'gptq' is "
                                                       r"not supported"):
         load(d)
     d = mutate(hf_dir, tmp_path / "q2", config={"quantization_config": {"quant_method": "fp8",
                                                                          "activation_scheme": "static"}})
-    with pytest.raises(convert.CheckpointError, match="activation_scheme 'static' is not supported"):
+    with pytest.raises(pjax.CheckpointError, match="activation_scheme 'static' is not supported"):
         load(d)
 
 
@@ -112,7 +112,7 @@ def test_fp8_tensor_without_scale(hf_dir, tmp_path):
     import ml_dtypes
     d = mutate(hf_dir, tmp_path / "f", replace={QK: np.zeros((32, 32), ml_dtypes.float8_e4m3fn)},
                config={"quantization_config": {"quant_method": "fp8"}})
-    with pytest.raises(convert.CheckpointError, match=rf"FP8 tensor '{QK}' has no '{QK}_scale_inv'"):
+    with pytest.raises(pjax.CheckpointError, match=rf"FP8 tensor '{QK}' has no '{QK}_scale_inv'"):
         load(d)
 
 
@@ -130,7 +130,7 @@ def test_inconsistent_config(hf_dir, tmp_path, bad, match):
     d = tmp_path / "c"
     shutil.copytree(hf_dir, d)
     (d / "config.json").write_text(json.dumps({k: v for k, v in hf.items() if v is not None}))
-    with pytest.raises(convert.CheckpointError, match=match):
+    with pytest.raises(pjax.CheckpointError, match=match):
         load(d)
 
 
@@ -157,16 +157,16 @@ def test_native_round_trip(hf_dir, tmp_path):
     hf = json.loads((hf_dir / "config.json").read_text())
     out = save_native_target(ref, hf, tmp_path / "native")
     assert sorted(os.listdir(tmp_path)) == ["native"]  # no temporary directories left behind
-    for t in (load_native_target(out, jnp.float32), convert.load_target(out, dtype=jnp.float32)):
+    for t in (load_native_target(out, jnp.float32), pjax.load_target(out, dtype=jnp.float32)):
         assert t.config == ref.config
         for a, b in zip(jax.tree.leaves(ref.params), jax.tree.leaves(t.params)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert convert.load_target(out).dtype == jnp.bfloat16
-    with pytest.raises(convert.CheckpointError, match="already exists"):
+    assert pjax.load_target(out).dtype == jnp.bfloat16
+    with pytest.raises(pjax.CheckpointError, match="already exists"):
         save_native_target(ref, hf, out)
     (out / "pjax_target.json").write_text(json.dumps({"format": "other"}))
-    with pytest.raises(convert.CheckpointError, match=r"pjax_target.json: format 'other'"):
-        convert.load_target(out)
+    with pytest.raises(pjax.CheckpointError, match=r"pjax_target.json: format 'other'"):
+        pjax.load_target(out)
 
 
 # -------------------------------------------------------------------------------------------- CLI
@@ -185,7 +185,7 @@ def test_cli_inspect_and_target(hf_dir, tmp_path):
     assert rep["num_params"] == sum(x.size for x in jax.tree.leaves(ref.params))
     r = run_cli("target", hf_dir, tmp_path / "out", "--dtype", "f32")
     assert r.returncode == 0, r.stderr
-    got = convert.load_target(tmp_path / "out", dtype=jnp.float32)
+    got = pjax.load_target(tmp_path / "out", dtype=jnp.float32)
     for a, b in zip(jax.tree.leaves(ref.params), jax.tree.leaves(got.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

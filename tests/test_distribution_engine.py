@@ -17,7 +17,7 @@ from scipy import stats
 
 import pjax
 from pjax.config import LayerSpec, ModelConfig, RopeSpec
-from tests.test_engine_greedy import FAST, make_drafter
+from tests.engine_utils import FAST, make_drafter
 
 V, N, ALPHA = 8, 4000, 1e-3
 PROMPT = [3, 1, 4, 1, 5]
@@ -59,7 +59,7 @@ def processed(logits, temperature, top_k, top_p):
 def joint_law(target, temperature, top_k, top_p):
     """P(x1, x2) [V, V] from the target logits (one forward over all V continuations)."""
     ids = np.array([PROMPT + [x] for x in range(V)], np.int32)
-    logits = np.asarray(pjax.target_logits(target, ids))
+    logits = np.asarray(pjax.models.target_logits(target, ids))
     p1 = processed(logits[0, len(PROMPT) - 1], temperature, top_k, top_p)
     p2 = np.stack([processed(logits[x, len(PROMPT)], temperature, top_k, top_p) for x in range(V)])
     return p1[:, None] * p2

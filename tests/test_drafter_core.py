@@ -8,10 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import convert
 import pjax
-from convert.errors import CheckpointError
-from convert.safetensors_io import Checkpoint, save_file
+from pjax.checkpoint import CheckpointError
+from pjax.checkpoint.safetensors import Checkpoint, save_file
 from pjax.config import LayerSpec, ModelConfig, RopeSpec
 from pjax.models.drafter import DrafterConfig, logits_to_target_vocab
 from pjax.train import draft_logits
@@ -44,10 +43,10 @@ def test_inference_layout_equals_training_layout(drafter):
     s = 24
     ids = rng.integers(0, V, (2, s))
     hs = rng.normal(size=(2, s, A * HT)).astype(np.float32)
-    comb = np.asarray(pjax.combine(drafter, hs))
-    mfeat = np.asarray(pjax.mask_feature(drafter))
-    fwd = jax.jit(pjax.drafter_forward)
-    cache = pjax.init_drafter_cache(drafter, 2, 32, jnp.float32)
+    comb = np.asarray(pjax.models.combine(drafter, hs))
+    mfeat = np.asarray(pjax.models.mask_feature(drafter))
+    fwd = jax.jit(pjax.models.drafter_forward)
+    cache = pjax.models.init_drafter_cache(drafter, 2, 32, jnp.float32)
 
     prefix = np.array([5, 8])  # ragged prefill, then (accepted n, bonus) per round and row
     t0 = int(prefix.max())
@@ -73,7 +72,7 @@ def test_inference_layout_equals_training_layout(drafter):
             p[b, m:] = 0  # padding slots: position 0, write nothing
         normed, _, cache = fwd(drafter, jnp.asarray(toks), jnp.asarray(feats), jnp.asarray(p), cache,
                                valid=jnp.asarray(ok))
-        got = np.asarray(pjax.draft_logits_from_hidden(drafter, normed))
+        got = np.asarray(pjax.models.draft_logits_from_hidden(drafter, normed))
         for b in range(2):
             bonus = start[b] + n[b]
             anchor = np.concatenate([np.arange(s), np.full(K - 1, bonus)])
@@ -90,7 +89,7 @@ def test_vocab_helpers(drafter):
     d2t = np.asarray(drafter.d2t)
     ids = np.arange(VD) + d2t
     assert np.all(np.diff(ids) > 0) and ids.max() < V
-    np.testing.assert_array_equal(np.asarray(pjax.draft_to_target(drafter, jnp.arange(VD))), ids)
+    np.testing.assert_array_equal(np.asarray(pjax.models.draft_to_target(drafter, jnp.arange(VD))), ids)
     logits = np.random.default_rng(1).normal(size=(2, VD)).astype(np.float32)
     full = np.asarray(logits_to_target_vocab(drafter, jnp.asarray(logits)))
     want = np.full((2, V), -np.inf, np.float32)
@@ -107,9 +106,9 @@ def test_combine_matches_numpy(drafter):
     normed = [c / np.sqrt(np.mean(c * c, -1, keepdims=True) + 1e-5) * np.asarray(p["fc_norm"][j]["weight"])
               for j, c in enumerate(chunks)]
     want = np.concatenate(normed, -1) @ np.asarray(p["fc"]["kernel"])
-    assert rel_err(pjax.combine(drafter, x), want) <= 1e-5
+    assert rel_err(pjax.models.combine(drafter, x), want) <= 1e-5
     mh = np.asarray(p["mask_hidden"])
-    assert rel_err(pjax.mask_feature(drafter), np.asarray(pjax.combine(drafter, mh[None]))[0]) == 0.0
+    assert rel_err(pjax.models.mask_feature(drafter), np.asarray(pjax.models.combine(drafter, mh[None]))[0]) == 0.0
 
 
 # ------------------------------------------------------------------------------------- bad inputs
@@ -117,7 +116,7 @@ def test_combine_matches_numpy(drafter):
 @pytest.fixture()
 def ckpt(tmp_path, drafter):
     """A valid float32 speculators-format head and helpers to corrupt it."""
-    path = convert.save_drafter(drafter, tmp_path / "head", dtype="float32")
+    path = pjax.save_drafter(drafter, tmp_path / "head", dtype="float32")
     c = Checkpoint(path)
     tensors = {k: np.array(c.get(k)) for k in c.keys()}
     original = json.loads((path / "config.json").read_text())
@@ -137,7 +136,7 @@ def ckpt(tmp_path, drafter):
 
 def test_valid_head_loads(ckpt, drafter):
     path, _, _ = ckpt
-    again = convert.load_drafter(path, dtype=jnp.float32, parallel_drafting=True)
+    again = pjax.load_drafter(path, dtype=jnp.float32, parallel_drafting=True)
     assert again.config == drafter.config
     for a, b in zip(jax.tree.leaves(again.params), jax.tree.leaves(drafter.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -147,11 +146,11 @@ def test_missing_mask_hidden(ckpt):
     path, _, edit = ckpt
     edit(lambda t: t.pop("mask_hidden"))
     with pytest.raises(CheckpointError, match="parallel drafting requested.*mask_hidden"):
-        convert.load_drafter(path, dtype=jnp.float32, parallel_drafting=True)
-    d = convert.load_drafter(path, dtype=jnp.float32)  # sequential use is still possible
+        pjax.load_drafter(path, dtype=jnp.float32, parallel_drafting=True)
+    d = pjax.load_drafter(path, dtype=jnp.float32)  # sequential use is still possible
     assert not d.config.has_mask_hidden
     with pytest.raises(ValueError, match="mask_hidden"):
-        pjax.mask_feature(d)
+        pjax.models.mask_feature(d)
     s = 6
     args = (np.zeros((1, s, A * HT), np.float32), np.zeros((1, s), int), np.zeros((1, s), int))
     with pytest.raises(ValueError, match="mask_hidden"):
@@ -163,7 +162,7 @@ def test_wrong_fc_width(ckpt):
     path, tensors, edit = ckpt
     edit(lambda t: t.update({"fc.weight": np.zeros((H, A * HT - 8), np.float32)}))
     with pytest.raises(CheckpointError, match=r"fc\.weight.*\[32, 64\].*expected \[32, 72\]"):
-        convert.load_drafter(path)
+        pjax.load_drafter(path)
 
 
 def test_d2t_inconsistent_with_t2d(ckpt):
@@ -177,74 +176,74 @@ def test_d2t_inconsistent_with_t2d(ckpt):
         t["t2d"] = t2d
     edit(corrupt)
     with pytest.raises(CheckpointError, match="d2t is inconsistent with t2d"):
-        convert.load_drafter(path)
+        pjax.load_drafter(path)
     edit(lambda t: t.update(d2t=np.full(VD, V, np.int64)))
     with pytest.raises(CheckpointError, match="outside"):
-        convert.load_drafter(path)
+        pjax.load_drafter(path)
 
 
 def test_mask_id_out_of_range(ckpt):
     path, _, edit = ckpt
     edit(config_fn=lambda hf: hf.update(mask_token_id=V))
     with pytest.raises(CheckpointError, match=f"mask_token_id={V} is outside the vocabulary"):
-        convert.load_drafter(path)
+        pjax.load_drafter(path)
 
 
 def test_unknown_norm_flag_combination(ckpt):
     path, _, edit = ckpt
     edit(config_fn=lambda hf: hf.update(norm_before_fc=True, fc_norm=True))
     with pytest.raises(CheckpointError, match="unknown norm flag combination"):
-        convert.load_drafter(path)
+        pjax.load_drafter(path)
     edit(config_fn=lambda hf: hf.update(fc_norm="yes"))
     with pytest.raises(CheckpointError, match="fc_norm"):
-        convert.load_drafter(path)
+        pjax.load_drafter(path)
     # flag off but the tensors are there: strict key set
     edit(config_fn=lambda hf: hf.update(fc_norm=False))
     with pytest.raises(CheckpointError, match=r"unexpected tensor.*fc_norm\.0\.weight.*fc_norm is false"):
-        convert.load_drafter(path)
+        pjax.load_drafter(path)
 
 
 def test_missing_tensor_and_target_checks(ckpt):
     path, _, edit = ckpt
     edit(lambda t: t.pop("layers.2.mlp.up_proj.weight"))
     with pytest.raises(CheckpointError, match=r"layers\.2\.mlp\.up_proj\.weight.*missing"):
-        convert.load_drafter(path)
+        pjax.load_drafter(path)
     edit()
     small = ModelConfig(model_type="llama", vocab_size=V, hidden_size=HT, intermediate_size=8, num_heads=2,
                         layers=(LayerSpec(12, 2, RopeSpec()),) * 3)
     with pytest.raises(CheckpointError, match=r"aux_hidden_state_layer_ids \[1, 2, 4\].*\[4\].*\[0, 3\]"):
-        convert.load_drafter(path, target_config=small)
+        pjax.load_drafter(path, target_config=small)
     ok = dataclasses.replace(small, layers=small.layers * 2)
-    assert convert.load_drafter(path, target_config=ok).config.aux_layer_ids == (1, 2, 4)
+    assert pjax.load_drafter(path, target_config=ok).config.aux_layer_ids == (1, 2, 4)
     with pytest.raises(CheckpointError, match="hidden_size"):
-        convert.load_drafter(path, target_config=dataclasses.replace(ok, hidden_size=H))
+        pjax.load_drafter(path, target_config=dataclasses.replace(ok, hidden_size=H))
 
 
 def test_embedding_falls_back_to_target(tmp_path):
     """A head without embed_tokens shares the target's (only possible when H == Ht)."""
     d = pjax.init_drafter(config(target_hidden_size=H), jax.random.key(2), jnp.float32)
-    path = convert.save_drafter(d, tmp_path / "head", dtype="float32")
+    path = pjax.save_drafter(d, tmp_path / "head", dtype="float32")
     c = Checkpoint(path)
     save_file({k: np.array(c.get(k)) for k in c.keys() if k != "embed_tokens.weight"}, path / "model.safetensors")
     with pytest.raises(CheckpointError, match="embed_tokens.weight.*missing.*target"):
-        convert.load_drafter(path)
+        pjax.load_drafter(path)
     tcfg = ModelConfig(model_type="llama", vocab_size=V, hidden_size=H, intermediate_size=8, num_heads=2,
                        layers=(LayerSpec(16, 2, RopeSpec()),) * 6)
-    abstract = pjax.abstract_target(tcfg)  # random numpy fill (init_target compiles an RNG per leaf)
+    abstract = pjax.models.abstract_target(tcfg)  # random numpy fill (init_target compiles an RNG per leaf)
     rng = np.random.default_rng(1)
     target = dataclasses.replace(abstract, params=jax.tree.map(
         lambda l: jnp.asarray(rng.standard_normal(l.shape, np.float32)), abstract.params))
-    got = convert.load_drafter(path, dtype=jnp.float32, target=target)
+    got = pjax.load_drafter(path, dtype=jnp.float32, target=target)
     np.testing.assert_array_equal(np.asarray(got.params["embed_tokens"]["embedding"]),
                                   np.asarray(target.params["embed_tokens"]["embedding"]))
 
 
 def test_cli_drafter_subcommand(ckpt, tmp_path, capsys):
-    from convert.__main__ import main
+    from pjax.checkpoint.cli import main
     path, _, _ = ckpt
     out = tmp_path / "copy"
     assert main(["drafter", str(path), str(out), "--dtype", "f32"]) == 0
-    a, b = convert.load_drafter(path, dtype=jnp.float32), convert.load_drafter(out, dtype=jnp.float32)
+    a, b = pjax.load_drafter(path, dtype=jnp.float32), pjax.load_drafter(out, dtype=jnp.float32)
     assert a.config == b.config
     for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -26,9 +26,10 @@ from speculators.models.peagle.attention import create_peagle_mask_mod
 from speculators.proposals.greedy import GreedyTokenProposalConfig
 from torch.nn.attention.flex_attention import create_mask
 
-import convert
 import pjax
-from pjax.train import cod_attention_mask, draft_logits
+from pjax.train import draft_logits
+from pjax.train.cod import layout_from_arrays
+from pjax.train.masks import cod_dense_mask
 from tests.hf_utils import rel_err
 
 V, H, VD = 64, 32, 40
@@ -162,7 +163,7 @@ def case(request, tmp_path_factory, verifier_dir):
                        nbf=c.get("nbf", False), fcn=c.get("fcn", False))
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path)
-    c.update(name=request.param, model=model, path=path, drafter=convert.load_drafter(path, dtype=jnp.float32))
+    c.update(name=request.param, model=model, path=path, drafter=pjax.load_drafter(path, dtype=jnp.float32))
     return c
 
 
@@ -186,7 +187,7 @@ def test_config_read(case):
     if model.d2t is not None:
         np.testing.assert_array_equal(np.asarray(case["drafter"].d2t), model.d2t.numpy())
         ids = np.arange(cfg.draft_vocab_size)
-        np.testing.assert_array_equal(np.asarray(pjax.draft_to_target(case["drafter"], jnp.asarray(ids))),
+        np.testing.assert_array_equal(np.asarray(pjax.models.draft_to_target(case["drafter"], jnp.asarray(ids))),
                                       np.nonzero(model.t2d.numpy())[0])
     else:
         assert case["drafter"].d2t is None
@@ -198,7 +199,7 @@ def test_cod_mask_matches_speculators():
     for window in (None, 3):
         mod = create_peagle_mask_mod(anchor, depth, doc, sliding_window=window)
         ref = create_mask(mod, None, None, len(anchor), len(anchor), device="cpu")[0, 0].numpy()
-        got = np.asarray(cod_attention_mask(doc.numpy()[None], anchor.numpy(), depth.numpy(), window))
+        got = np.asarray(cod_dense_mask(layout_from_arrays(anchor.numpy(), depth.numpy()), doc.numpy(), window))
         np.testing.assert_array_equal(got, ref)
 
 
@@ -221,7 +222,7 @@ def _write_vllm_native(src, dst, model):
 def test_vllm_native_layout_loads_identically(case, tmp_path):
     if case["name"] != "peagle_llama":
         pytest.skip("one native-layout case is enough")
-    native = convert.load_drafter(_write_vllm_native(case["path"], tmp_path / "native", case["model"]),
+    native = pjax.load_drafter(_write_vllm_native(case["path"], tmp_path / "native", case["model"]),
                                   dtype=jnp.float32)
     ref = case["drafter"]
     assert native.config.layer == ref.config.layer
@@ -237,9 +238,9 @@ def test_vllm_native_layout_loads_identically(case, tmp_path):
 def test_roundtrip_speculators_pjax_bit_identical(case, tmp_path):
     """speculators -> pjax -> save -> load: identical params (float32 and the bf16 default)."""
     for dtype, name in ((jnp.float32, "float32"), (jnp.bfloat16, "bfloat16")):
-        first = convert.load_drafter(case["path"], dtype=dtype)
-        out = convert.save_drafter(first, tmp_path / name, dtype=name)
-        again = convert.load_drafter(out, dtype=dtype)
+        first = pjax.load_drafter(case["path"], dtype=dtype)
+        out = pjax.save_drafter(first, tmp_path / name, dtype=name)
+        again = pjax.load_drafter(out, dtype=dtype)
         assert again.config.layer == first.config.layer
         assert jax.tree.structure(again.params) == jax.tree.structure(first.params)
         for a, b in zip(jax.tree.leaves(again.params), jax.tree.leaves(first.params)):
@@ -259,9 +260,9 @@ def test_roundtrip_pjax_to_speculators(kind, tmp_path, verifier_dir, monkeypatch
         spec_model(kind, qwen3_tl(), verifier_dir, fcn=True).save_pretrained(src)
     else:  # llama layers, llama3 rope, norm_before_fc, Vd == V
         spec_model(kind, llama_tl(layers=2), verifier_dir, vd=V, nbf=True).save_pretrained(src)
-    cfg = convert.load_drafter(src, dtype=jnp.float32).config
+    cfg = pjax.load_drafter(src, dtype=jnp.float32).config
     drafter = pjax.init_drafter(cfg, jax.random.key(7), jnp.float32, scale=0.15)
-    out = convert.save_drafter(drafter, tmp_path / "out", dtype="float32")
+    out = pjax.save_drafter(drafter, tmp_path / "out", dtype="float32")
     model = (PEagleDraftModel if kind == "peagle" else Eagle3DraftModel).from_pretrained(str(out)).float().eval()
     if kind == "peagle":
         anchor, depth = cod_layout(5)
@@ -270,7 +271,7 @@ def test_roundtrip_pjax_to_speculators(kind, tmp_path, verifier_dir, monkeypatch
         anchor, depth = torch.arange(S), torch.zeros(S, dtype=torch.long)
     compare(model, drafter, monkeypatch, DOC3, anchor, depth, seed=2)
     # the default bf16 export loads too and matches the bf16-rounded head
-    out16 = convert.save_drafter(drafter, tmp_path / "out16")
+    out16 = pjax.save_drafter(drafter, tmp_path / "out16")
     assert json.loads((out16 / "config.json").read_text())["dtype"] == "bfloat16"
     model16 = type(model).from_pretrained(str(out16)).float().eval()
-    compare(model16, convert.load_drafter(out16, dtype=jnp.float32), monkeypatch, DOC3, anchor, depth, seed=2)
+    compare(model16, pjax.load_drafter(out16, dtype=jnp.float32), monkeypatch, DOC3, anchor, depth, seed=2)

@@ -16,7 +16,7 @@ from pjax.config import LayerSpec, ModelConfig, RopeSpec
 from pjax.decode import Sampling, make_spec, prefill_single, round_single
 from pjax.decode.state import DecodeState
 from pjax.decode.step import _emit
-from tests.test_engine_greedy import FAST, make_drafter
+from tests.engine_utils import FAST, make_drafter
 
 V, H = 61, 32
 PROMPTS = [[5, 17, 3], [9, 1, 44, 60, 2, 71 % V, 33, 8, 50, 12, 4], [30, 31, 32, 33, 34, 35]]
@@ -56,7 +56,7 @@ def test_errors(models):
     wide = dataclasses.replace(target, config=dataclasses.replace(target.config, hidden_size=2 * H))
     with pytest.raises(ValueError, match="target_hidden_size"):
         gen(target, make_drafter(wide), PROMPTS, max_new_tokens=4)
-    with pytest.raises(ValueError, match=r"outside the target's layers \[0, 2\]"):
+    with pytest.raises(ValueError, match=r"outside the target depth \[0, 2\]"):
         gen(target, make_drafter(target, aux=(0, 1, 3)), PROMPTS, max_new_tokens=4)
     eagle3 = make_drafter(target, mask_token_id=None, has_mask_hidden=False, model_kind="eagle3")
     with pytest.raises(ValueError, match="use drafting='sequential'"):

@@ -5,7 +5,7 @@ tests of the XLA path carry over)."""
 import pytest
 
 import pjax
-from tests.test_engine_greedy import FAST, NEW, PROMPTS, build
+from tests.engine_utils import FAST, NEW, PROMPTS, build
 
 
 @pytest.fixture(scope="module")

@@ -165,14 +165,14 @@ def test_expert_matmul_ids_out_of_range_gradient_and_mixed_dtypes():
 
 
 def test_expert_matmul_lowers_to_triton_and_moe_uses_it(monkeypatch):
-    """The kernel lowers for CUDA; pjax.nn.MoE's decode path goes through it (forced on CPU) and matches."""
+    """The kernel lowers for CUDA; pjax.models.moe.MoE's decode path goes through it (forced on CPU) and matches."""
     bf = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
     for p, r in ((16, 8), (96, 1)):  # 16 and 128 padded rows; token rows feeding 8 pairs each
         lower_for_gpu(lambda x, i, w: em_pallas.expert_matmul(x, i, w, repeat=r), bf(p // r, 2048),
                       jax.ShapeDtypeStruct((p,), jnp.int32), bf(128, 2048, 1536))
     from flax import nnx
 
-    from pjax import nn
+    from pjax.models import moe as nn
     from pjax.config import LayerSpec, ModelConfig, MoeSpec, RopeSpec
     from pjax.kernels import _dispatch
     cfg = ModelConfig(model_type="qwen3_moe", vocab_size=11, hidden_size=64, intermediate_size=64, num_heads=2,
@@ -193,9 +193,9 @@ def test_expert_matmul_lowers_to_triton_and_moe_uses_it(monkeypatch):
 
 
 def test_target_cached_forward_with_attention_kernel(monkeypatch):
-    """pjax.nn.Attention's cached path dispatches to the kernel under implementation="auto" on GPU; force
+    """pjax.models.attention.Attention's cached path dispatches to the kernel under implementation="auto" on GPU; force
     that choice here (interpret mode) and compare the target's logits with the XLA path."""
-    from pjax import forward, init_cache, init_target, logits_from_hidden
+    from pjax.models import forward, init_cache, init_target, logits_from_hidden
     from pjax.config import LayerSpec, ModelConfig, RopeSpec
     from pjax.kernels import _dispatch
 

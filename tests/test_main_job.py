@@ -1,9 +1,9 @@
 """The README main job (examples/train_peagle.py) end to end, shortened: trains, exports a head that
-convert.load_drafter reads back, and speculative decoding reproduces plain greedy decoding."""
+pjax.load_drafter reads back, and speculative decoding reproduces plain greedy decoding."""
 import importlib.util
 from pathlib import Path
+import pjax
 
-import convert
 
 
 def test_main_job_short(tmp_path):
@@ -15,5 +15,5 @@ def test_main_job_short(tmp_path):
     report = mod.tiny_job(["--target-steps", "30", "--steps", "30", "--no-progress", "--out", str(out)])
     assert report["identical_to_plain"] is True
     assert 1.0 <= report["acceptance_length"] <= 5.0
-    head = convert.load_drafter(out)
+    head = pjax.load_drafter(out)
     assert head.config.num_aux == 3 and head.config.mask_token_id is not None

@@ -12,9 +12,9 @@ import transformers as tf
 from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-import convert
-from convert.safetensors_io import Checkpoint, SafetensorsFile, save_file
-from convert.target import TensorSource
+import pjax
+from pjax.checkpoint.safetensors import Checkpoint, SafetensorsFile, save_file
+from pjax.checkpoint.hf import TensorSource
 from tests.hf_utils import randomize
 
 FP8_MAX = 448.0
@@ -87,7 +87,7 @@ def test_fp8_partial_blocks_and_ue8m0_scales(tmp_path):
 def test_fp8_scale_shape_is_checked(tmp_path):
     q, s = quantize_fp8_blocks(np.ones((256, 256), np.float32))
     src = source(tmp_path, {"x.weight": q, "x.weight_scale_inv": s[:1]}, FP8_CFG)
-    with pytest.raises(convert.CheckpointError, match=r"x.weight_scale_inv.*\[1, 2\], expected \[2, 2\]"):
+    with pytest.raises(pjax.CheckpointError, match=r"x.weight_scale_inv.*\[1, 2\], expected \[2, 2\]"):
         src.read("x.weight", (256, 256))
 
 
@@ -118,7 +118,7 @@ def fp8_llama(tmp_path_factory):
 
 def test_fp8_checkpoint_loads_dequantised(fp8_llama):
     path, _, expect = fp8_llama
-    target = convert.load_target(path, dtype=jnp.float32)
+    target = pjax.load_target(path, dtype=jnp.float32)
     p = target.params
     np.testing.assert_array_equal(p["layers"][1]["mlp"]["down_proj"]["kernel"],
                                   expect["model.layers.1.mlp.down_proj.weight"].T)
@@ -135,8 +135,8 @@ def test_fp8_modules_to_not_convert_is_honoured(fp8_llama, tmp_path):
     hf["quantization_config"]["modules_to_not_convert"] = ["lm_head", "model.layers.*.mlp"]
     save_file(tensors, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text(json.dumps(hf))
-    with pytest.raises(convert.CheckpointError, match=r"model.layers.0.mlp.\w+_proj'? is listed in .*modules_to_not"):
-        convert.load_target(tmp_path, dtype=jnp.float32)
+    with pytest.raises(pjax.CheckpointError, match=r"model.layers.0.mlp.\w+_proj'? is listed in .*modules_to_not"):
+        pjax.load_target(tmp_path, dtype=jnp.float32)
 
 
 def decode_e2m1(nibble):
@@ -159,5 +159,5 @@ def test_mxfp4_matches_transformers(tmp_path):
     vals = np.stack([decode_e2m1(blocks & 15), decode_e2m1(blocks >> 4)], -1).reshape(e, dout, din // 32, 32)
     vals = vals * 2.0 ** (scales.astype(np.float64)[..., None] - 127)
     np.testing.assert_array_equal(got, vals.reshape(e, dout, din).transpose(0, 2, 1).astype(np.float32))
-    with pytest.raises(convert.CheckpointError, match=r"w_blocks.*shape \[3, 8, 2, 16\], expected \[3, 4, 2, 16\]"):
+    with pytest.raises(pjax.CheckpointError, match=r"w_blocks.*shape \[3, 8, 2, 16\], expected \[3, 4, 2, 16\]"):
         src.read_mxfp4("w", (e, din, 4))

@@ -5,10 +5,9 @@ import numpy as np
 import pytest
 import transformers as tf
 
-import convert
 import pjax
-from pjax.cache import init_cache
-from pjax.target import forward, logits_from_hidden
+from pjax.models.cache import init_cache
+from pjax.models.target import forward, logits_from_hidden
 from tests.hf_utils import hf_logits, rel_err, save_tiny
 
 LLAMA = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=5, num_attention_heads=8,
@@ -27,14 +26,14 @@ def pair(request, tmp_path_factory):
     else:
         kw = dict(LLAMA, tie_word_embeddings=request.param == "llama_tied")
         model = save_tiny(tf.LlamaForCausalLM, tf.LlamaConfig(**kw), path, init_std=0.1)
-    return model, convert.load_target(path, dtype=jnp.float32)
+    return model, pjax.load_target(path, dtype=jnp.float32)
 
 
 def test_logits_match_transformers(pair):
     model, target = pair
     ids = np.random.default_rng(0).integers(0, 97, (2, 40))
     ref = hf_logits(model, ids)
-    got = np.asarray(pjax.target_logits(target, ids))
+    got = np.asarray(pjax.models.target_logits(target, ids))
     assert rel_err(got, ref) <= 1e-4
 
 
@@ -59,7 +58,7 @@ def test_cached_extend_matches_full_forward(pair, chunk):
     rng = np.random.default_rng(2)
     b, total = 3, 24
     ids = jnp.asarray(rng.integers(0, 97, (b, total)), jnp.int32)
-    full = np.asarray(pjax.target_logits(target, ids))
+    full = np.asarray(pjax.models.target_logits(target, ids))
     prefix = np.array([5, 9, 7])  # ragged per-row lengths
     cache = init_cache(target.config, b, 32, jnp.float32)
     step = jax.jit(forward)
@@ -81,10 +80,10 @@ def test_cached_extend_matches_full_forward(pair, chunk):
 
 
 def test_one_token_decode_matches_full_forward(pair):
-    """Batch 1, one token per step: every projection takes the one-row path of `pjax.nn.Linear`."""
+    """Batch 1, one token per step: every projection takes the one-row path of `pjax.models.layers.Linear`."""
     _, target = pair
     ids = jnp.asarray(np.random.default_rng(3).integers(0, 97, (1, 12)), jnp.int32)
-    full = np.asarray(pjax.target_logits(target, ids))
+    full = np.asarray(pjax.models.target_logits(target, ids))
     step = jax.jit(forward)
     cache = step(target, ids[:, :8], jnp.arange(8, dtype=jnp.int32)[None], init_cache(target.config, 1, 16,
                                                                                         jnp.float32)).cache
@@ -99,7 +98,7 @@ def test_one_row_linear_is_a_two_row_matrix_product():
     row keeps it a GEMM. The output equals the plain product for any leading shape."""
     from flax import nnx
 
-    from pjax.nn import Linear
+    from pjax.models.layers import Linear
     lin = Linear(64, 32, use_bias=True, rngs=nnx.Rngs(0))
     w, b = np.asarray(lin.kernel[...]), np.asarray(lin.bias[...])
     for shape in [(64,), (1, 64), (1, 1, 64), (3, 64)]:

@@ -11,10 +11,9 @@ import torch
 import transformers as tf
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-import convert
 import pjax
-from convert.safetensors_io import SafetensorsFile, save_file
-from pjax.nn import MOE_FEW_PAIRS
+from pjax.checkpoint.safetensors import SafetensorsFile, save_file
+from pjax.models.moe import MOE_FEW_PAIRS
 from tests.hf_utils import check_cached_extend, hf_hidden_states, pjax_full_forward, randomize, rel_err
 
 V = 97
@@ -68,7 +67,7 @@ def pair(request, tmp_path_factory):
     else:
         model = randomize(tf.Gemma4ForCausalLM(tf.Gemma4TextConfig(**GEMMA4)).float().eval())
     model.save_pretrained(path)
-    target = convert.load_target(path, dtype=jnp.float32)
+    target = pjax.load_target(path, dtype=jnp.float32)
     extra["hf_hidden"], extra["hf_logits"] = hf_hidden_states(model, IDS)
     extra["logits"], extra["aux"], extra["final_normed"] = pjax_full_forward(target, IDS, aux_ids(target))
     return model, target, path, extra
@@ -140,14 +139,14 @@ def test_gpt_oss_mxfp4_checkpoint(pair, tmp_path):
     cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
         "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
     (out / "config.json").write_text(json.dumps(cfg))
-    q = convert.load_target(out, dtype=jnp.float32)
+    q = pjax.load_target(out, dtype=jnp.float32)
     for (p, a), b in zip(jax.tree.flatten_with_path(target.params)[0], jax.tree.leaves(q.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(p))
     # without the quantization_config the blocks are rejected with a clear error
     cfg.pop("quantization_config")
     (out / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(convert.CheckpointError, match=r"_proj_blocks.*is MXFP4.*expected .mxfp4."):
-        convert.load_target(out, dtype=jnp.float32)
+    with pytest.raises(pjax.CheckpointError, match=r"_proj_blocks.*is MXFP4.*expected .mxfp4."):
+        pjax.load_target(out, dtype=jnp.float32)
 
 
 def test_fused_qwen3_moe_layout_and_multimodal_gemma4_prefix(pair, tmp_path):
@@ -176,7 +175,7 @@ def test_fused_qwen3_moe_layout_and_multimodal_gemma4_prefix(pair, tmp_path):
     out.mkdir()
     save_file(tensors, out / "model.safetensors")
     (out / "config.json").write_text(json.dumps(cfg))
-    alt = convert.load_target(out, dtype=jnp.float32)
+    alt = pjax.load_target(out, dtype=jnp.float32)
     assert alt.config == target.config
     for a, b in zip(jax.tree.leaves(target.params), jax.tree.leaves(alt.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -189,7 +188,7 @@ def test_router_matches_transformers(family, norm_topk):
     from flax import nnx
 
     from pjax.models.families import config_from_hf
-    from pjax.nn import MoE
+    from pjax.models.moe import MoE
     torch.manual_seed(1)
     if family == "qwen3_moe":
         hf_cfg = tf.Qwen3MoeConfig(**dict(QWEN3_MOE, norm_topk_prob=norm_topk))

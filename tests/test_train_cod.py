@@ -9,8 +9,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from torch.nn.attention.flex_attention import create_mask  # noqa: E402
 
-from pjax.nn import attention  # noqa: E402
-from pjax.train.attention import CodMask, cod_dense_mask  # noqa: E402
+from pjax.models.attention import attend as attention  # noqa: E402
+from pjax.train.masks import CodMask, cod_dense_mask  # noqa: E402
 from pjax.train.cod import (CodConfig, cod_budget, cod_capacities, cod_sample, depth_count_table,  # noqa: E402
                             element_segment, layout_from_arrays, partition_layout)
 from speculators.models.peagle.attention import create_peagle_mask_mod  # noqa: E402

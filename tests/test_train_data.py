@@ -13,11 +13,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from pjax.config import LayerSpec, ModelConfig, RopeSpec  # noqa: E402
-from pjax.target import forward, init_target  # noqa: E402
+from pjax.models.target import forward, init_target  # noqa: E402
 from pjax.train.data import (ByteTokenizer, DataError, Document, FeatureStream, RowStream,  # noqa: E402
                              build_vocab_mapping, chat_document, eagle_shift, load_documents, pack_documents,
                              save_feature_sample, shift_and_pack_features, token_frequencies)
-from pjax.train.features import target_features  # noqa: E402
+from pjax.train.target_features import target_features  # noqa: E402
 from speculators.models.eagle3.data import shift_batch  # noqa: E402
 from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution  # noqa: E402
 
@@ -102,7 +102,7 @@ def test_feature_stream_packs_splits_and_reads_files(tmp_path):
     for k in ref:
         np.testing.assert_array_equal(one[k], ref[k])
     bad = tmp_path / "bad.safetensors"
-    from convert.safetensors_io import save_file
+    from pjax.checkpoint.safetensors import save_file
     save_file(dict(input_ids=np.arange(5, dtype=np.int32), hidden_states=np.zeros((4, 6), np.float32)), bad)
     with pytest.raises(DataError, match="bad.safetensors.*hidden_states"):
         FeatureStream([str(bad)], 16, 1).batch(0)

@@ -10,13 +10,16 @@ import pytest
 
 from pjax.config import LayerSpec, ModelConfig, RopeSpec
 from pjax.models.drafter import Drafter
-from pjax.target import init_target
+from pjax.models.pairing import check_pair
+from pjax.models.target import init_target
 from pjax.train.cod import CodConfig, cod_sample
 from pjax.train.data import ByteTokenizer, FeatureStream, RowStream, pack_documents, stack_rows, text_document
 from pjax.train.loop import train_drafter
 from pjax.train.optim import OptimConfig, split_params, trainable_mask
-from pjax.train.state import TrainConfig, drafter_config_for_target, init_drafter_for_target, init_train_state
-from pjax.train.features import target_features
+from pjax.train.config import TrainConfig
+from pjax.train.heads import drafter_config_for_target, init_drafter_for_target
+from pjax.train.state import init_train_state
+from pjax.train.target_features import target_features
 from pjax.train.step import loss_and_grads, make_mesh, make_train_step, shard_batch, shard_target
 
 S, B = 64, 4
@@ -99,7 +102,7 @@ def test_offline_features_step_equals_online(setup):
     docs = [dataclasses.replace(d, tokens=d.tokens[:n], loss_mask=d.loss_mask[:n])
             for d, n in zip(stream.docs, (20, 25, 15))]  # 60 raw tokens: one packed row of S = 64
     online = stack_rows(pack_documents(docs, S))
-    aux_ids = drafter.config.resolved_aux_layer_ids(target.config)
+    aux_ids = check_pair(target.config, drafter.config)
     smps = []
     for d in docs:
         aux, final = target_features(target, d.tokens[None], np.zeros((1, len(d.tokens)), np.int32), aux_ids)

@@ -17,12 +17,12 @@ from torch.nn.attention.flex_attention import create_mask  # noqa: E402
 from transformers import LlamaConfig, Qwen3Config  # noqa: E402
 
 import speculators.models.peagle.core as peagle_core  # noqa: E402
-from convert import load_drafter  # noqa: E402
-from convert.drafter import _path_of, tensor_name  # noqa: E402
+from pjax.checkpoint import load_drafter  # noqa: E402
+from pjax.checkpoint.heads import _path_of, tensor_name  # noqa: E402
 from pjax.config import LayerSpec, ModelConfig, RopeSpec  # noqa: E402
-from pjax.target import init_target  # noqa: E402
+from pjax.models.target import init_target  # noqa: E402
 from pjax.train.eagle3 import eagle3_row_loss  # noqa: E402
-from pjax.train.loss import peagle_loss, peagle_loss_and_metrics, with_params  # noqa: E402
+from pjax.train.losses import peagle_loss, peagle_loss_and_metrics, with_params  # noqa: E402
 from speculators.config import SpeculatorsConfig, VerifierConfig  # noqa: E402
 from speculators.losses import resolve_loss_config  # noqa: E402
 from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig  # noqa: E402

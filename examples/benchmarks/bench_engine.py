@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import pjax  # noqa: E402
 from pjax.config import LayerSpec, ModelConfig, RopeSpec  # noqa: E402
-from pjax.cache import init_cache  # noqa: E402
+from pjax.models.cache import init_cache  # noqa: E402
 from pjax.decode import DecodeState, Sampling, make_spec, spec_round, verify  # noqa: E402
 from pjax.decode import draft as D  # noqa: E402
 from pjax.decode.step import _accept  # noqa: E402

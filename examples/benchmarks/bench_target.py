@@ -33,9 +33,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from pjax.cache import init_cache  # noqa: E402
+from pjax.models.cache import init_cache  # noqa: E402
 from pjax.config import LayerSpec, ModelConfig, MoeSpec, RopeSpec  # noqa: E402
-from pjax.target import Target, abstract_target, forward, logits_from_hidden  # noqa: E402
+from pjax.models.target import Target, abstract_target, forward, logits_from_hidden  # noqa: E402
 
 
 def llama(layers=32, h=4096, inter=14336, heads=32, kv=8, hd=128, vocab=128256) -> ModelConfig:

@@ -82,9 +82,11 @@ def run_one(a, length, segments):
     import numpy as np
 
     from pjax.models.drafter import Drafter
-    from pjax.target import init_target
+    from pjax.models.target import init_target
     from pjax.train import (CodConfig, OptimConfig, TrainConfig, drafter_config_for_target, init_drafter_for_target,
-                            init_train_state, make_mesh, make_train_step)
+                            make_mesh)
+    from pjax.train.state import init_train_state
+    from pjax.train.step import make_train_step
     from pjax.train.step import replicate, shard_batch, shard_target
     shape = "tiny" if a.tiny else "llama3.1-8b"
     tshape, head_layers, vd = SHAPES[shape]

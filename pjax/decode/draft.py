@@ -6,53 +6,17 @@ Shapes: B rows, K drafts, T verify rows (K + 1), S slots, H drafter hidden, Vd d
 """
 from __future__ import annotations
 
-import warnings
-
 import jax
 import jax.numpy as jnp
 
 from pjax.decode.state import EngineSpec, Sampling
+from pjax.kernels import rng
+from pjax.kernels.metadata import build_draft_inputs
+from pjax.models.drafter import (draft_logits_from_hidden, draft_to_target, drafter_forward, logits_to_target_vocab,
+                                 mask_feature)
 
 # counter-hash stream for draft sampling (distinct from the acceptance streams)
 DRAFT_STREAM = 0x44
-
-
-def _drafter_api():
-    from pjax.models import drafter as dm
-    return dm
-
-
-def check_compatible(target, drafter, k: int, drafting: str) -> tuple[int, ...]:
-    """Host-side checks of a (target, drafter) pair; returns the aux layer ids the drafter reads."""
-    tcfg = target.config
-    if drafter is None:
-        raise ValueError(f"drafting={drafting!r} needs a drafter (pass drafting='none' for plain decoding)")
-    dcfg = drafter.config
-    if dcfg.layer.vocab_size != tcfg.vocab_size:
-        raise ValueError(f"drafter vocab_size={dcfg.layer.vocab_size} != target vocab_size={tcfg.vocab_size}: "
-                         "the drafter embeds target token ids")
-    if dcfg.target_hidden_size != tcfg.hidden_size:
-        raise ValueError(f"drafter target_hidden_size={dcfg.target_hidden_size} != target hidden_size="
-                         f"{tcfg.hidden_size}")
-    aux = tuple(dcfg.aux_layer_ids) or tuple(tcfg.aux_layer_ids) or tcfg.default_aux_layer_ids()
-    if len(aux) != dcfg.num_aux:
-        raise ValueError(f"drafter expects {dcfg.num_aux} aux features but aux_layer_ids={aux}")
-    bad = [i for i in aux if not 0 <= i <= tcfg.num_layers]
-    if bad:
-        raise ValueError(f"aux_layer_ids {aux}: {bad} outside the target's layers [0, {tcfg.num_layers}]")
-    if dcfg.draft_vocab_size > tcfg.vocab_size:
-        raise ValueError(f"draft_vocab_size={dcfg.draft_vocab_size} > target vocab_size={tcfg.vocab_size}")
-    if drafting == "parallel" and k > 1:
-        if not dcfg.has_mask_hidden or dcfg.mask_token_id is None:
-            raise ValueError("drafting='parallel' with num_speculative_tokens > 1 needs a P-EAGLE head "
-                             "(mask_hidden and mask_token_id); this head has none: use drafting='sequential'")
-        if not 0 <= dcfg.mask_token_id < tcfg.vocab_size:
-            raise ValueError(f"mask_token_id={dcfg.mask_token_id} outside the target vocabulary [0, "
-                             f"{tcfg.vocab_size})")
-    if dcfg.num_depths is not None and drafting == "parallel" and k > dcfg.num_depths:
-        warnings.warn(f"num_speculative_tokens={k} exceeds the depth the head was trained for "
-                      f"({dcfg.num_depths}); deeper drafts will rarely be accepted", stacklevel=3)
-    return aux
 
 
 def select_drafts(drafter, logits, sampling: Sampling, positions, spec: EngineSpec):
@@ -61,11 +25,9 @@ def select_drafts(drafter, logits, sampling: Sampling, positions, spec: EngineSp
     argmax drafts (ties -> lowest id) unless spec.draft_sampling == "sample", where rows with
     temperature > 0 draw d ~ softmax(logits / T) by an exponential race keyed on (seed, position, lane).
     """
-    dm = _drafter_api()
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if spec.draft_sampling == "argmax":
-        return dm.draft_to_target(drafter, greedy_ids).astype(jnp.int32), None
-    from pjax.kernels import rng
+        return draft_to_target(drafter, greedy_ids).astype(jnp.int32), None
     vd = logits.shape[-1]
     temp = sampling.temperature.astype(jnp.float32)[:, None, None]
     greedy = temp <= 0
@@ -76,8 +38,8 @@ def select_drafts(drafter, logits, sampling: Sampling, positions, spec: EngineSp
     sampled = jnp.argmax(q / -jnp.log(u), axis=-1).astype(jnp.int32)
     ids = jnp.where(greedy[..., 0], greedy_ids, sampled)
     q = jnp.where(greedy, jax.nn.one_hot(ids, vd, dtype=jnp.float32), q)
-    tids = dm.draft_to_target(drafter, ids).astype(jnp.int32)
-    return tids, dm.logits_to_target_vocab(drafter, q, fill=0.0)
+    tids = draft_to_target(drafter, ids).astype(jnp.int32)
+    return tids, logits_to_target_vocab(drafter, q, fill=0.0)
 
 
 def gather_features(drafter, comb, feature_row, use_mask: bool):
@@ -86,12 +48,13 @@ def gather_features(drafter, comb, feature_row, use_mask: bool):
     h = jnp.take_along_axis(comb, rows[..., None], axis=1)
     if not use_mask:
         return h
-    mf = _drafter_api().mask_feature(drafter).astype(h.dtype)
+    mf = mask_feature(drafter).astype(h.dtype)
     return jnp.where(feature_row[..., None] >= 0, h, mf)
 
 
-def _draft_pass(drafter, tokens, hidden_in, positions, valid, cache):
-    return _drafter_api().drafter_forward(drafter, tokens, hidden_in, positions, cache, valid=valid)
+def _draft_pass(drafter, tokens, hidden_in, positions, valid, cache, spec: EngineSpec):
+    return drafter_forward(drafter, tokens, hidden_in, positions, cache, valid=valid,
+                           implementation=spec.implementation)
 
 
 def _pick(x, idx):
@@ -111,14 +74,13 @@ def sequential_tail(drafter, cache, first_draft, h, start_pos, active, sampling:
     first_draft [B] target id, h [B, H] prenorm hidden of the slot that produced it (at position
     start_pos [B]); step i writes drafter KV at start_pos + i. Returns (drafts [B, K], q or None, cache).
     """
-    dm = _drafter_api()
     k = spec.k
 
     def step(carry, i):
         tok, hid, cache = carry
         p = (start_pos + i)[:, None]
-        normed, prenorm, cache = _draft_pass(drafter, tok[:, None], hid[:, None], p, active[:, None], cache)
-        logits = dm.draft_logits_from_hidden(drafter, normed)  # [B, 1, Vd]
+        normed, prenorm, cache = _draft_pass(drafter, tok[:, None], hid[:, None], p, active[:, None], cache, spec)
+        logits = draft_logits_from_hidden(drafter, normed)  # [B, 1, Vd]
         d, q = select_drafts(drafter, logits, sampling, p + 2, spec)
         fed = feedback(drafter, normed, prenorm)
         return (d[:, 0], fed[:, 0], cache), (d[:, 0], None if q is None else q[:, 0])
@@ -139,7 +101,6 @@ def draft_round(drafter, cache, comb, verify_tokens, num_accepted, next_token, s
     num_accepted [B]; next_token [B] (bonus / recovered, at position start_pos + n + 1);
     start_pos [B] position of verify_tokens[:, 0]. Returns (drafts [B, K], q or None, cache).
     """
-    from pjax.kernels.metadata import build_draft_inputs
     k = spec.k
     di = build_draft_inputs(num_accepted, verify_tokens, next_token, start_pos, num_slots=2 * k,
                             mask_token_id=spec.mask_token_id, implementation=spec.implementation)
@@ -147,8 +108,8 @@ def draft_round(drafter, cache, comb, verify_tokens, num_accepted, next_token, s
     first_pos = start_pos + num_accepted + 2  # position of d_1
     if spec.drafting == "parallel":
         h_in = gather_features(drafter, comb, di.feature_row, use_mask=k > 1)
-        normed, _, cache = _draft_pass(drafter, di.tokens, h_in, di.positions, valid, cache)
-        logits = _drafter_api().draft_logits_from_hidden(drafter, _pick(normed, di.sample_idx))
+        normed, _, cache = _draft_pass(drafter, di.tokens, h_in, di.positions, valid, cache, spec)
+        logits = draft_logits_from_hidden(drafter, _pick(normed, di.sample_idx))
         pos = first_pos[:, None] + jnp.arange(k, dtype=jnp.int32)
         drafts, q = select_drafts(drafter, logits, sampling, pos, spec)
         return drafts, q, cache
@@ -157,9 +118,9 @@ def draft_round(drafter, cache, comb, verify_tokens, num_accepted, next_token, s
     valid = valid[:, :k + 1] & (fr >= 0)
     h_in = gather_features(drafter, comb, fr, use_mask=False)
     normed, prenorm, cache = _draft_pass(drafter, di.tokens[:, :k + 1], h_in, di.positions[:, :k + 1], valid,
-                                         cache)
+                                         cache, spec)
     n = num_accepted[:, None]
-    logits = _drafter_api().draft_logits_from_hidden(drafter, _pick(normed, n))
+    logits = draft_logits_from_hidden(drafter, _pick(normed, n))
     d1, q1 = select_drafts(drafter, logits, sampling, first_pos[:, None], spec)
     return sequential_tail(drafter, cache, d1[:, 0], _pick(feedback(drafter, normed, prenorm), n)[:, 0],
                            start_pos + num_accepted, active,
@@ -191,7 +152,6 @@ def draft_prefill(drafter, cache, comb, prompts, lengths, first_token, active, s
     """First drafts after prefill. comb [B, Lp, H] combined prompt features; first_token [B] sits at
     position lengths[b]. Returns (drafts [B, K], q or None, cache)."""
     k = spec.k
-    dm = _drafter_api()
     use_masks = spec.drafting == "parallel"
     kk = k if use_masks else 1
     tokens, fr, positions, valid = prefill_draft_inputs(prompts, lengths, first_token, kk, spec.mask_token_id)
@@ -199,15 +159,15 @@ def draft_prefill(drafter, cache, comb, prompts, lengths, first_token, active, s
         comb = jnp.pad(comb, ((0, 0), (0, tokens.shape[1] - comb.shape[1]), (0, 0)))
     h_in = gather_features(drafter, comb, fr, use_mask=use_masks and k > 1)
     valid = valid & active[:, None]
-    normed, prenorm, cache = _draft_pass(drafter, tokens, h_in, positions, valid, cache)
+    normed, prenorm, cache = _draft_pass(drafter, tokens, h_in, positions, valid, cache, spec)
     first_pos = lengths + 1  # position of d_1
     if use_masks:
         idx = (lengths - 1)[:, None] + jnp.arange(k, dtype=jnp.int32)
-        logits = dm.draft_logits_from_hidden(drafter, _pick(normed, idx))
+        logits = draft_logits_from_hidden(drafter, _pick(normed, idx))
         return (*select_drafts(drafter, logits, sampling, first_pos[:, None] + jnp.arange(k, dtype=jnp.int32),
                                spec), cache)
     idx = (lengths - 1)[:, None]
-    logits = dm.draft_logits_from_hidden(drafter, _pick(normed, idx))
+    logits = draft_logits_from_hidden(drafter, _pick(normed, idx))
     d1, q1 = select_drafts(drafter, logits, sampling, first_pos[:, None], spec)
     return sequential_tail(drafter, cache, d1[:, 0], _pick(feedback(drafter, normed, prenorm), idx)[:, 0],
                            lengths - 1, active, sampling, spec, q1)

@@ -6,15 +6,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+import warnings
 from typing import Any, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pjax.decode import draft as D
 from pjax.decode.state import DRAFT_SAMPLING, DRAFTING_MODES, STOP_NAMES, EngineSpec, Sampling
 from pjax.decode.step import decode_loop, prefill, spec_round
+from pjax.models.drafter import no_parallel_reason
+from pjax.models.pairing import check_pair
 
 
 @dataclasses.dataclass
@@ -105,6 +107,21 @@ def _check_prompts(prompts, vocab: int):
     return out
 
 
+def check_engine_pair(target, drafter, k: int, drafting: str) -> tuple[int, ...]:
+    """Host-side checks of a (target, drafter) pair for `drafting` with K drafts (`pjax.models.pairing`, plus the
+    parallel-drafting needs); returns the aux layer ids the drafter reads."""
+    if drafter is None:
+        raise ValueError(f"drafting={drafting!r} needs a drafter (pass drafting='none' for plain decoding)")
+    dcfg = drafter.config
+    aux = check_pair(target.config, dcfg)
+    if drafting == "parallel" and k > 1 and no_parallel_reason(dcfg):
+        raise ValueError(no_parallel_reason(dcfg) + "; use drafting='sequential'")
+    if dcfg.num_depths is not None and drafting == "parallel" and k > dcfg.num_depths:
+        warnings.warn(f"num_speculative_tokens={k} exceeds the depth the head was trained for "
+                      f"({dcfg.num_depths}); deeper drafts will rarely be accepted", stacklevel=4)
+    return aux
+
+
 def make_spec(target, drafter, *, max_new_tokens: int, num_speculative_tokens: int, drafting: str,
               draft_sampling: str = "argmax", implementation: str = "auto") -> EngineSpec:
     """Validate the settings and the (target, drafter) pair; returns the static EngineSpec."""
@@ -122,7 +139,7 @@ def make_spec(target, drafter, *, max_new_tokens: int, num_speculative_tokens: i
         if k < 1 or k != num_speculative_tokens:
             raise ValueError(f"num_speculative_tokens must be an integer >= 1 for drafting={drafting!r} "
                              f"(got {num_speculative_tokens!r})")
-        aux = D.check_compatible(target, drafter, k, drafting)
+        aux = check_engine_pair(target, drafter, k, drafting)
         mask_id = drafter.config.mask_token_id if drafter.config.mask_token_id is not None else 0
     return EngineSpec(num_speculative_tokens=k, drafting=drafting, max_new_tokens=int(max_new_tokens),
                       draft_sampling=draft_sampling, aux_layer_ids=tuple(aux),

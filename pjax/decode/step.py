@@ -11,15 +11,16 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pjax.cache import init_cache
 from pjax.decode import draft as D
 from pjax.decode.state import (RUNNING, STOP_CAPACITY, STOP_EOS, STOP_LENGTH, DecodeState, EngineSpec, Sampling,
                                add_batch_axis, drop_batch_axis)
-from pjax.target import forward, logits_from_hidden
+from pjax.kernels.acceptance import accept
+from pjax.models.cache import init_cache
+from pjax.models.drafter import combine, init_drafter_cache
+from pjax.models.target import forward, logits_from_hidden
 
 
 def _accept(logits, drafts, q, sampling: Sampling, positions, num_drafts, spec: EngineSpec):
-    from pjax.kernels.acceptance import accept
     return accept(logits, drafts, q, temperature=sampling.temperature.astype(jnp.float32),
                   top_k=sampling.top_k.astype(jnp.int32) if spec.use_top_k else None,
                   top_p=sampling.top_p.astype(jnp.float32) if spec.use_top_p else None,
@@ -81,7 +82,8 @@ def prefill(target, drafter, prompts, lengths, sampling: Sampling, *, spec: Engi
     positions = jnp.broadcast_to(j, (b, lp))
     valid = j < lengths[:, None]
     tcache = init_cache(target.config, b, capacity, cache_dtype or target.dtype)
-    out = forward(target, prompts, positions, tcache, valid=valid, aux_layer_ids=spec.aux_layer_ids)
+    out = forward(target, prompts, positions, tcache, valid=valid, aux_layer_ids=spec.aux_layer_ids,
+                  implementation=spec.implementation)
     last_h = jnp.take_along_axis(out.hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
     first = _sample_one(logits_from_hidden(target, last_h), sampling, lengths, spec)
     n_buf = spec.out_len
@@ -98,9 +100,8 @@ def prefill(target, drafter, prompts, lengths, sampling: Sampling, *, spec: Engi
     state = dataclasses.replace(state, out=o, num_out=num_out, done=done, stop=stop)
     if spec.drafting == "none":
         return state
-    dm = D._drafter_api()
-    dcache = dm.init_drafter_cache(drafter, b, capacity, cache_dtype or drafter.dtype)
-    comb = dm.combine(drafter, out.aux)
+    dcache = init_drafter_cache(drafter, b, capacity, cache_dtype or drafter.dtype)
+    comb = combine(drafter, out.aux)
     drafts, q, dcache = D.draft_prefill(drafter, dcache, comb, prompts, lengths, first, ~done, sampling, spec)
     return dataclasses.replace(state, drafter_cache=dcache, drafts=drafts, draft_probs=q)
 
@@ -113,7 +114,8 @@ def verify(target, state: DecodeState, num_drafts, active, spec: EngineSpec):
     idx = jnp.arange(k + 1, dtype=jnp.int32)[None]
     positions = state.pos[:, None] + idx
     valid = active[:, None] & (idx <= num_drafts[:, None])
-    out = forward(target, tokens, positions, state.target_cache, valid=valid, aux_layer_ids=spec.aux_layer_ids)
+    out = forward(target, tokens, positions, state.target_cache, valid=valid, aux_layer_ids=spec.aux_layer_ids,
+                  implementation=spec.implementation)
     return logits_from_hidden(target, out.hidden), out.aux, out.cache, tokens
 
 
@@ -141,7 +143,7 @@ def spec_round(target, drafter, state: DecodeState, sampling: Sampling, *, spec:
         accepted_at=state.accepted_at + acc_at.astype(jnp.int32))
     if spec.drafting == "none":
         return new
-    comb = D._drafter_api().combine(drafter, aux)
+    comb = combine(drafter, aux)
     drafts, q, dcache = D.draft_round(drafter, state.drafter_cache, comb, vtokens, n, res.next_token, state.pos,
                                       active & ~done, sampling, spec)
     keep = (active & ~done)[:, None]

@@ -12,17 +12,22 @@ A aux layers, Ht target hidden size, V target vocab, Vd draft vocab.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pjax.cache import init_cache
 from pjax.config import ConfigError, LayerSpec, ModelConfig
+from pjax.models.attention import Attention
+from pjax.models.cache import LayerKV, init_cache
+from pjax.models.layers import MLP, Linear, RMSNorm
 from pjax.models.transformer import DecoderLayer
-from pjax.nn import MLP, Attention, LayerKV, Linear, RMSNorm
+
+__all__ = ["Drafter", "DrafterConfig", "DrafterModel", "abstract_drafter", "combine", "draft_logits_from_hidden",
+           "draft_to_target", "drafter_forward", "init_drafter", "init_drafter_cache", "logits_to_target_vocab",
+           "mask_feature", "no_parallel_reason"]
 
 MODEL_KINDS = ("peagle", "eagle3")
 
@@ -97,27 +102,6 @@ class DrafterConfig:
         lay.validate()
         return self
 
-    def check_target(self, target_cfg: ModelConfig, where: str = "drafter") -> None:
-        """Raise ConfigError if this head cannot be fed by `target_cfg` (vocab, width, aux layer depth)."""
-        if target_cfg.vocab_size != self.vocab_size:
-            raise ConfigError(f"{where}: drafter vocab_size={self.vocab_size} but the target has "
-                              f"vocab_size={target_cfg.vocab_size}")
-        if target_cfg.hidden_size != self.target_hidden_size:
-            raise ConfigError(f"{where}: target_hidden_size={self.target_hidden_size} but the target has "
-                              f"hidden_size={target_cfg.hidden_size}")
-        n = target_cfg.num_layers
-        bad = [i for i in self.aux_layer_ids if not 0 <= i <= n]
-        if bad:
-            raise ConfigError(f"{where}: eagle_aux_hidden_state_layer_ids {list(self.aux_layer_ids)} contain {bad}, "
-                              f"outside the target depth [0, {n}]")
-
-    def resolved_aux_layer_ids(self, target_cfg: ModelConfig) -> tuple[int, ...]:
-        """The aux layer ids, defaulting to the target's (2, n//2, n-3) when the head does not say."""
-        ids = self.aux_layer_ids or target_cfg.default_aux_layer_ids()
-        if len(ids) != self.num_aux:
-            raise ConfigError(f"aux layer ids {list(ids)} do not match num_aux={self.num_aux}")
-        return tuple(ids)
-
 
 class FusedFirstLayer(nnx.Module):
     """EAGLE-3 layer 0: attention over `[input_layernorm(e) ; hidden_norm(f)]` (q/k/v take 2H),
@@ -132,17 +116,18 @@ class FusedFirstLayer(nnx.Module):
         self.mlp = MLP(cfg, h, cfg.intermediate_size, dtype=dtype, rngs=rngs)
         self.norm_before_residual = norm_before_residual
 
-    def __call__(self, e, f, positions, kv: Optional[LayerKV], *, valid=None, mask=None):
+    def __call__(self, e, f, positions, kv: Optional[LayerKV], *, valid=None, mask=None, implementation: str = "auto"):
         """e, f [B, T, H] -> (h [B, T, H], kv)."""
         e_n, f_n = self.input_layernorm(e), self.hidden_norm(f)
         residual = f_n if self.norm_before_residual else f
-        a, kv = self.self_attn(jnp.concatenate([e_n, f_n], axis=-1), positions, kv, valid=valid, mask=mask)
+        a, kv = self.self_attn(jnp.concatenate([e_n, f_n], axis=-1), positions, kv, valid=valid, mask=mask,
+                               implementation=implementation)
         h = residual + a
         return h + self.mlp(self.post_attention_layernorm(h)), kv
 
 
 class DrafterModel(nnx.Module):
-    """Parameter tree of a drafter (names follow the speculators checkpoint, see convert.drafter)."""
+    """Parameter tree of a drafter (names follow the speculators checkpoint, see pjax.checkpoint.heads)."""
 
     def __init__(self, cfg: DrafterConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         lay = cfg.layer
@@ -170,7 +155,7 @@ class DrafterModel(nnx.Module):
             g = jnp.concatenate([norm(c) for norm, c in zip(self.fc_norm, chunks)], axis=-1)
         return self.fc(g)
 
-    def __call__(self, tokens, hidden_in, positions, cache=None, *, valid=None, mask=None):
+    def __call__(self, tokens, hidden_in, positions, cache=None, *, valid=None, mask=None, implementation: str = "auto"):
         """tokens, positions [B, T]; hidden_in [B, T, H] (combined); mask None, [B, T, S] bool or a
         per-layer sequence of those. Returns (normed [B, T, H], prenorm [B, T, H], cache)."""
         n = len(self.layers)
@@ -183,9 +168,9 @@ class DrafterModel(nnx.Module):
         for i, layer in enumerate(self.layers):
             kv = None if cache is None else cache[i]
             if i == 0:
-                h, kv = layer(e, h, positions, kv, valid=valid, mask=masks[i])
+                h, kv = layer(e, h, positions, kv, valid=valid, mask=masks[i], implementation=implementation)
             else:
-                h, kv = layer(h, positions, kv, valid=valid, mask=masks[i])
+                h, kv = layer(h, positions, kv, valid=valid, mask=masks[i], implementation=implementation)
             if cache is not None:
                 new_cache.append(kv)
         return self.norm(h), h, new_cache
@@ -257,19 +242,24 @@ def combine(drafter: Drafter, features):
 
 def mask_feature(drafter: Drafter):
     """combine(mask_hidden) -> [H], the feature of every parallel (mask) slot."""
-    if drafter.config.mask_token_id is None or not drafter.config.has_mask_hidden:
-        raise ValueError(_no_parallel_message(drafter.config))
+    reason = no_parallel_reason(drafter.config)
+    if reason:
+        raise ValueError(reason)
     return combine(drafter, drafter.params["mask_hidden"])
 
 
-def _no_parallel_message(cfg: DrafterConfig) -> str:
+def no_parallel_reason(cfg: DrafterConfig) -> str:
+    """Why this head cannot draft in parallel (P-EAGLE), or "" when it can."""
     missing = [n for n, ok in (("mask_hidden", cfg.has_mask_hidden), ("mask_token_id", cfg.mask_token_id is not None))
                if not ok]
+    if not missing:
+        return ""
     return (f"parallel drafting needs mask_hidden and mask_token_id, but this {cfg.model_kind} head has no "
             f"{' and no '.join(missing)} (an EAGLE-3 head only supports sequential drafting)")
 
 
-def drafter_forward(drafter: Drafter, tokens, hidden_in, positions, cache=None, *, valid=None, mask=None):
+def drafter_forward(drafter: Drafter, tokens, hidden_in, positions, cache=None, *, valid=None, mask=None,
+                    implementation: str = "auto"):
     """One drafter pass over slots.
 
     tokens, positions [B, T] int32 (absolute positions); hidden_in [B, T, H] already combined (fc
@@ -278,9 +268,10 @@ def drafter_forward(drafter: Drafter, tokens, hidden_in, positions, cache=None, 
     `positions` (rows with valid False write nothing) and queries attend causally by position
     (per-layer sliding windows honoured). mask: explicit bool [B, T, S] (or one per layer)
     replacing the positional rule (training layouts).
+    implementation: the kernel switch ("xla" | "pallas" | "auto").
     Returns (normed [B, T, H], prenorm [B, T, H], cache).
     """
-    return drafter.module(tokens, hidden_in, positions, cache, valid=valid, mask=mask)
+    return drafter.module(tokens, hidden_in, positions, cache, valid=valid, mask=mask, implementation=implementation)
 
 
 def init_drafter_cache(drafter: Drafter, batch: int, capacity: int, dtype=jnp.bfloat16) -> list[LayerKV]:
@@ -308,64 +299,3 @@ def logits_to_target_vocab(drafter: Drafter, logits, fill=-jnp.inf):
     ids = draft_to_target(drafter, jnp.arange(vd, dtype=jnp.int32))
     out = jnp.full(logits.shape[:-1] + (drafter.config.vocab_size,), fill, logits.dtype)
     return out.at[..., ids].set(logits)
-
-
-def cod_attention_mask(document_ids, anchor_pos, depth, window: Optional[int] = None):
-    """Training (COD) attention mask, bool [N, N] (speculators `create_peagle_mask_mod`).
-
-    document_ids [S] or [1, S] (-1 = padding); anchor_pos, depth [N]. q may attend kv iff
-    doc[a_q] != -1 and doc[a_q] == doc[a_kv] and ((d_kv == 0 and a_kv <= a_q [and a_kv > a_q + d_q - W])
-    or (a_kv == a_q and d_kv <= d_q)). Negative anchors index from the end, as in torch.
-    """
-    doc = jnp.asarray(document_ids).reshape(-1)
-    a, d = jnp.asarray(anchor_pos), jnp.asarray(depth)
-    da = doc[a]
-    qa, ka, qd, kd = a[:, None], a[None, :], d[:, None], d[None, :]
-    context = (kd == 0) & (ka <= qa)
-    if window is not None:
-        context &= ka > qa + qd - window
-    return (da[:, None] != -1) & (da[:, None] == da[None, :]) & (context | ((qa == ka) & (kd <= qd)))
-
-
-@jax.jit
-def _draft_logits(drafter: Drafter, hidden_states, input_ids, document_ids, anchor_pos, depth):
-    cfg = drafter.config
-    s = input_ids.shape[-1]
-    ids = input_ids.reshape(s)
-    hs = hidden_states.reshape(s, -1)
-    anchor_pos, depth = anchor_pos.astype(jnp.int32), depth.astype(jnp.int32)
-    pos = anchor_pos + depth
-    real = depth == 0
-    feats = hs[pos]
-    tokens = ids[pos]
-    if cfg.has_mask_hidden and cfg.mask_token_id is not None:
-        feats = jnp.where(real[:, None], feats, drafter.params["mask_hidden"].astype(feats.dtype)[None])
-        tokens = jnp.where(real, tokens, jnp.asarray(cfg.mask_token_id, tokens.dtype))
-    f = combine(drafter, feats)
-    by_window = {}
-    masks = []
-    for spec in cfg.layer.layers:
-        w = spec.sliding_window
-        if w not in by_window:
-            by_window[w] = cod_attention_mask(document_ids, anchor_pos, depth, w)[None]
-        masks.append(by_window[w])
-    normed, _, _ = drafter_forward(drafter, tokens[None].astype(jnp.int32), f[None], pos[None], mask=masks)
-    return draft_logits_from_hidden(drafter, normed[0])
-
-
-def draft_logits(drafter: Drafter, hidden_states, input_ids, document_ids, anchor_pos, depth):
-    """Draft-vocab logits float32 [N, Vd] of the N flattened COD elements (training layout).
-
-    hidden_states [1, S, A*Ht] (pre-fc target features, shifted as in speculators: index p pairs
-    token x_{p+1} with feature g_p), input_ids [1, S], document_ids [1, S] (-1 = padding),
-    anchor_pos [N], depth [N]. Element i sits at position anchor+depth; depth 0 takes the real token
-    and feature at that position, depth >= 1 the mask token and mask_hidden (same combine path).
-    Heads without mask_hidden / mask_token_id accept only all-zero (concrete) depths.
-    """
-    cfg = drafter.config
-    if not (cfg.has_mask_hidden and cfg.mask_token_id is not None):
-        if isinstance(depth, jax.core.Tracer) or np.any(np.asarray(depth) != 0):
-            raise ValueError(_no_parallel_message(cfg) + "; draft_logits got depth >= 1 elements"
-                             + (" (or traced depths)" if isinstance(depth, jax.core.Tracer) else ""))
-    return _draft_logits(drafter, jnp.asarray(hidden_states), jnp.asarray(input_ids), jnp.asarray(document_ids),
-                         jnp.asarray(anchor_pos), jnp.asarray(depth))

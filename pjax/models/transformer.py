@@ -9,7 +9,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pjax.config import LayerSpec, ModelConfig
-from pjax.nn import MLP, Attention, LayerKV, MoE, RMSNorm
+from pjax.models.attention import Attention
+from pjax.models.cache import LayerKV
+from pjax.models.layers import MLP, RMSNorm
+from pjax.models.moe import MoE
 
 
 class DecoderLayer(nnx.Module):
@@ -26,18 +29,22 @@ class DecoderLayer(nnx.Module):
             self.post_feedforward_layernorm = RMSNorm(h, eps, f32m, dtype=dtype)
         self.layer_scalar = nnx.Param(jnp.ones((1,), dtype)) if cfg.layer_scalar else None
 
-    def __call__(self, x, positions, kv: Optional[LayerKV], *, valid=None, mask=None):
+    def __call__(self, x, positions, kv: Optional[LayerKV], *, valid=None, mask=None, implementation: str = "auto"):
         """x [B, T, H] -> (x [B, T, H], kv)."""
-        a, kv = self.self_attn(self.input_layernorm(x), positions, kv, valid=valid, mask=mask)
+        a, kv = self.self_attn(self.input_layernorm(x), positions, kv, valid=valid, mask=mask,
+                               implementation=implementation)
         if self.sandwich:
             x = x + self.post_attention_layernorm(a)
-            x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+            x = x + self.post_feedforward_layernorm(self._mlp(self.pre_feedforward_layernorm(x), implementation))
         else:
             x = x + a
-            x = x + self.mlp(self.post_attention_layernorm(x))
+            x = x + self._mlp(self.post_attention_layernorm(x), implementation)
         if self.layer_scalar is not None:
             x = x * self.layer_scalar[...]
         return x, kv
+
+    def _mlp(self, x, implementation):
+        return self.mlp(x, implementation) if isinstance(self.mlp, MoE) else self.mlp(x)
 
 
 @dataclasses.dataclass
@@ -70,15 +77,18 @@ class Transformer(nnx.Module):
         return x
 
     def __call__(self, tokens, positions, cache=None, *, valid=None, mask=None,
-                 aux_layer_ids: tuple[int, ...] = (), return_final: bool = False) -> ForwardOutput:
-        """tokens, positions [B, T] int32; cache: list of LayerKV or None; valid [B, T] bool."""
+                 aux_layer_ids: tuple[int, ...] = (), return_final: bool = False,
+                 implementation: str = "auto") -> ForwardOutput:
+        """tokens, positions [B, T] int32; cache: list of LayerKV or None; valid [B, T] bool;
+        implementation: the kernel switch ("xla" | "pallas" | "auto") for every kernel of the forward."""
         x = self.embed(tokens)
         captured = {}
         new_cache = [] if cache is not None else None
         for i, layer in enumerate(self.layers):
             if i in aux_layer_ids:
                 captured[i] = x
-            x, kv = layer(x, positions, None if cache is None else cache[i], valid=valid, mask=mask)
+            x, kv = layer(x, positions, None if cache is None else cache[i], valid=valid, mask=mask,
+                          implementation=implementation)
             if cache is not None:
                 new_cache.append(kv)
         captured[len(self.layers)] = x

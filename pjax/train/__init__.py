@@ -1,34 +1,26 @@
-"""Training-side API (COD layouts, losses, the training loop). Re-exports only."""
-from pjax.models.drafter import cod_attention_mask, draft_logits
-from pjax.train.attention import CodMask, DocCausalMask, cod_dense_mask
-from pjax.train.cod import (CodConfig, CodLayout, cod_budget, cod_capacities, cod_sample, layout_from_arrays,
-                            partition_layout, partition_segment, segment_bounds)
-from pjax.train.data import (ByteTokenizer, Document, FeatureStream, RowStream, build_vocab_mapping, chat_document,
-                             default_corpus_files, eagle_shift, feature_sample, load_documents, load_feature_sample,
-                             pack_documents, save_feature_sample, shift_and_pack_features, text_document,
-                             token_frequencies)
-from pjax.train.eagle3 import eagle3_loss, eagle3_row_loss
-from pjax.train.features import target_features
+"""Training drafter heads (P-EAGLE and EAGLE-3) against a frozen target, and small targets for demos.
+
+The curated API; the parts live in submodules: `cod` (COD sampling, partitioning), `masks`, `losses`,
+`eagle3`, `data` (documents, packing, streams, vocabularies, offline features), `step`, `loop`, `checkpoint`.
+"""
+from pjax.train.checkpoint import Checkpointer
+from pjax.train.cod import CodConfig, cod_sample
+from pjax.train.config import TrainConfig
+from pjax.train.data import (FeatureStream, RowStream, build_vocab_mapping, chat_document, load_documents,
+                             save_feature_sample, text_document, token_frequencies)
+from pjax.train.eagle3 import eagle3_loss
+from pjax.train.heads import drafter_config_for_target, init_drafter_for_target
 from pjax.train.loop import TrainResult, train_drafter
-from pjax.train.loss import peagle_loss, peagle_loss_and_metrics
-from pjax.train.optim import OptimConfig, make_optimizer
-from pjax.train.recipes import TinyRun, tiny_run, tiny_target_config
-from pjax.train.state import (Checkpointer, TrainConfig, TrainState, drafter_config_for_target,
-                              drafter_from_state, init_drafter_for_target, init_train_state)
-from pjax.train.step import make_mesh, make_train_step, shard_target, train_step
+from pjax.train.losses import draft_logits, peagle_loss
+from pjax.train.optim import OptimConfig
+from pjax.train.recipes import tiny_run
+from pjax.train.state import TrainState
+from pjax.train.step import make_mesh
+from pjax.train.target_features import target_features
 from pjax.train.target_lm import train_target_lm
 
-__all__ = [
-    "ByteTokenizer", "Checkpointer", "CodConfig", "CodLayout", "CodMask", "DocCausalMask", "Document", "FeatureStream",
-    "OptimConfig", "RowStream", "TinyRun", "TrainConfig", "TrainResult", "TrainState", "build_vocab_mapping",
-    "chat_document",
-    "cod_attention_mask", "cod_budget", "cod_capacities", "cod_dense_mask", "cod_sample", "default_corpus_files",
-    "draft_logits", "drafter_config_for_target", "drafter_from_state", "eagle3_loss", "eagle3_row_loss",
-    "eagle_shift", "feature_sample", "init_drafter_for_target", "init_train_state", "layout_from_arrays",
-    "load_documents", "load_feature_sample",
-    "make_mesh", "make_optimizer", "make_train_step", "pack_documents", "partition_layout", "peagle_loss",
-    "peagle_loss_and_metrics", "partition_segment", "save_feature_sample", "segment_bounds", "shard_target",
-    "shift_and_pack_features",
-    "target_features", "text_document",
-    "tiny_run", "tiny_target_config", "token_frequencies", "train_drafter", "train_step", "train_target_lm",
-]
+__all__ = ["Checkpointer", "CodConfig", "FeatureStream", "OptimConfig", "RowStream", "TrainConfig", "TrainResult",
+           "TrainState", "build_vocab_mapping", "chat_document", "cod_sample", "draft_logits",
+           "drafter_config_for_target", "eagle3_loss", "init_drafter_for_target", "load_documents", "make_mesh",
+           "peagle_loss", "save_feature_sample", "target_features", "text_document", "tiny_run", "token_frequencies",
+           "train_drafter", "train_target_lm"]

@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 
 from pjax.models.drafter import Drafter, combine, drafter_forward
-from pjax.nn import MASK_VALUE
-from pjax.target import Target
-from pjax.train.attention import _auto_chunk, _chunked
-from pjax.train.loss import LOSS_EPS, _target_logits, element_terms, target_draft_head
+from pjax.kernels.cache_attention.reference import MASK_VALUE
+from pjax.models.target import Target
+from pjax.train.masks import _auto_chunk, _chunked
+from pjax.train.losses import LOSS_EPS, _target_logits, element_terms, target_draft_head
 
 
 class TTTMask:

@@ -10,9 +10,11 @@ import jax
 import numpy as np
 
 from pjax.models.drafter import Drafter
-from pjax.target import Target
+from pjax.models.target import Target
 from pjax.train.data import FeatureStream, RowStream
-from pjax.train.state import Checkpointer, TrainConfig, TrainState, drafter_from_state, init_train_state
+from pjax.train.checkpoint import Checkpointer
+from pjax.train.config import TrainConfig
+from pjax.train.state import TrainState, drafter_from_state, init_train_state
 from pjax.train.step import make_mesh, make_train_step, replicate, shard_batch, shard_target
 
 
@@ -50,7 +52,7 @@ def train_drafter(target: Target, drafter: Drafter, stream: RowStream | FeatureS
                   resume: bool = True, log_every: int = 10, progress: bool = True,
                   log_fn: Optional[Callable[[dict], None]] = None, state: Optional[TrainState] = None,
                   compiler_options: Optional[dict] = None, split_target: bool = False) -> TrainResult:
-    """Train `drafter` (start point: random init, `init_drafter_for_target` or `convert.load_drafter`)
+    """Train `drafter` (start point: random init, `init_drafter_for_target` or `pjax.load_drafter`)
     on `stream` against the frozen `target` until step `steps` (default cfg.total_steps). A `RowStream` yields raw
     token rows (target features computed in the step); a `FeatureStream` yields offline features (the target then
     only supplies its final norm and lm_head for the loss).

@@ -11,13 +11,14 @@ import jax.numpy as jnp
 
 from pjax.config import LayerSpec, ModelConfig, RopeSpec
 from pjax.models.drafter import Drafter
-from pjax.target import Target, init_target
+from pjax.models.target import Target, init_target
 from pjax.train.cod import CodConfig
 from pjax.train.data import (ByteTokenizer, RowStream, build_vocab_mapping, default_corpus_files, load_documents,
                              token_frequencies)
 from pjax.train.loop import train_drafter
 from pjax.train.optim import OptimConfig
-from pjax.train.state import TrainConfig, drafter_config_for_target, init_drafter_for_target
+from pjax.train.config import TrainConfig
+from pjax.train.heads import drafter_config_for_target, init_drafter_for_target
 from pjax.train.target_lm import train_target_lm
 
 

@@ -20,21 +20,23 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pjax.models.drafter import Drafter
-from pjax.target import Target
+from pjax.models.pairing import check_pair
+from pjax.models.target import Target
 from pjax.train.cod import cod_capacities, cod_sample, partition_segment, segment_bounds
 from pjax.train.data import eagle_shift
 from pjax.train.eagle3 import eagle3_row_loss
-from pjax.train.features import target_features
-from pjax.train.loss import LOSS_EPS, cast_drafter, depth_metrics, row_loss_terms
+from pjax.train.target_features import target_features
+from pjax.train.losses import LOSS_EPS, cast_drafter, depth_metrics, row_loss_terms
 from pjax.train.optim import learning_rate_schedule, make_optimizer, merge_params, split_params, trainable_mask
-from pjax.train.state import TrainConfig, TrainState
+from pjax.train.config import TrainConfig
+from pjax.train.state import TrainState
 
 DATA_AXIS = "data"
 
 
 def offline_rows(target: Target, drafter: Drafter, batch: dict) -> dict:
     """A `FeatureStream` batch (already shifted, features from disk) -> rows, checked against the models."""
-    aux_ids = drafter.config.resolved_aux_layer_ids(target.config)
+    aux_ids = check_pair(target.config, drafter.config)
     b, s = batch["input_ids"].shape
     ht = target.config.hidden_size
     want = dict(loss_mask=(b, s), document_ids=(b, s), hidden_states=(b, s, len(aux_ids) * ht),
@@ -53,9 +55,9 @@ def prepare_rows(target: Target, drafter: Drafter, batch: dict, cfg: TrainConfig
     if "hidden_states" in batch:
         rows = offline_rows(target, drafter, batch)
     else:
-        aux_ids = drafter.config.resolved_aux_layer_ids(target.config)
+        aux_ids = check_pair(target.config, drafter.config)
         aux, final = target_features(target, batch["tokens"], batch["document_ids"], aux_ids,
-                                     chunk=cfg.target_chunk)
+                                     chunk=cfg.target_chunk, implementation=cfg.implementation)
         rows = jax.vmap(eagle_shift)(batch["tokens"], batch["loss_mask"], batch["document_ids"], aux, final)
     if cfg.objective == "peagle":
         b = batch["document_ids"].shape[0]

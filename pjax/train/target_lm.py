@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from pjax.target import Target
-from pjax.train.attention import DocCausalMask
+from pjax.models.target import Target
+from pjax.train.masks import DocCausalMask
 from pjax.train.data import RowStream
-from pjax.train.features import document_positions
+from pjax.train.target_features import document_positions
 
 
 def lm_loss(params, target: Target, tokens, document_ids):

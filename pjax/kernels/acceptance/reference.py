@@ -22,7 +22,7 @@ The work is split in the three stages the Pallas path also uses, so both paths s
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp

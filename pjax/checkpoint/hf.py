@@ -1,4 +1,4 @@
-"""Hugging Face target checkpoints -> `pjax.Target` (strict, shape-checked), and pjax-native orbax copies.
+"""Hugging Face target checkpoints -> `pjax.Target` (strict, shape-checked).
 
 Names are derived from the parameter tree: `layers.{i}.self_attn.q_proj.kernel` <-> HF
 `model.layers.{i}.self_attn.q_proj.weight` (transposed), and so on; families with special tensors
@@ -6,8 +6,6 @@ Names are derived from the parameter tree: `layers.{i}.self_attn.q_proj.kernel` 
 """
 from __future__ import annotations
 
-import json
-import re
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -16,25 +14,18 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from convert.errors import CheckpointError
-from convert.safetensors_io import Checkpoint
+from pjax.checkpoint.errors import CheckpointError
+from pjax.checkpoint.files import read_hf_config
+from pjax.checkpoint.quant import dequant_fp8_block, dequant_mxfp4, should_convert_module
+from pjax.checkpoint.safetensors import Checkpoint
 from pjax.config import ConfigError, ModelConfig
 from pjax.models.families import config_from_hf
-from pjax.target import Target, abstract_target
+from pjax.models.target import Target, abstract_target
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-NATIVE_MARKER = "pjax_target.json"
 
 
-FP4_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
-                    np.float32)
 _NATIVE_FLOATS = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
-
-
-def should_convert_module(module: str, patterns) -> bool:
-    """transformers' rule for `modules_to_not_convert`: a pattern excludes a module when it matches as a
-    prefix (regex `re.match`, with or without a following '.') or is a suffix of the module name."""
-    return not any(re.match(f"{p}\\.", module) or re.match(p, module) or module.endswith(p) for p in patterns or ())
 
 
 class TensorSource:
@@ -130,42 +121,6 @@ class TensorSource:
         for x in range(e):  # one expert at a time bounds the float32 temporary
             out[x] = dequant_mxfp4(blocks[x], scales[x]).T
         return out
-
-
-def dequant_mxfp4(blocks, scales) -> np.ndarray:
-    """blocks uint8 [..., G, 16] (low nibble = even element), scales uint8 [..., G] (E8M0, bias 127)
-    -> float32 [..., G * 32]: FP4-E2M1 value * 2 ** (scale - 127)."""
-    blocks = np.asarray(blocks, np.uint8)
-    vals = np.stack([FP4_E2M1[blocks & 0x0F], FP4_E2M1[blocks >> 4]], axis=-1)  # [..., G, 16, 2]
-    vals = vals.reshape(*blocks.shape[:-1], 32)
-    vals = np.ldexp(vals, np.asarray(scales, np.int32)[..., None] - 127)
-    return vals.reshape(*blocks.shape[:-2], -1).astype(np.float32)
-
-
-def _scale_values(scale_inv) -> np.ndarray:
-    """Block scales as float32: float tensors as-is, uint8 as E8M0 exponents (2 ** (b - 127))."""
-    s = np.asarray(scale_inv)
-    if s.dtype == np.uint8:
-        return np.ldexp(np.float32(1), s.astype(np.int32) - 127).astype(np.float32)
-    return s.astype(np.float32)
-
-
-def dequant_fp8_block(w, scale_inv, block, name=""):
-    """FP8 weight [..., out, in] x per-block scale [..., ceil(out/bo), ceil(in/bi)] -> float32 [..., out, in].
-
-    Element (r, c) is multiplied by scale[r // bo, c // bi] (the FP8 kernels' convention; equals
-    transformers' dequantisation whenever the block divides the weight)."""
-    bo, bi = block
-    *lead, out_dim, in_dim = w.shape
-    want = (*lead, -(-out_dim // bo), -(-in_dim // bi))
-    s = _scale_values(scale_inv)
-    if s.size == 1 and want[-2:] == (1, 1):
-        s = s.reshape(want)
-    if tuple(s.shape) != want:
-        raise CheckpointError(f"tensor {name + '_scale_inv'!r} has shape {list(s.shape)}, expected "
-                              f"{list(want)} for a {list(w.shape)} weight with {bo}x{bi} blocks")
-    s = np.repeat(np.repeat(s, bo, -2), bi, -1)[..., :out_dim, :in_dim]
-    return np.asarray(w, np.float32) * s
 
 
 # A hook returns (array in pjax layout) for a parameter path it owns, or None to fall back to the rules.
@@ -268,16 +223,6 @@ def _other_tower(name: str, prefix: str) -> bool:
     return prefix == "model.language_model." and not name.startswith(prefix) and name != "lm_head.weight"
 
 
-def read_hf_config(path) -> dict:
-    cfg_path = Path(path) / "config.json"
-    if not cfg_path.exists():
-        raise CheckpointError(f"{cfg_path}: not found")
-    try:
-        return json.loads(cfg_path.read_text())
-    except ValueError as e:
-        raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
-
-
 def load_hf_params(path, cfg: ModelConfig, hf: dict, dtype, *, materialize: bool = True,
                    check_finite: bool = False) -> Target:
     """Read every parameter of `cfg` from the HF directory `path` (strict: missing, misshapen or unused
@@ -315,17 +260,6 @@ def load_hf_params(path, cfg: ModelConfig, hf: dict, dtype, *, materialize: bool
         raise CheckpointError(f"{ckpt.dir}: {len(extra)} unexpected tensor(s) for model_type "
                               f"{cfg.model_type!r}: {extra[:8]}{' ...' if len(extra) > 8 else ''}")
     return Target(cfg, abstract.graphdef, jax.tree.unflatten(treedef, out))
-
-
-def load_target(path, dtype=jnp.bfloat16) -> Target:
-    """Load a Hugging Face model directory (config.json + model.safetensors or a sharded index), or a
-    pjax-native directory written by `python -m convert target`."""
-    path = Path(path)
-    if (path / NATIVE_MARKER).exists():
-        from convert.native import load_native_target
-        return load_native_target(path, dtype)
-    hf, cfg = read_target_config(path)
-    return load_hf_params(path, cfg, hf, dtype)
 
 
 def read_target_config(path) -> tuple[dict, ModelConfig]:

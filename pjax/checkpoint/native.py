@@ -19,11 +19,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from convert.errors import CheckpointError
-from convert.target import NATIVE_MARKER, read_hf_config
+from pjax.checkpoint.errors import CheckpointError
+from pjax.checkpoint.files import NATIVE_MARKER, read_hf_config
 from pjax.config import ConfigError
 from pjax.models.families import config_from_hf
-from pjax.target import Target, abstract_target
+from pjax.models.target import Target, abstract_target
 
 FORMAT = "pjax-target"
 VERSION = 1
@@ -95,7 +95,7 @@ def read_marker(path) -> dict:
 
 
 def load_native_target(path, dtype=jnp.bfloat16) -> Target:
-    """Load a directory written by `save_native_target` / `python -m convert target`; params cast to dtype."""
+    """Load a directory written by `save_native_target` / `python -m pjax convert target`; params cast to dtype."""
     path = Path(path).absolute()
     marker = read_marker(path)
     hf = read_hf_config(path)

@@ -13,8 +13,8 @@ from typing import Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from pjax.target import Target
-from pjax.train.attention import DocCausalMask
+from pjax.models.target import Target
+from pjax.train.masks import DocCausalMask
 
 
 def document_positions(document_ids):
@@ -29,10 +29,11 @@ def document_positions(document_ids):
 
 
 def target_features(target: Target, tokens, document_ids, aux_layer_ids: Sequence[int], *,
-                    chunk: Optional[int] = None):
-    """tokens, document_ids [B, S] -> (aux [B, S, A*Ht], final [B, S, Ht]), gradient-stopped."""
+                    chunk: Optional[int] = None, implementation: str = "auto"):
+    """tokens, document_ids [B, S] -> (aux [B, S, A*Ht], final [B, S, Ht]), gradient-stopped.
+    implementation: the kernel switch ("xla" | "pallas" | "auto")."""
     tokens = jnp.asarray(tokens, jnp.int32)
     doc = jnp.asarray(document_ids, jnp.int32)
     out = target.module(tokens, document_positions(doc), None, mask=DocCausalMask(doc, chunk),
-                        aux_layer_ids=tuple(aux_layer_ids), return_final=True)
+                        aux_layer_ids=tuple(aux_layer_ids), return_final=True, implementation=implementation)
     return jax.lax.stop_gradient(out.aux), jax.lax.stop_gradient(out.final)

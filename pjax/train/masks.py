@@ -19,7 +19,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from pjax.nn import MASK_VALUE
+from pjax.kernels.cache_attention.reference import MASK_VALUE
 from pjax.train.cod import CodLayout
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 28  # float32 scores per query chunk (heads * chunk * keys): 1 GiB

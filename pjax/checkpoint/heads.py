@@ -10,6 +10,7 @@ Formats read (spec B.1 / B.2):
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -22,12 +23,14 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from convert.errors import CheckpointError
-from convert.safetensors_io import Checkpoint, save_file
-from convert.target import TensorSource, read_hf_config
+from pjax.checkpoint.errors import CheckpointError
+from pjax.checkpoint.safetensors import Checkpoint, save_file
+from pjax.checkpoint.files import read_hf_config
+from pjax.checkpoint.hf import TensorSource
 from pjax.config import ConfigError, ModelConfig, RopeSpec
 from pjax.models.drafter import Drafter, DrafterConfig, abstract_drafter
 from pjax.models.families import config_from_hf
+from pjax.models.pairing import check_pair
 
 # Training-only frozen copies that speculators never saves; tolerated if an older writer kept them.
 IGNORED = ("verifier_lm_head.weight", "verifier_norm.weight")
@@ -227,8 +230,8 @@ def load_drafter(path, dtype=jnp.bfloat16, target_config: Optional[ModelConfig] 
                  parallel_drafting: Optional[bool] = None) -> Drafter:
     """Load a speculators-format or vLLM-native drafter directory.
 
-    target_config / target: when given, the head is checked against the target (vocab, hidden size,
-    aux layer ids within its depth; empty aux ids resolve to the target default). `target` (a
+    target_config / target: when given, the head is checked against the target and its aux layer ids resolved
+    (`pjax.models.pairing.check_pair`: the same rule the engine and training apply to a head loaded without one). `target` (a
     pjax Target) also supplies `embed_tokens` when the head has none. parallel_drafting=True
     requires mask_hidden and a mask token id.
     """
@@ -242,10 +245,7 @@ def load_drafter(path, dtype=jnp.bfloat16, target_config: Optional[ModelConfig] 
         target_config = target.config
     if target_config is not None:
         try:
-            cfg.check_target(target_config, where)
-            if not cfg.aux_layer_ids:
-                import dataclasses
-                cfg = dataclasses.replace(cfg, aux_layer_ids=cfg.resolved_aux_layer_ids(target_config))
+            cfg = dataclasses.replace(cfg, aux_layer_ids=check_pair(target_config, cfg, where))
         except ConfigError as e:
             raise CheckpointError(str(e)) from None
     if parallel_drafting and not (cfg.has_mask_hidden and cfg.mask_token_id is not None):
@@ -459,41 +459,3 @@ def save_drafter(drafter: Drafter, path, *, dtype="bfloat16", verifier_name_or_p
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
-
-
-# ----------------------------------------------------------------------------------------- CLI
-
-def _cli_args(p):
-    p.add_argument("src", help="drafter directory (speculators or vLLM-native EAGLE-3 / P-EAGLE layout)")
-    p.add_argument("out_dir", help="output directory for the speculators-format copy")
-    p.add_argument("--dtype", default="bf16", help="floating dtype written: bf16 (default), f32, f16")
-    p.add_argument("--target", default=None,
-                   help="target model directory: validates vocab / width / aux layer ids and supplies "
-                        "embed_tokens when the head has none")
-    p.add_argument("--verifier", default=None, help="verifier name_or_path recorded in speculators_config")
-    p.add_argument("--force", action="store_true", help="replace the files of an existing OUT_DIR")
-
-
-def _cli_run(args) -> int:
-    names = {"bf16": "bfloat16", "bfloat16": "bfloat16", "f32": "float32", "float32": "float32",
-             "f16": "float16", "float16": "float16"}
-    if args.dtype not in names:
-        raise CheckpointError(f"unknown --dtype {args.dtype!r} (choose from {sorted(names)})")
-    if Path(args.out_dir).exists() and not args.force:
-        raise CheckpointError(f"{args.out_dir}: already exists (pass --force to replace its files)")
-    target = None
-    if args.target:
-        from convert.target import load_target
-        target = load_target(args.target, dtype=jnp.float32)
-    drafter = load_drafter(args.src, dtype=jnp.float32, target=target)
-    out = save_drafter(drafter, args.out_dir, dtype=names[args.dtype], verifier_name_or_path=args.verifier)
-    cfg = drafter.config
-    print(f"wrote {out} ({cfg.model_kind}, {cfg.layer.model_type} x{cfg.layer.num_layers}, "
-          f"Vd={cfg.draft_vocab_size}/V={cfg.vocab_size}, mask_token_id={cfg.mask_token_id})")
-    return 0
-
-
-def register_cli(command) -> None:
-    """Hook called by `python -m convert`: adds the `drafter` subcommand."""
-    command("drafter", "validate a P-EAGLE / EAGLE-3 head (either layout) and write it in the speculators "
-            "format", _cli_args)(_cli_run)

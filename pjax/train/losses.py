@@ -14,10 +14,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pjax.models.drafter import Drafter, combine, draft_to_target, drafter_forward
-from pjax.target import Target
-from pjax.train.attention import CodMask, _chunked, cod_dense_mask
+from pjax.models.drafter import (Drafter, combine, draft_logits_from_hidden, draft_to_target, drafter_forward,
+                                 no_parallel_reason)
+from pjax.models.target import Target
 from pjax.train.cod import CodLayout, layout_from_arrays
+from pjax.train.masks import CodMask, _chunked, cod_dense_mask
+
+__all__ = ["LOSS_TYPES", "cod_hidden", "cod_inputs", "draft_logits", "element_terms", "peagle_loss",
+           "peagle_loss_and_metrics", "row_loss_terms"]
 
 LOSS_EPS = 1e-5
 LOSS_TYPES = ("kl", "ce")
@@ -71,17 +75,20 @@ def element_terms(logits, tlogits, loss_type: str = "kl"):
     return loss, jnp.argmax(logits, axis=-1) == tgt
 
 
-def cod_inputs(drafter: Drafter, input_ids, hidden_states, layout: CodLayout):
+def cod_inputs(drafter: Drafter, input_ids, hidden_states, layout: CodLayout, *, require_mask: bool = True):
     """Tokens [N], combined features [N, H], positions [N] of the COD elements of one row
     (input_ids [S], hidden_states [S, A*Ht]): depth 0 takes the real token and feature at r,
-    depth >= 1 the mask token and mask_hidden."""
+    depth >= 1 the mask token and mask_hidden. require_mask=False lets a head without them (EAGLE-3) run a
+    depth-0-only layout."""
     cfg = drafter.config
     a, d = layout.anchor_pos, layout.depth
     r = a + d
     real = d == 0
     tokens = input_ids[r]
     feats = hidden_states[r]
-    if not (cfg.has_mask_hidden and cfg.mask_token_id is not None):
+    if no_parallel_reason(cfg):
+        if not require_mask:
+            return tokens.astype(jnp.int32), combine(drafter, feats), r.astype(jnp.int32)
         raise ValueError(f"P-EAGLE training needs a head with mask_hidden and a mask_token_id; this {cfg.model_kind} "
                          f"head has mask_hidden={cfg.has_mask_hidden}, mask_token_id={cfg.mask_token_id} "
                          "(train EAGLE-3 heads with the eagle3 objective)")
@@ -91,10 +98,12 @@ def cod_inputs(drafter: Drafter, input_ids, hidden_states, layout: CodLayout):
     return tokens.astype(jnp.int32), combine(drafter, feats), r.astype(jnp.int32)
 
 
-def cod_hidden(drafter: Drafter, input_ids, hidden_states, document_ids, layout: CodLayout, *, num_depths: int,
-               num_depth0: Optional[int] = None, attn_chunk=None, dense: bool = False):
-    """Normed drafter states [N, H] of the COD elements of one row (arrays [S] / [S, A*Ht])."""
-    tokens, f, pos = cod_inputs(drafter, input_ids, hidden_states, layout)
+def cod_hidden(drafter: Drafter, input_ids, hidden_states, document_ids, layout: CodLayout, *,
+               num_depths: Optional[int] = None, num_depth0: Optional[int] = None, attn_chunk=None, dense: bool = False,
+               require_mask: bool = True):
+    """Normed drafter states [N, H] of the COD elements of one row (arrays [S] / [S, A*Ht]). dense: the dense
+    [N, N] mask (reference; short rows), else the memory-bounded `CodMask` (needs num_depths)."""
+    tokens, f, pos = cod_inputs(drafter, input_ids, hidden_states, layout, require_mask=require_mask)
     s = input_ids.shape[0]
     if dense:
         by_window, masks = {}, []
@@ -212,3 +221,30 @@ def peagle_loss(drafter: Drafter, target: Target, input_ids, hidden_states, veri
     """
     return peagle_loss_and_metrics(drafter, target, input_ids, hidden_states, verifier_last_hidden_states, loss_mask,
                                    document_ids, anchor_pos, depth, **kwargs)[0]
+
+
+@jax.jit
+def _draft_logits(drafter: Drafter, hidden_states, input_ids, document_ids, anchor_pos, depth):
+    s = input_ids.shape[-1]
+    layout = layout_from_arrays(anchor_pos, depth)
+    normed = cod_hidden(drafter, input_ids.reshape(s).astype(jnp.int32), hidden_states.reshape(s, -1),
+                        document_ids.reshape(s), layout, dense=True, require_mask=False)
+    return draft_logits_from_hidden(drafter, normed)
+
+
+def draft_logits(drafter: Drafter, hidden_states, input_ids, document_ids, anchor_pos, depth):
+    """Draft-vocab logits float32 [N, Vd] of the N flattened COD elements (training layout, dense mask).
+
+    hidden_states [1, S, A*Ht] (pre-fc target features, shifted as in speculators: index p pairs
+    token x_{p+1} with feature g_p), input_ids [1, S], document_ids [1, S] (-1 = padding),
+    anchor_pos [N], depth [N]. Element i sits at position anchor+depth; depth 0 takes the real token
+    and feature at that position, depth >= 1 the mask token and mask_hidden (same combine path).
+    Heads without mask_hidden / mask_token_id accept only all-zero (concrete) depths.
+    """
+    reason = no_parallel_reason(drafter.config)
+    if reason:
+        if isinstance(depth, jax.core.Tracer) or np.any(np.asarray(depth) != 0):
+            raise ValueError(reason + "; draft_logits got depth >= 1 elements"
+                             + (" (or traced depths)" if isinstance(depth, jax.core.Tracer) else ""))
+    return _draft_logits(drafter, jnp.asarray(hidden_states), jnp.asarray(input_ids), jnp.asarray(document_ids),
+                         jnp.asarray(anchor_pos), jnp.asarray(depth))

@@ -16,6 +16,8 @@ from flax import nnx
 from pjax.config import ModelConfig
 from pjax.models.transformer import ForwardOutput, Transformer
 
+__all__ = ["Target", "abstract_target", "forward", "init_target", "logits_from_hidden", "target_logits"]
+
 
 @dataclasses.dataclass(frozen=True)
 class Target:
@@ -85,16 +87,17 @@ def init_target(config: ModelConfig, key, dtype=jnp.float32, scale: float = 0.02
 
 
 def forward(target: Target, tokens, positions, cache=None, *, valid=None, aux_layer_ids=(),
-            return_final=False) -> ForwardOutput:
+            return_final=False, implementation: str = "auto") -> ForwardOutput:
     """Run the target over tokens [B, T] at absolute positions [B, T].
 
     With `cache` (list of LayerKV, see `pjax.cache.init_cache`) this is the cached extend: the new
     K/V are written at their positions and each query attends to every cached position <= its own
     (sliding windows and sinks honoured). Rows may have different positions (ragged batches).
     `valid` [B, T] marks real tokens (padding writes no KV and is hidden from other tokens).
+    implementation: the kernel switch ("xla": no Pallas kernel anywhere, "pallas": every kernel, "auto").
     """
     return target.module(tokens, positions, cache, valid=valid, aux_layer_ids=tuple(aux_layer_ids),
-                         return_final=return_final)
+                         return_final=return_final, implementation=implementation)
 
 
 def logits_from_hidden(target: Target, hidden):

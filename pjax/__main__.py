@@ -1,0 +1,7 @@
+"""`python -m pjax COMMAND ...`: generate, bench, convert (see `python -m pjax COMMAND --help`)."""
+import sys
+
+from pjax.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

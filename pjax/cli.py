@@ -1,0 +1,35 @@
+"""The `pjax` command: one entry point whose subcommands live with the code they run.
+
+    python -m pjax convert ...   checkpoints: inspect, pjax-native copies, head export (`pjax.checkpoint.cli`)
+
+Exit codes, every subcommand: 0 success, 1 the run failed, 2 bad usage or bad input (argparse errors, files or
+arguments that do not fit, each named in a one-line message).
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> (module with `main(argv, prog) -> int`, one-line help)
+COMMANDS = {
+    "convert": ("pjax.checkpoint.cli", "inspect / validate checkpoints, write pjax-native copies, re-export heads"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: python -m pjax COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"error: unknown command {name!r}\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return module.main(rest, prog=f"python -m pjax {name}")

@@ -1,0 +1,89 @@
+"""Top-k mixture-of-experts layer (qwen3_moe and gpt_oss routers): the expert matmul kernel for decode / verify
+(each selected expert read once), a grouped matmul for prefill and training."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from pjax.config import ModelConfig, MoeSpec
+from pjax.kernels.expert_matmul import expert_matmul
+from pjax.models.layers import activation, linear
+
+__all__ = ["MOE_FEW_PAIRS", "MoE"]
+
+
+# Token-expert pairs up to this count, and up to twice the expert count, use `expert_matmul` (each selected expert read
+# once); more (prefill, training) sort the pairs by expert for a grouped matmul, which reads every expert. H200, MoE
+# layer (docs/performance.md): 128 experts, top-8: 64 / 96 / 128 pairs 159 / 273 / 313 us vs 349 / 383 / 403;
+# 32 experts, top-4: 32 / 64 pairs 272 / 363 vs 409 / 422 us, but 128 pairs (all experts selected) 492 vs 455 us
+# (the boundary between 2x and 4x the expert count was not measured more finely).
+MOE_FEW_PAIRS = 128
+
+
+class MoE(nnx.Module):
+    """Top-k mixture of experts. Expert weights are stacked: gate_up [E, H, 2I] (gate half, then up
+    half), down [E, I, H]; optional biases. Router: qwen3 (softmax -> top-k -> renormalise) or
+    gpt_oss (logits + bias -> top-k -> softmax over the k)."""
+
+    def __init__(self, cfg: ModelConfig, spec: MoeSpec, *, dtype, rngs):
+        h, e, i = cfg.hidden_size, spec.num_experts, spec.intermediate_size
+        self.router = linear(h, e, spec.router_bias, dtype, rngs)
+        init = nnx.initializers.normal(0.02)
+        self.gate_up = nnx.Param(init(rngs.params(), (e, h, 2 * i), dtype))
+        self.down = nnx.Param(init(rngs.params(), (e, i, h), dtype))
+        self.gate_up_bias = nnx.Param(jnp.zeros((e, 2 * i), dtype)) if spec.expert_bias else None
+        self.down_bias = nnx.Param(jnp.zeros((e, h), dtype)) if spec.expert_bias else None
+        self.spec, self.cfg = spec, cfg
+
+    def route(self, x):
+        """x [N, H] -> (weights [N, k] in x.dtype, expert ids [N, k] int32)."""
+        logits = self.router(x)
+        if self.spec.router == "topk_softmax":
+            top, idx = jax.lax.top_k(logits, self.spec.top_k)
+            w = jax.nn.softmax(top.astype(jnp.float32), axis=-1)
+        else:
+            probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+            w, idx = jax.lax.top_k(probs, self.spec.top_k)
+            if self.spec.norm_topk_prob:
+                w = w / jnp.sum(w, axis=-1, keepdims=True)
+        return w.astype(x.dtype), idx
+
+    def _expert_out(self, e_ids, x_rows, matmul):
+        """Shared expert math on gathered rows: activation and down projection with biases."""
+        inter = self.spec.intermediate_size
+        gu = matmul(x_rows, self.gate_up[...])
+        if self.gate_up_bias is not None:
+            gu = gu + self.gate_up_bias[...][e_ids]
+        a = activation(self.cfg.mlp_act, gu[..., :inter], gu[..., inter:], self.cfg)
+        out = matmul(a, self.down[...], second=True)
+        if self.down_bias is not None:
+            out = out + self.down_bias[...][e_ids]
+        return out
+
+    def __call__(self, x, implementation: str = "auto"):
+        """x [..., H] -> [..., H]; implementation: the kernel switch for the decode / verify path."""
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        n, k = x.shape[0], self.spec.top_k
+        w, idx = self.route(x)
+        if n * k <= min(MOE_FEW_PAIRS, 2 * self.spec.num_experts):  # decode / verify: selected experts, once each
+            def matmul(a, wts, second=False):  # pairs (token, j) in row-major order; token rows feed k pairs
+                rows = a.reshape(n * k, -1) if second else a
+                return expert_matmul(rows, idx.reshape(-1), wts, repeat=1 if second else k,
+                                     implementation=implementation).reshape(n, k, -1)
+            out = self._expert_out(idx, x, matmul)  # [N, k, H]
+            y = jnp.einsum("nk,nkh->nh", w.astype(jnp.float32), out.astype(jnp.float32))
+        else:  # prefill / training: sort token-expert pairs by expert, grouped matmul
+            flat = idx.reshape(-1)
+            order = jnp.argsort(flat, stable=True)
+            e_sorted = flat[order]
+            rows = x[order // k]
+            sizes = jnp.bincount(flat, length=self.spec.num_experts).astype(jnp.int32)
+
+            def matmul(a, wts, second=False):
+                return jax.lax.ragged_dot(a, wts, sizes, preferred_element_type=jnp.float32).astype(a.dtype)
+            out_sorted = self._expert_out(e_sorted, rows, matmul)  # [N*k, H]
+            out = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(n, k, -1)
+            y = jnp.einsum("nk,nkh->nh", w.astype(jnp.float32), out.astype(jnp.float32))
+        return y.astype(x.dtype).reshape(shape)

@@ -1,0 +1,87 @@
+"""Shared pieces of the engine tests: tiny checkpoints of every target family (written by transformers), a random
+P-EAGLE head for a target, and transformers' greedy continuations."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import torch
+import transformers as tf
+
+import pjax
+from pjax.config import LayerSpec, ModelConfig, RopeSpec
+from pjax.models.drafter import DrafterConfig, init_drafter
+from pjax.models.families import PARSERS
+from tests.hf_utils import randomize
+
+V = 97
+NEW = 12
+PROMPTS = [[5, 17, 3], [9, 1, 44, 60, 2, 71, 33, 8, 90, 12, 4], [30, 31, 32, 33, 34, 35]]  # ragged
+FAMILIES = {
+    "llama": (tf.LlamaForCausalLM, tf.LlamaConfig, dict(
+        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, rms_norm_eps=1e-5, max_position_embeddings=256, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 16})),
+    "qwen3": (tf.Qwen3ForCausalLM, tf.Qwen3Config, dict(
+        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)),
+    "qwen3_moe": (tf.Qwen3MoeForCausalLM, tf.Qwen3MoeConfig, dict(
+        vocab_size=V, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=True, mlp_only_layers=[1])),
+    "gpt_oss": (tf.GptOssForCausalLM, tf.GptOssConfig, dict(
+        vocab_size=V, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_local_experts=4,
+        num_experts_per_tok=2, head_dim=16, num_attention_heads=4, num_key_value_heads=2, sliding_window=6,
+        swiglu_limit=1.0, max_position_embeddings=256,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 150000.0})),
+    "gemma4": (tf.Gemma4ForCausalLM, tf.Gemma4TextConfig, dict(
+        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+        attention_k_eq_v=True, hidden_size_per_layer_input=0, final_logit_softcapping=3.0, sliding_window=6,
+        layer_types=["sliding_attention", "full_attention"])),
+}
+K_OF = {"llama": 3, "qwen3": 1, "qwen3_moe": 7, "gpt_oss": 11, "gemma4": 11}  # gpt_oss/gemma4: K+1 > window
+AVAILABLE = [f for f in FAMILIES if f in PARSERS]
+# tiny CPU programs: compile time dominates, so skip LLVM optimisation (numerics are unchanged in kind)
+FAST = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else {}
+FAST_KEY = tuple(sorted(FAST.items()))
+
+
+def make_drafter(target, seed=1, aux=(1, 0, 2), mask_token_id="last", num_layers=1, **kw):
+    """Random P-EAGLE head (init_drafter) matching `target`'s vocabulary and width (mask token: the last id)."""
+    if mask_token_id == "last":
+        mask_token_id = target.config.vocab_size - 1
+    h = target.config.hidden_size
+    layer = ModelConfig("llama", target.config.vocab_size, h, 2 * h, 4,
+                        tuple(LayerSpec(8, 2, RopeSpec(theta=10000.0)) for _ in range(num_layers)), rms_norm_eps=1e-5)
+    cfg = DrafterConfig(layer=layer, num_aux=len(aux), target_hidden_size=h,
+                        draft_vocab_size=kw.pop("draft_vocab_size", target.config.vocab_size),
+                        mask_token_id=mask_token_id, aux_layer_ids=tuple(aux), **kw)
+    return init_drafter(cfg, jax.random.key(seed), jnp.float32, scale=0.2)
+
+
+def hf_greedy(model, prompts, new):
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                               eos_token_id=None)
+            out.append(g[0, len(p):].tolist())
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def build(name, tmp_root):
+    """(target, random drafter, transformers' greedy continuation of PROMPTS)."""
+    model_cls, cfg_cls, kw = FAMILIES[name]
+    torch.manual_seed(0)
+    model = randomize(model_cls(cfg_cls(**kw)).float().eval(), std=0.2)
+    path = tmp_root / name
+    model.save_pretrained(path)
+    target = pjax.load_target(path, dtype=jnp.float32)
+    new = 40 if name == "llama" else NEW  # llama: 30 tokens + room for the oracle drafts of the injection test
+    return target, make_drafter(target, draft_vocab_size=64), hf_greedy(model, PROMPTS, new)  # Vd < V: d2t map
