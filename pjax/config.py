@@ -138,6 +138,8 @@ class ModelConfig:
     aux_layer_ids: tuple[int, ...] = ()
     swiglu_limit: float = 7.0
     swiglu_alpha: float = 1.702
+    max_position_embeddings: Optional[int] = None  # the checkpoint's trained context (informational: warnings)
+    architectures: tuple[str, ...] = ()  # Hugging Face `architectures` of the checkpoint (pairing warnings)
 
     @property
     def num_layers(self) -> int:

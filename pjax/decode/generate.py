@@ -1,6 +1,11 @@
-"""`generate`: the user-facing speculative decoding entry point (host side: validation, padding,
-compilation cache, timing, statistics). The device work is `prefill` + `decode_loop` (or one jitted
-`spec_round` per round with loop="host")."""
+"""`generate` and `Generation`: the user-facing speculative decoding entry points (host side: validation, shape
+buckets, the compilation cache, the device loop in bounded chunks, progress, Ctrl-C, timing and statistics).
+
+The device work is `prefill` + `decode_loop` (pjax.decode.step). A generation runs its rounds in chunks of one
+jitted `lax.while_loop` each, sized to about `chunk_seconds` of device time, so a long generation shows progress,
+streams, can be stopped per row from the host (stop strings) and answers Ctrl-C within a chunk; `chunk_seconds=None`
+runs every round in one device call.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -13,10 +18,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pjax.decode.state import DRAFT_SAMPLING, DRAFTING_MODES, STOP_NAMES, EngineSpec, Sampling
+from pjax.decode import inputs as I
+from pjax.decode.state import (DRAFT_SAMPLING, DRAFTING_MODES, STOP_HOST, STOP_INTERRUPTED, STOP_NAMES, EngineSpec,
+                               Sampling)
 from pjax.decode.step import decode_loop, prefill, spec_round
-from pjax.models.drafter import no_parallel_reason
-from pjax.models.pairing import check_pair
+from pjax.dtypes import parse_dtype
+from pjax.kernels import IMPLEMENTATIONS
+from pjax.models.drafter import Drafter, consistent_drafter, no_parallel_reason
+from pjax.models.pairing import check_pair, pair_warnings
+from pjax.models.target import Target, consistent_target
+
+__all__ = ["Chunk", "GenerateResult", "Generation", "GenerationInterrupted", "compile_count", "generate",
+           "make_spec"]
 
 
 @dataclasses.dataclass
@@ -26,13 +39,24 @@ class GenerateResult:
     stats: dict[str, Any]
 
 
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
+@dataclasses.dataclass
+class Chunk:
+    """What one device chunk produced: new_tokens[i] = prompt i's tokens since the previous chunk (the first chunk
+    holds the token sampled at prefill); done[i] = prompt i has stopped; stop_reasons[i] = why (None if running)."""
+    new_tokens: list[list[int]]
+    done: list[bool]
+    stop_reasons: list[Optional[str]]
 
 
-def _donate() -> bool:
-    return jax.default_backend() != "cpu"  # CPU ignores donation (and warns)
+class GenerationInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a generation: `.result` holds what was generated so far (unfinished rows: "interrupted")."""
 
+    def __init__(self, result: GenerateResult):
+        super().__init__("generation interrupted; partial output in .result")
+        self.result = result
+
+
+# ------------------------------------------------------------------------------------------ compilation
 
 @functools.lru_cache(maxsize=None)
 def _jitted(name: str, donate: bool, options: tuple = ()):
@@ -47,71 +71,47 @@ def _jitted(name: str, donate: bool, options: tuple = ()):
 
 _COMPILED: dict = {}
 _MAX_COMPILED = 64  # executables kept (oldest dropped first)
+_COMPILES = [0]
 
 
-def _compiled(name, args, kwargs, options: tuple = ()):
-    """AOT-compile once per (function, static settings, compiler options, argument structure and
+def compile_count() -> int:
+    """Programs compiled by this process's generations so far (tests and benchmarks count recompilations)."""
+    return _COMPILES[0]
+
+
+def _donate() -> bool:
+    return jax.default_backend() != "cpu"  # CPU ignores donation (and warns)
+
+
+def _compiled(name, args, kwargs, options: tuple, precision: Optional[str]):
+    """AOT-compile once per (function, static settings, compiler options, matmul precision, argument structure and
     shapes); returns (executable, compile seconds this call)."""
     leaves, tree = jax.tree.flatten(args)
-    key = (name, tuple(sorted(kwargs.items())), options, tree,
+    key = (name, tuple(sorted(kwargs.items())), options, precision, tree,
            tuple((np.shape(x), jnp.result_type(x)) for x in leaves))
     hit = _COMPILED.get(key)
     if hit is not None:
         return hit, 0.0
     t0 = time.perf_counter()
-    exe = _jitted(name, _donate() and name != "prefill", options).lower(*args, **kwargs).compile()
+    with jax.default_matmul_precision(precision):
+        exe = _jitted(name, _donate() and name != "prefill", options).lower(*args, **kwargs).compile()
+    _COMPILES[0] += 1
     if len(_COMPILED) >= _MAX_COMPILED:
         _COMPILED.pop(next(iter(_COMPILED)))
     _COMPILED[key] = exe
     return exe, time.perf_counter() - t0
 
 
-def _per_row(value, n: int, name: str, dtype, default):
-    v = default if value is None else value
-    if isinstance(v, (list, tuple, np.ndarray)):
-        if len(v) != n:
-            raise ValueError(f"{name}: {len(v)} values for {n} prompts")
-        return np.asarray(v, dtype)
-    return np.full((n,), v, dtype)
-
-
-def _eos_table(eos_token_id, n: int, vocab: int) -> np.ndarray:
-    """Stop ids [n, E] int32 (-1 padded, E >= 1 so that adding stop ids does not recompile)."""
-    if eos_token_id is None:
-        ids = []
-    elif isinstance(eos_token_id, (int, np.integer)):
-        ids = [int(eos_token_id)]
-    else:
-        ids = [int(e) for e in eos_token_id]
-    bad = [i for i in ids if not 0 <= i < vocab]
-    if bad:
-        raise ValueError(f"eos_token_id {bad} outside the vocabulary [0, {vocab})")
-    table = np.full((n, max(1, len(ids))), -1, np.int32)
-    table[:, :len(ids)] = ids
-    return table
-
-
-def _check_prompts(prompts, vocab: int):
-    if isinstance(prompts, np.ndarray) or not isinstance(prompts, (list, tuple)) or not prompts:
-        raise ValueError("prompts must be a non-empty list of token-id lists")
-    out = []
-    for i, p in enumerate(prompts):
-        p = np.asarray(p)
-        if p.ndim != 1 or p.size == 0:
-            raise ValueError(f"prompts[{i}] must be a non-empty 1-D list of token ids (got shape {p.shape})")
-        if not np.issubdtype(p.dtype, np.integer):
-            raise ValueError(f"prompts[{i}] must hold integer token ids (got {p.dtype})")
-        if p.min() < 0 or p.max() >= vocab:
-            raise ValueError(f"prompts[{i}] has token ids outside [0, {vocab})")
-        out.append(p.astype(np.int32))
-    return out
-
+# ------------------------------------------------------------------------------------------ settings
 
 def check_engine_pair(target, drafter, k: int, drafting: str) -> tuple[int, ...]:
     """Host-side checks of a (target, drafter) pair for `drafting` with K drafts (`pjax.models.pairing`, plus the
     parallel-drafting needs); returns the aux layer ids the drafter reads."""
     if drafter is None:
         raise ValueError(f"drafting={drafting!r} needs a drafter (pass drafting='none' for plain decoding)")
+    if not isinstance(drafter, Drafter):
+        raise TypeError(f"drafter must be a pjax Drafter (load one with pjax.load_drafter), got "
+                        f"{type(drafter).__name__}")
     dcfg = drafter.config
     aux = check_pair(target.config, dcfg)
     if drafting == "parallel" and k > 1 and no_parallel_reason(dcfg):
@@ -123,147 +123,345 @@ def check_engine_pair(target, drafter, k: int, drafting: str) -> tuple[int, ...]
 
 
 def make_spec(target, drafter, *, max_new_tokens: int, num_speculative_tokens: int, drafting: str,
-              draft_sampling: str = "argmax", implementation: str = "auto") -> EngineSpec:
+              draft_sampling: str = "argmax", implementation: str = "auto",
+              simulate_acceptance: Optional[Sequence[float]] = None) -> EngineSpec:
     """Validate the settings and the (target, drafter) pair; returns the static EngineSpec."""
+    if not isinstance(target, Target):
+        raise TypeError(f"target must be a pjax Target (load one with pjax.load_target(path)), got "
+                        f"{type(target).__name__}" + (" (a path? use pjax.load_target)" if isinstance(target, str)
+                                                        else ""))
     if drafting not in DRAFTING_MODES:
         raise ValueError(f"drafting={drafting!r}: expected one of {DRAFTING_MODES}")
     if draft_sampling not in DRAFT_SAMPLING:
         raise ValueError(f"draft_sampling={draft_sampling!r}: expected one of {DRAFT_SAMPLING}")
-    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation={implementation!r}: expected one of {IMPLEMENTATIONS}")
+    if not I._is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1 (got {max_new_tokens!r})")
-    k = int(num_speculative_tokens)
-    aux, mask_id = (), 0
-    if drafting == "none":
-        k = 0
-    else:
-        if k < 1 or k != num_speculative_tokens:
+    aux, mask_id, k = (), 0, 0
+    if drafting != "none":
+        if not I._is_int(num_speculative_tokens) or num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be an integer >= 1 for drafting={drafting!r} "
                              f"(got {num_speculative_tokens!r})")
+        k = int(num_speculative_tokens)
         aux = check_engine_pair(target, drafter, k, drafting)
         mask_id = drafter.config.mask_token_id if drafter.config.mask_token_id is not None else 0
+    sim = None
+    if simulate_acceptance is not None:
+        if drafting == "none":
+            raise ValueError("simulate_acceptance needs drafting='parallel' or 'sequential'")
+        sim = tuple(float(p) for p in simulate_acceptance)
+        if len(sim) != k or not all(0.0 <= p <= 1.0 for p in sim):
+            raise ValueError(f"simulate_acceptance must give {k} probabilities in [0, 1] (one per draft position), "
+                             f"got {list(simulate_acceptance)}")
     return EngineSpec(num_speculative_tokens=k, drafting=drafting, max_new_tokens=int(max_new_tokens),
-                      draft_sampling=draft_sampling, aux_layer_ids=tuple(aux),
-                      mask_token_id=int(mask_id), implementation=implementation)
+                      draft_sampling=draft_sampling, aux_layer_ids=tuple(aux), mask_token_id=int(mask_id),
+                      implementation=implementation, simulate_acceptance=sim)
 
 
-def generate(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-             num_speculative_tokens: int = 3, drafting: str = "parallel", temperature=0.0, top_k=None,
-             top_p=None, seed: Union[int, Sequence[int]] = 0, eos_token_id=None,
-             cache_capacity: Optional[int] = None, draft_sampling: str = "argmax", loop: str = "device",
-             implementation: str = "auto", cache_dtype=None, compiler_options: Optional[dict] = None
-             ) -> GenerateResult:
+def _precision(target, drafter, allow_tf32: bool) -> Optional[str]:
+    """float32 models get full-precision products (XLA dots and the kernels) unless TF32 is asked for."""
+    f32 = target.dtype == jnp.float32 or (drafter is not None and drafter.dtype == jnp.float32)
+    return "highest" if f32 and not allow_tf32 else None
+
+
+# ------------------------------------------------------------------------------------------ the generation
+
+class Generation:
+    """A running batch of requests: prefill happens on construction; iterate for `Chunk`s as device chunks
+    complete (streaming), end rows from the host with `finish`, and call `result()` for the outputs and statistics.
+
+    Arguments as `generate` (which is `Generation(...).result()`)."""
+
+    def __init__(self, target, drafter, prompts: Sequence[Sequence[int]], *, max_new_tokens, num_speculative_tokens=3,
+                 drafting: str = "parallel", temperature=0.0, top_k=None, top_p=None, seed=0, eos_token_id=None,
+                 cache_capacity: Optional[int] = None, draft_sampling: str = "argmax",
+                 implementation: str = "auto", cache_dtype=None, compiler_options: Optional[dict] = None,
+                 chunk_seconds: Optional[float] = 0.25, progress: bool = False, allow_tf32: bool = False,
+                 simulate_acceptance: Optional[Sequence[float]] = None, loop: str = "device"):
+        t_start = time.perf_counter()
+        if not isinstance(target, Target):
+            raise TypeError(f"target must be a pjax Target (load one with pjax.load_target(path)), got "
+                            f"{type(target).__name__}")
+        if loop not in ("device", "host"):
+            raise ValueError(f"loop={loop!r}: expected 'device' or 'host'")
+        if chunk_seconds is not None and (not I._is_real(chunk_seconds) or chunk_seconds <= 0):
+            raise ValueError(f"chunk_seconds must be a positive number or None (one device call), got "
+                             f"{chunk_seconds!r}")
+        rows = I.check_prompts(prompts, target.config.vocab_size)
+        n = len(rows)
+        limits = I.per_row(max_new_tokens, n, "max_new_tokens", kind="int", default=None, low=1)
+        spec = make_spec(target, drafter, max_new_tokens=int(limits.max()), num_speculative_tokens=num_speculative_tokens,
+                         drafting=drafting, draft_sampling=draft_sampling, implementation=implementation,
+                         simulate_acceptance=simulate_acceptance)
+        target = consistent_target(target)
+        drafter = consistent_drafter(drafter) if spec.drafting != "none" else None
+        self._warnings = [] if drafter is None else pair_warnings(target.config, drafter.config)
+        vocab = target.config.vocab_size
+        temp = I.per_row(temperature, n, "temperature", kind="real", default=0.0, low=0.0)
+        tk = I.per_row(top_k, n, "top_k", kind="int", default=0, low=0)
+        tp = I.per_row(top_p, n, "top_p", kind="real", default=1.0, low=0.0, high=1.0, low_open=True)
+        seeds = I.per_row(seed, n, "seed", kind="int", default=0, low=0, high=I.SEED_LIMIT, high_open=True)
+        stops = I.stop_table(eos_token_id, n, vocab)
+        cdtype = None if cache_dtype is None else parse_dtype(cache_dtype, what="cache_dtype")
+
+        lengths = np.array([len(r) for r in rows], np.int32)
+        longest = int(lengths.max())
+        k = spec.k
+        need = longest + int(limits.max()) + 2 * k
+        if cache_capacity is None:
+            capacity = I.bucket_capacity(need)
+        else:
+            if not I._is_int(cache_capacity) or cache_capacity < 1:
+                raise ValueError(f"cache_capacity must be a positive integer, got {cache_capacity!r}")
+            capacity = int(cache_capacity)
+            if longest > capacity:
+                i = int(lengths.argmax())
+                raise ValueError(f"prompts[{i}] has {longest} tokens, longer than cache_capacity={capacity}")
+        mpe = target.config.max_position_embeddings
+        if mpe and longest + int(limits.max()) > mpe:
+            self._warnings.append(f"prompt + new tokens reach {longest + int(limits.max())} positions, beyond the "
+                                  f"target's max_position_embeddings={mpe} (fine only if its RoPE scaling covers it)")
+        for w in self._warnings:
+            warnings.warn(w, stacklevel=3)
+
+        # buckets: rows, prompt positions, output buffer; padding rows stop at prefill (max_new = 1)
+        b = I.bucket_batch(n)
+        lp = min(I.bucket_length(longest), max(capacity, longest))
+        spec = dataclasses.replace(spec, max_new_tokens=I.next_pow2(int(limits.max())))
+        padded = np.zeros((b, lp), np.int32)
+        for i, r in enumerate(rows):
+            padded[i, :len(r)] = r
+        all_lengths = np.ones((b,), np.int32)
+        all_lengths[:n] = lengths
+        fill = lambda a, v: np.concatenate([a, np.full((b - n,), v, a.dtype)])  # noqa: E731
+        sampling = Sampling(jnp.asarray(fill(temp, 0.0), jnp.float32), jnp.asarray(fill(tk, 0), jnp.int32),
+                            jnp.asarray(fill(tp, 1.0), jnp.float32), jnp.asarray(fill(seeds, 0), jnp.uint32),
+                            jnp.asarray(np.concatenate([stops, np.full((b - n, stops.shape[1]), -1, np.int32)])),
+                            jnp.asarray(fill(limits, 1), jnp.int32))
+
+        self.n, self.spec, self._capacity, self._target, self._drafter = n, spec, capacity, target, drafter
+        self._sampling, self._lengths = sampling, lengths
+        self._options = tuple(sorted((compiler_options or {}).items()))
+        self._precision = _precision(target, drafter, allow_tf32)
+        self._chunk_seconds = None if loop == "host" else chunk_seconds
+        self._rounds_per_chunk = 1 if loop == "host" else (None if chunk_seconds is None else 4)
+        self._compile_s, self._rounds, self._chunks = 0.0, 0, 0
+        self._sent = np.zeros(n, np.int64)  # tokens already handed out per row (streaming)
+        self._keep: dict[int, int] = {}  # host-side cuts of a row's output (finish(keep=...))
+        self._closed = False
+        self._bar = None
+        if progress:
+            from tqdm.auto import tqdm
+            self._bar = tqdm(total=int(limits.sum()), desc=f"generate ({spec.drafting})", unit="tok",
+                             dynamic_ncols=True)
+
+        pre_args = (target, drafter, jnp.asarray(padded), jnp.asarray(all_lengths), sampling)
+        exe, c = _compiled("prefill", pre_args, dict(spec=spec, capacity=capacity, cache_dtype=cdtype), self._options,
+                           self._precision)
+        self._compile_s += c
+        t0 = time.perf_counter()
+        self._state = exe(*pre_args)
+        self._snapshot()
+        self._prefill_s = time.perf_counter() - t0
+        self._t_first = time.perf_counter() - t_start - self._compile_s  # time to first token (compile excluded)
+        loop_args = (target, drafter, self._state, sampling, jnp.int32(1))
+        self._loop, c = _compiled("loop", loop_args, dict(spec=spec), self._options, self._precision)
+        self._compile_s += c
+        self._decode_s = 0.0
+        self._first_pending = True
+
+    # -- host view of the device state ------------------------------------------------------------------
+    def _snapshot(self):
+        s = self._state
+        host = jax.device_get(dict(out=s.out, num_out=s.num_out, done=s.done, stop=s.stop, rounds=s.rounds,
+                                   num_drafts=s.num_drafts, num_draft_tokens=s.num_draft_tokens, accepted=s.accepted,
+                                   accepted_at=s.accepted_at))
+        self._host = {k: np.asarray(v)[:self.n] for k, v in host.items()}
+        for i, keep in self._keep.items():
+            self._host["num_out"][i] = min(self._host["num_out"][i], keep)
+        if self._bar is not None:
+            self._bar.n = int(self._host["num_out"].sum())
+            self._bar.refresh()
+
+    @property
+    def done(self) -> bool:
+        return bool(self._host["done"].all())
+
+    def _run_chunk(self):
+        """One device chunk of rounds (all remaining rounds when chunk_seconds is None), then a host snapshot."""
+        bound = self.spec.max_new_tokens if self._rounds_per_chunk is None else self._rounds_per_chunk
+        t0 = time.perf_counter()
+        try:
+            new_state, rounds = self._loop(self._target, self._drafter, self._state, self._sampling, jnp.int32(bound))
+            rounds = int(rounds)  # waits for the chunk
+        except KeyboardInterrupt:
+            self._interrupt()
+        self._state = new_state
+        dt = time.perf_counter() - t0
+        self._decode_s += dt
+        self._rounds += rounds
+        self._chunks += 1
+        if self._chunk_seconds is not None and self._rounds_per_chunk is not None and rounds:
+            per_round = dt / rounds
+            self._rounds_per_chunk = int(min(4096, max(1, self._chunk_seconds / max(per_round, 1e-6))))
+        try:
+            self._snapshot()
+        except KeyboardInterrupt:
+            self._interrupt()
+
+    def _interrupt(self):
+        """Ctrl-C: end unfinished rows as "interrupted" and raise with what the last host snapshot holds."""
+        stop = self._host["stop"]
+        stop[~self._host["done"]] = STOP_INTERRUPTED
+        self._host["done"][:] = True
+        res = self._result()
+        self.close()
+        raise GenerationInterrupted(res) from None
+
+    # -- streaming ---------------------------------------------------------------------------------------
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Chunk:
+        if self._first_pending:
+            self._first_pending = False
+        elif self.done or self._closed:
+            self.close()
+            raise StopIteration
+        else:
+            self._run_chunk()
+        out, num = self._host["out"], self._host["num_out"]
+        new = [out[i, self._sent[i]:num[i]].tolist() for i in range(self.n)]
+        self._sent = np.maximum(self._sent, num)
+        done = self._host["done"].tolist()
+        reasons = [STOP_NAMES[int(s)] if d else None for s, d in zip(self._host["stop"], done)]
+        return Chunk(new, done, reasons)
+
+    def finish(self, row: int, *, keep: Optional[int] = None):
+        """End prompt `row` from the host (stop reason "stop"): it takes part in no further round. keep: cut its
+        output to its first `keep` tokens (e.g. where a stop string ends)."""
+        if not 0 <= row < self.n:
+            raise IndexError(f"row {row} outside [0, {self.n})")
+        if keep is not None:
+            if not I._is_int(keep) or keep < 0:
+                raise ValueError(f"keep must be an integer >= 0, got {keep!r}")
+            self._keep[row] = min(int(keep), self._keep.get(row, int(keep)))
+            self._host["num_out"][row] = min(self._host["num_out"][row], keep)
+        if not self._host["done"][row]:
+            s = self._state
+            self._state = dataclasses.replace(s, done=s.done.at[row].set(True), stop=s.stop.at[row].set(STOP_HOST))
+            self._host["done"][row] = True
+            self._host["stop"][row] = STOP_HOST
+
+    def result(self) -> GenerateResult:
+        """Run to completion (if not yet) and return the outputs and statistics."""
+        while not self.done and not self._closed:
+            self._run_chunk()
+        res = self._result()
+        self.close()
+        return res
+
+    def close(self):
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        self._closed = True
+
+    # -- statistics --------------------------------------------------------------------------------------
+    def _result(self) -> GenerateResult:
+        h = self._host
+        tokens = [h["out"][i, :h["num_out"][i]].tolist() for i in range(self.n)]
+        return GenerateResult(tokens, self._stats())
+
+    def _stats(self) -> dict:
+        h, spec = self._host, self.spec
+        drafts = int(h["num_drafts"].sum())
+        accepted = int(h["accepted"].sum())
+        out_tokens = int(h["num_out"].sum())
+        wall = self._prefill_s + self._decode_s
+        rounds_total = max(int(h["rounds"].max()) if self.n else 0, 1)
+        requests = []
+        for i in range(self.n):
+            nd, acc, out = int(h["num_drafts"][i]), int(h["accepted"][i]), int(h["num_out"][i])
+            # a row's end time: prefill, then its share of the decode rounds (rounds cost the same for every row)
+            e2e = self._t_first + self._decode_s * int(h["rounds"][i]) / rounds_total
+            requests.append({
+                "prompt_tokens": int(self._lengths[i]), "output_tokens": out, "rounds": int(h["rounds"][i]),
+                "num_drafts": nd, "num_accepted_tokens": acc,
+                "mean_acceptance_length": 1.0 + acc / nd if nd else 1.0,
+                "acceptance_rates": [float(x) / nd if nd else 0.0 for x in h["accepted_at"][i]],
+                "stop_reason": STOP_NAMES[int(h["stop"][i])], "ttft_s": self._t_first, "e2e_s": e2e,
+                "tpot_s": (e2e - self._t_first) / (out - 1) if out > 1 else None,
+                "output_tokens_per_s": out / e2e if e2e > 0 else float("inf")})
+        return {
+            "rounds": self._rounds,
+            "num_drafts": drafts,
+            "num_draft_tokens": int(h["num_draft_tokens"].sum()),
+            "num_accepted_tokens": accepted,
+            "mean_acceptance_length": 1.0 + accepted / drafts if drafts else 1.0,
+            "acceptance_rates": [float(x) / drafts if drafts else 0.0 for x in h["accepted_at"].sum(0)],
+            "output_tokens": out_tokens,
+            "per_request_rounds": h["rounds"].tolist(),
+            "stop_reasons": [STOP_NAMES[int(s)] for s in h["stop"]],
+            "requests": requests,
+            "ttft_s": self._t_first,
+            "prefill_time_s": self._prefill_s,
+            "decode_time_s": self._decode_s,
+            "wall_time_s": wall,
+            "compile_time_s": self._compile_s,
+            "output_tokens_per_s": out_tokens / wall if wall > 0 else float("inf"),
+            "num_speculative_tokens": spec.k,
+            "drafting": spec.drafting,
+            "aux_layer_ids": list(spec.aux_layer_ids),
+            "device_chunks": self._chunks,
+            "simulated_acceptance": spec.simulate_acceptance is not None,
+            "warnings": list(self._warnings),
+        }
+
+
+def generate(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_tokens: Union[int, Sequence[int]],
+             num_speculative_tokens: int = 3, drafting: str = "parallel", temperature=0.0, top_k=None, top_p=None,
+             seed: Union[int, Sequence[int]] = 0, eos_token_id=None, cache_capacity: Optional[int] = None,
+             draft_sampling: str = "argmax", implementation: str = "auto", cache_dtype=None,
+             compiler_options: Optional[dict] = None, chunk_seconds: Optional[float] = 0.25, progress: bool = False,
+             allow_tf32: bool = False, simulate_acceptance: Optional[Sequence[float]] = None,
+             loop: str = "device") -> GenerateResult:
     """Speculative decoding of a batch of prompts (lists of token ids of any lengths).
 
     drafting: "parallel" (P-EAGLE: one drafter pass proposes K tokens), "sequential" (EAGLE-3: K drafter
       passes), "none" (plain autoregressive decoding with the same target code; drafter may be None).
-    temperature / top_k / top_p: scalars or one value per prompt (0 => greedy; top_k None/0 and top_p
-      None/1 => off). Processing order: temperature, top-k, top-p (vLLM).
-    seed: int or one per prompt. Every random draw is keyed on (seed, absolute position), so a request's
-      output does not depend on the other requests in the batch; give identical prompts different seeds
+    max_new_tokens: an integer or one per prompt.
+    temperature / top_k / top_p: numbers or one per prompt (0 => greedy; top_k None/0 and top_p None/1 => off;
+      top_k an integer, top_p in (0, 1]). Processing order: temperature, top-k, top-p (vLLM).
+    seed: an integer in [0, 2**32) or one per prompt. Every random draw is keyed on (seed, absolute position), so a
+      request's output does not depend on the other requests in the batch; give identical prompts different seeds
       for independent samples.
-    cache_capacity: KV positions per row (default: longest prompt + max_new_tokens + 2K, rounded up to
-      64). A prompt longer than the cache is an error; a row that fills the cache stops cleanly with
-      stop reason "capacity" (drafts are cut so that no verify write ever falls outside the cache).
-    loop: "device" (all rounds in one lax.while_loop) or "host" (one jitted call per round).
-    cache_dtype: KV cache dtype (default: the model's). compiler_options: XLA options for the compiled
-      programs (e.g. {"xla_backend_optimization_level": 0} for fast CPU compiles in tests).
+    eos_token_id: None, an id, a list of ids, or one list of ids per prompt; a row stops after emitting one.
+    cache_capacity: KV positions per row (default: longest prompt + max_new_tokens + 2K, bucketed). A prompt longer
+      than the cache is an error; a row that fills the cache stops with reason "capacity".
+    cache_dtype: KV cache dtype, "bfloat16" / "float16" / "float32" (default: the model's).
+    implementation: the kernel switch, "xla" (no Pallas kernel) | "pallas" (every kernel) | "auto".
+    chunk_seconds: device time per chunk of rounds (progress, Ctrl-C, streaming); None = one device call.
+    progress: a tqdm bar over output tokens. Ctrl-C raises `GenerationInterrupted` (a KeyboardInterrupt) whose
+      `.result` holds the output so far.
+    allow_tf32: float32 models run full-precision products by default (as PyTorch); True allows TF32 on the GPU.
+    simulate_acceptance: K probabilities; the verdict of draft position i becomes a seeded draw (timing with
+      random weights; outputs are then not the target's, and the stats say "simulated_acceptance": True).
+    loop: "device" (chunks of rounds in a lax.while_loop) or "host" (one device call per round).
+    compiler_options: XLA options for the compiled programs (e.g. {"xla_backend_optimization_level": 0}).
 
-    stats: rounds, mean_acceptance_length (1 + accepted / num_drafts, as vLLM), acceptance_rates
-    (per draft position), num_drafts, num_draft_tokens, num_accepted_tokens, output_tokens,
-    stop_reasons, wall_time_s (prefill + decode, compilation excluded), prefill_time_s, decode_time_s,
-    compile_time_s, output_tokens_per_s.
+    A row stops on an EOS id, its max_new_tokens, a full cache, or non-finite target logits (reason "nonfinite": a
+    broken checkpoint, nothing emitted from those logits).
+    stats: rounds, mean_acceptance_length (1 + accepted / num_drafts, as vLLM), acceptance_rates (per draft
+    position), num_drafts, num_draft_tokens, num_accepted_tokens, output_tokens, stop_reasons, requests (per prompt:
+    tokens, acceptance, stop reason, ttft_s, e2e_s, tpot_s, output_tokens_per_s), ttft_s, wall_time_s (prefill +
+    decode, compilation excluded), prefill_time_s, decode_time_s, compile_time_s, output_tokens_per_s,
+    aux_layer_ids, warnings (e.g. a head trained for another verifier).
     """
-    spec = make_spec(target, drafter, max_new_tokens=max_new_tokens, num_speculative_tokens=num_speculative_tokens,
-                     drafting=drafting, draft_sampling=draft_sampling,
-                     implementation=implementation)
-    if loop not in ("device", "host"):
-        raise ValueError(f"loop={loop!r}: expected 'device' or 'host'")
-    rows = _check_prompts(prompts, target.config.vocab_size)
-    n = len(rows)
-    lengths = np.array([len(r) for r in rows], np.int32)
-    longest = int(lengths.max())
-    if cache_capacity is None:
-        capacity = _round_up(longest + spec.max_new_tokens + 2 * spec.k, 64)
-    else:
-        capacity = int(cache_capacity)
-        if longest > capacity:
-            i = int(lengths.argmax())
-            raise ValueError(f"prompts[{i}] has {longest} tokens, longer than cache_capacity={capacity}")
-    lp = min(_round_up(longest, 16), max(capacity, longest))
-    padded = np.zeros((n, lp), np.int32)
-    for i, r in enumerate(rows):
-        padded[i, :len(r)] = r
-    temp = _per_row(temperature, n, "temperature", np.float32, 0.0)
-    tk = _per_row(top_k, n, "top_k", np.int32, 0)
-    tp = _per_row(top_p, n, "top_p", np.float32, 1.0)
-    if (temp < 0).any() or not np.isfinite(temp).all():
-        raise ValueError("temperature must be finite and >= 0")
-    if (tk < 0).any():
-        raise ValueError("top_k must be >= 0 (0 or None = off)")
-    if ((tp <= 0) | (tp > 1)).any():
-        raise ValueError("top_p must be in (0, 1] (1 or None = off)")
-    spec = dataclasses.replace(spec, use_top_k=bool((tk > 0).any()), use_top_p=bool((tp < 1).any()))
-    seeds = _per_row(seed, n, "seed", np.int64, 0)
-    sampling = Sampling(jnp.asarray(temp), jnp.asarray(tk), jnp.asarray(tp),
-                        jnp.asarray((seeds % (1 << 32)).astype(np.uint32)),
-                        jnp.asarray(_eos_table(eos_token_id, n, target.config.vocab_size)))
-
-    compile_s = 0.0
-    opts = tuple(sorted((compiler_options or {}).items()))
-    pre_args = (target, drafter if spec.drafting != "none" else None, jnp.asarray(padded), jnp.asarray(lengths),
-                sampling)
-    pre_kw = dict(spec=spec, capacity=capacity, cache_dtype=cache_dtype)
-    exe, c = _compiled("prefill", pre_args, pre_kw, opts)
-    compile_s += c
-    t0 = time.perf_counter()
-    state = exe(*pre_args)
-    jax.block_until_ready(state)
-    prefill_s = time.perf_counter() - t0
-    dr = pre_args[1]
-    if loop == "device":
-        exe, c = _compiled("loop", (target, dr, state, sampling), dict(spec=spec), opts)
-        compile_s += c
-        t1 = time.perf_counter()
-        state, rounds = exe(target, dr, state, sampling)
-        rounds = int(rounds)
-    else:
-        exe, c = _compiled("round", (target, dr, state, sampling), dict(spec=spec), opts)
-        compile_s += c
-        t1 = time.perf_counter()
-        rounds = 0
-        while rounds < spec.max_new_tokens and not bool(np.asarray(state.done).all()):
-            state = exe(target, dr, state, sampling)
-            rounds += 1
-    jax.block_until_ready(state)
-    t2 = time.perf_counter()
-    host = jax.device_get(dict(out=state.out, num_out=state.num_out, stop=state.stop, rounds=state.rounds,
-                               num_drafts=state.num_drafts, num_draft_tokens=state.num_draft_tokens,
-                               accepted=state.accepted, accepted_at=state.accepted_at))
-    tokens = [host["out"][i, :host["num_out"][i]].tolist() for i in range(n)]
-    return GenerateResult(tokens, _stats(host, spec, rounds, prefill_s=prefill_s, decode_s=t2 - t1,
-                                         compile_s=compile_s))
-
-
-def _stats(host, spec: EngineSpec, rounds: int, *, prefill_s: float, decode_s: float, compile_s: float) -> dict:
-    drafts = int(host["num_drafts"].sum())
-    accepted = int(host["accepted"].sum())
-    out_tokens = int(host["num_out"].sum())
-    wall = prefill_s + decode_s
-    return {
-        "rounds": rounds,
-        "num_drafts": drafts,
-        "num_draft_tokens": int(host["num_draft_tokens"].sum()),
-        "num_accepted_tokens": accepted,
-        "mean_acceptance_length": 1.0 + accepted / drafts if drafts else 1.0,
-        "acceptance_rates": [float(x) / drafts if drafts else 0.0 for x in host["accepted_at"].sum(0)],
-        "output_tokens": out_tokens,
-        "per_request_rounds": host["rounds"].tolist(),
-        "stop_reasons": [STOP_NAMES[int(s)] for s in host["stop"]],
-        "prefill_time_s": prefill_s,
-        "decode_time_s": decode_s,
-        "wall_time_s": wall,
-        "compile_time_s": compile_s,
-        "output_tokens_per_s": out_tokens / wall if wall > 0 else float("inf"),
-        "num_speculative_tokens": spec.k,
-        "drafting": spec.drafting,
-    }
+    return Generation(target, drafter, prompts, max_new_tokens=max_new_tokens,
+                      num_speculative_tokens=num_speculative_tokens, drafting=drafting, temperature=temperature,
+                      top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id, cache_capacity=cache_capacity,
+                      draft_sampling=draft_sampling, implementation=implementation, cache_dtype=cache_dtype,
+                      compiler_options=compiler_options, chunk_seconds=chunk_seconds, progress=progress,
+                      allow_tf32=allow_tf32, simulate_acceptance=simulate_acceptance, loop=loop).result()

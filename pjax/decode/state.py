@@ -14,9 +14,12 @@ import jax.numpy as jnp
 DRAFTING_MODES = ("parallel", "sequential", "none")
 DRAFT_SAMPLING = ("argmax", "sample")
 
-# stop codes (DecodeState.stop)
-RUNNING, STOP_EOS, STOP_LENGTH, STOP_CAPACITY = 0, 1, 2, 3
-STOP_NAMES = {RUNNING: "running", STOP_EOS: "eos", STOP_LENGTH: "length", STOP_CAPACITY: "capacity"}
+# stop codes (DecodeState.stop). STOP_NONFINITE: the target's logits turned NaN / inf (nothing is emitted from
+# them); STOP_HOST: ended from the host between device chunks (a stop string, a cancelled request);
+# STOP_INTERRUPTED: the generation was interrupted (Ctrl-C) before the row finished.
+RUNNING, STOP_EOS, STOP_LENGTH, STOP_CAPACITY, STOP_NONFINITE, STOP_HOST, STOP_INTERRUPTED = 0, 1, 2, 3, 4, 5, 6
+STOP_NAMES = {RUNNING: "running", STOP_EOS: "eos", STOP_LENGTH: "length", STOP_CAPACITY: "capacity",
+              STOP_NONFINITE: "nonfinite", STOP_HOST: "stop", STOP_INTERRUPTED: "interrupted"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,13 +28,18 @@ class EngineSpec:
 
     num_speculative_tokens: K drafts per round (0 when drafting == "none").
     drafting: "parallel" (P-EAGLE, one drafter pass) | "sequential" (EAGLE-3, K passes) | "none".
+    max_new_tokens: the static bound on new tokens per row (sizes the output buffer); a row's own limit is
+      `Sampling.max_new` (runtime data) when given.
     draft_sampling: "argmax" (q one-hot, vLLM default) | "sample" (draft d_i ~ softmax(draft logits / T),
       q kept for verification; greedy rows still use argmax).
     aux_layer_ids: target layers whose entering residual streams feed the drafter (() for "none").
     mask_token_id: the P-EAGLE mask token (target vocabulary id), 0 when unused.
-    implementation: passed to the acceptance / metadata ops ("xla" | "pallas" | "auto").
-    use_top_k / use_top_p: compile the truncation (a vocabulary sort per position) only when some row
-      asks for it; rows with top_k = 0 / top_p = 1 are unaffected either way.
+    implementation: the kernel switch of every op the round runs ("xla" | "pallas" | "auto", `pjax.kernels`).
+    sampling_filters: compile the top-k / top-p truncation (a vocabulary sort per position); it then runs only in
+      rounds where some row asks for it (runtime data: switching filters on does not recompile).
+    simulate_acceptance: None, or K probabilities p_1..p_K: the verdict of draft position i becomes a seeded draw
+      of probability p_i (chain: the first reject stops), the target's argmax follows the accepted drafts. For
+      timing with random weights only: the output is then not the target's.
     """
     num_speculative_tokens: int
     drafting: str
@@ -40,8 +48,8 @@ class EngineSpec:
     aux_layer_ids: tuple[int, ...] = ()
     mask_token_id: int = 0
     implementation: str = "auto"
-    use_top_k: bool = False
-    use_top_p: bool = False
+    sampling_filters: bool = True
+    simulate_acceptance: Optional[tuple[float, ...]] = None
 
     @property
     def k(self) -> int:
@@ -59,17 +67,19 @@ class Sampling:
 
     temperature [B] f32 (0 => greedy), top_k [B] i32 (0 => off), top_p [B] f32 (1 => off), seed [B] u32
     (the counter-hash key: with positions it fixes every random draw, independent of batch composition),
-    eos [B, E] i32 stop token ids (-1 = unused slot) or None (runtime data: changing them does not
-    recompile).
+    eos [B, E] i32 stop token ids (-1 = unused slot) or None, max_new [B] i32 new-token limit of each row
+    (<= EngineSpec.max_new_tokens) or None (= EngineSpec.max_new_tokens). All runtime data: changing them does
+    not recompile.
     """
     temperature: Any
     top_k: Any
     top_p: Any
     seed: Any
     eos: Any = None
+    max_new: Any = None
 
 
-jax.tree_util.register_dataclass(Sampling, data_fields=["temperature", "top_k", "top_p", "seed", "eos"],
+jax.tree_util.register_dataclass(Sampling, data_fields=["temperature", "top_k", "top_p", "seed", "eos", "max_new"],
                                  meta_fields=[])
 
 
@@ -84,7 +94,7 @@ class DecodeState:
     drafts [B, K] i32: target-vocabulary drafts for positions pos+1..pos+K
     draft_probs [B, K, V] f32 or None: q of each draft (draft_sampling == "sample")
     out [B, N] i32: generated tokens (-1 padded); num_out [B] i32 valid entries
-    done [B] bool; stop [B] i32 stop code (RUNNING / STOP_EOS / STOP_LENGTH / STOP_CAPACITY)
+    done [B] bool; stop [B] i32 stop code (see STOP_NAMES)
     rounds [B] i32: rounds this row took part in (after prefill)
     num_drafts [B] i32: rounds that verified >= 1 draft (vLLM num_drafts)
     num_draft_tokens [B] i32: drafts verified; accepted [B] i32: drafts accepted

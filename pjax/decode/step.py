@@ -12,20 +12,60 @@ import jax
 import jax.numpy as jnp
 
 from pjax.decode import draft as D
-from pjax.decode.state import (RUNNING, STOP_CAPACITY, STOP_EOS, STOP_LENGTH, DecodeState, EngineSpec, Sampling,
-                               add_batch_axis, drop_batch_axis)
-from pjax.kernels.acceptance import accept
+from pjax.decode.state import (RUNNING, STOP_CAPACITY, STOP_EOS, STOP_LENGTH, STOP_NONFINITE, DecodeState, EngineSpec,
+                               Sampling, add_batch_axis, drop_batch_axis)
+from pjax.kernels import rng
+from pjax.kernels.acceptance import AcceptResult, accept
 from pjax.models.cache import init_cache
 from pjax.models.drafter import combine, init_drafter_cache
 from pjax.models.target import forward, logits_from_hidden
 
 
-def _accept(logits, drafts, q, sampling: Sampling, positions, num_drafts, spec: EngineSpec):
-    return accept(logits, drafts, q, temperature=sampling.temperature.astype(jnp.float32),
-                  top_k=sampling.top_k.astype(jnp.int32) if spec.use_top_k else None,
-                  top_p=sampling.top_p.astype(jnp.float32) if spec.use_top_p else None,
-                  seeds=sampling.seed.astype(jnp.uint32), positions=positions.astype(jnp.int32),
-                  num_drafts=num_drafts.astype(jnp.int32), implementation=spec.implementation)
+# counter-hash stream of the simulated verdicts (distinct from the acceptance and draft streams)
+STREAM_SIMULATE = 0x53
+
+
+def _accept(logits, drafts, q, sampling: Sampling, positions, num_drafts, spec: EngineSpec) -> AcceptResult:
+    """Chain acceptance; the top-k / top-p branch (a vocabulary sort) runs only when some row asks for it."""
+    kw = dict(temperature=sampling.temperature.astype(jnp.float32), seeds=sampling.seed.astype(jnp.uint32),
+              positions=positions.astype(jnp.int32), num_drafts=num_drafts.astype(jnp.int32),
+              implementation=spec.implementation)
+
+    def plain():
+        return accept(logits, drafts, q, **kw)
+
+    if not spec.sampling_filters:
+        return plain()
+
+    def filtered():
+        return accept(logits, drafts, q, top_k=sampling.top_k.astype(jnp.int32),
+                      top_p=sampling.top_p.astype(jnp.float32), **kw)
+    wanted = jnp.any((sampling.top_k > 0) | (sampling.top_p < 1))
+    return jax.lax.cond(wanted, filtered, plain)
+
+
+def _simulate(logits, drafts, sampling: Sampling, positions, num_drafts, spec: EngineSpec) -> AcceptResult:
+    """Simulated verdicts (EngineSpec.simulate_acceptance): draft i is accepted with probability p_i, the chain
+    stops at the first reject, and the target's argmax at that index follows. logits [B, K+1, V]."""
+    k = spec.k
+    idx = jnp.arange(k, dtype=jnp.int32)[None]
+    u = rng.uniform(sampling.seed.astype(jnp.uint32)[:, None], positions.astype(jnp.int32)[:, None] + idx, 0,
+                    STREAM_SIMULATE)
+    ok = (u < jnp.asarray(spec.simulate_acceptance, jnp.float32)[None]) & (idx < num_drafts[:, None])
+    n = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+    nxt = jnp.argmax(jnp.take_along_axis(logits, n[:, None, None], axis=1)[:, 0], axis=-1).astype(jnp.int32)
+    j = jnp.arange(k + 1, dtype=jnp.int32)[None]
+    padded = jnp.concatenate([drafts, jnp.zeros_like(drafts[:, :1])], axis=1)
+    tokens = jnp.where(j < n[:, None], padded, jnp.where(j == n[:, None], nxt[:, None], -1))
+    return AcceptResult(tokens.astype(jnp.int32), n, nxt)
+
+
+def _finite_rows(logits, num_valid):
+    """[B] bool: the logits [B, J, V] of the first num_valid[b] positions are all finite (max over the vocabulary
+    propagates NaN and is inf when any lane is +inf; an all -inf row is not finite either)."""
+    fin = jnp.isfinite(jnp.max(logits, axis=-1))
+    j = jnp.arange(logits.shape[1], dtype=jnp.int32)[None]
+    return jnp.all(fin | (j >= num_valid[:, None]), axis=1)
 
 
 def _sample_one(logits, sampling, positions, spec):
@@ -36,15 +76,18 @@ def _sample_one(logits, sampling, positions, spec):
     return res.next_token
 
 
-def _emit(state: DecodeState, tokens, count, new_pos, active, spec: EngineSpec, capacity: int, eos=None):
-    """Append tokens[b, :count[b]] to the output, apply EOS / length / capacity stops.
+def _emit(state: DecodeState, tokens, count, new_pos, active, spec: EngineSpec, capacity: int, eos=None,
+          max_new=None, finite=None):
+    """Append tokens[b, :count[b]] to the output, apply EOS / length / capacity / non-finite stops.
 
     tokens [B, J] i32, count [B] i32 (>= 1 for active rows), new_pos [B] position of the new pending
-    token, eos [B, E] i32 stop ids (-1 unused) or None.
+    token, eos [B, E] i32 stop ids (-1 unused) or None, max_new [B] i32 row limits or None (=
+    spec.max_new_tokens), finite [B] bool or None: rows whose logits were not finite emit nothing and stop.
     """
     j = tokens.shape[1]
     idx = jnp.arange(j, dtype=jnp.int32)[None]
-    count = jnp.where(active, count, 0)
+    bad = jnp.zeros_like(active) if finite is None else active & ~finite
+    count = jnp.where(active & ~bad, count, 0)
     stop = state.stop
     if eos is not None:
         is_eos = jnp.any((tokens[:, :, None] == eos[:, None, :]) & (eos[:, None, :] >= 0), axis=-1)
@@ -54,7 +97,8 @@ def _emit(state: DecodeState, tokens, count, new_pos, active, spec: EngineSpec, 
         count = jnp.where(hit, first + 1, count)
     else:
         hit = jnp.zeros_like(active)
-    remaining = spec.max_new_tokens - state.num_out
+    limit = spec.max_new_tokens if max_new is None else jnp.minimum(max_new, spec.max_new_tokens)
+    remaining = limit - state.num_out
     long = count >= remaining
     count = jnp.minimum(count, remaining)
     n_buf = state.out.shape[1]
@@ -62,7 +106,8 @@ def _emit(state: DecodeState, tokens, count, new_pos, active, spec: EngineSpec, 
     rows = jnp.broadcast_to(jnp.arange(tokens.shape[0])[:, None], slot.shape)
     out = state.out.at[rows, slot].set(tokens, mode="drop")
     full = new_pos >= capacity
-    new_stop = jnp.where(hit, STOP_EOS, jnp.where(long, STOP_LENGTH, jnp.where(full, STOP_CAPACITY, RUNNING)))
+    new_stop = jnp.where(bad, STOP_NONFINITE, jnp.where(hit, STOP_EOS, jnp.where(long, STOP_LENGTH, jnp.where(
+        full, STOP_CAPACITY, RUNNING))))
     stop = jnp.where(active, new_stop, stop)
     return out, state.num_out + count, stop != RUNNING, stop
 
@@ -85,7 +130,8 @@ def prefill(target, drafter, prompts, lengths, sampling: Sampling, *, spec: Engi
     out = forward(target, prompts, positions, tcache, valid=valid, aux_layer_ids=spec.aux_layer_ids,
                   implementation=spec.implementation)
     last_h = jnp.take_along_axis(out.hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
-    first = _sample_one(logits_from_hidden(target, last_h), sampling, lengths, spec)
+    first_logits = logits_from_hidden(target, last_h)
+    first = _sample_one(first_logits, sampling, lengths, spec)
     n_buf = spec.out_len
     state = DecodeState(
         target_cache=out.cache, drafter_cache=None, last=first, pos=lengths,
@@ -96,7 +142,8 @@ def prefill(target, drafter, prompts, lengths, sampling: Sampling, *, spec: Engi
         accepted=jnp.zeros((b,), jnp.int32), accepted_at=jnp.zeros((b, k), jnp.int32))
     active = jnp.ones((b,), bool)
     o, num_out, done, stop = _emit(state, first[:, None], jnp.ones((b,), jnp.int32), lengths, active, spec,
-                                   capacity, sampling.eos)
+                                   capacity, sampling.eos, sampling.max_new,
+                                   _finite_rows(first_logits[:, None], jnp.ones((b,), jnp.int32)))
     state = dataclasses.replace(state, out=o, num_out=num_out, done=done, stop=stop)
     if spec.drafting == "none":
         return state
@@ -126,16 +173,22 @@ def spec_round(target, drafter, state: DecodeState, sampling: Sampling, *, spec:
     active = ~state.done
     num_drafts = jnp.where(active, jnp.clip(capacity - 1 - state.pos, 0, k), 0).astype(jnp.int32)
     logits, aux, tcache, vtokens = verify(target, state, num_drafts, active, spec)
-    res = _accept(logits, state.drafts, state.draft_probs, sampling, state.pos + 1, num_drafts, spec)
-    n = jnp.where(active, res.num_accepted, 0).astype(jnp.int32)
+    if spec.simulate_acceptance is None:
+        res = _accept(logits, state.drafts, state.draft_probs, sampling, state.pos + 1, num_drafts, spec)
+    else:
+        res = _simulate(logits, state.drafts, sampling, state.pos + 1, num_drafts, spec)
+    finite = _finite_rows(logits, num_drafts + 1)
+    active_ok = active & finite
+    n = jnp.where(active_ok, res.num_accepted, 0).astype(jnp.int32)
     new_pos = state.pos + n + 1
-    out, num_out, done, stop = _emit(state, res.tokens, n + 1, new_pos, active, spec, capacity, sampling.eos)
-    has = active & (num_drafts > 0)
+    out, num_out, done, stop = _emit(state, res.tokens, n + 1, new_pos, active, spec, capacity, sampling.eos,
+                                     sampling.max_new, finite)
+    has = active_ok & (num_drafts > 0)
     acc_at = (jnp.arange(k, dtype=jnp.int32)[None] < n[:, None]) & has[:, None]
     new = dataclasses.replace(
         state, target_cache=tcache, out=out, num_out=num_out, done=done, stop=stop,
-        last=jnp.where(active, res.next_token, state.last).astype(jnp.int32),
-        pos=jnp.where(active, new_pos, state.pos),
+        last=jnp.where(active_ok, res.next_token, state.last).astype(jnp.int32),
+        pos=jnp.where(active_ok, new_pos, state.pos),
         rounds=state.rounds + active.astype(jnp.int32),
         num_drafts=state.num_drafts + has.astype(jnp.int32),
         num_draft_tokens=state.num_draft_tokens + jnp.where(has, num_drafts, 0),
@@ -153,12 +206,15 @@ def spec_round(target, drafter, state: DecodeState, sampling: Sampling, *, spec:
     return dataclasses.replace(new, drafter_cache=dcache, drafts=drafts, draft_probs=q)
 
 
-def decode_loop(target, drafter, state: DecodeState, sampling: Sampling, *, spec: EngineSpec):
-    """All rounds in one `lax.while_loop` (at most max_new_tokens - 1: every round emits >= 1 token per
-    running row). Returns (state, rounds executed i32)."""
+def decode_loop(target, drafter, state: DecodeState, sampling: Sampling, max_rounds=None, *, spec: EngineSpec):
+    """Rounds in one `lax.while_loop` until every row stops or `max_rounds` (i32 scalar, runtime data: the host runs
+    a long generation in bounded chunks with one program) rounds ran; None = max_new_tokens, enough for any
+    generation (every round emits >= 1 token per running row). Returns (state, rounds executed i32)."""
+    bound = spec.max_new_tokens if max_rounds is None else max_rounds
+
     def cond(carry):
         s, i = carry
-        return jnp.any(~s.done) & (i < spec.max_new_tokens)
+        return jnp.any(~s.done) & (i < bound)
 
     def body(carry):
         s, i = carry

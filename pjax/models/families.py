@@ -281,6 +281,7 @@ PARSERS: dict[str, Callable[[dict], ModelConfig]] = {
 
 def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     """Dispatch on `model_type` (text config of multimodal checkpoints is taken from `text_config`)."""
+    outer = hf
     model_type = hf.get("model_type")
     if model_type not in PARSERS and isinstance(hf.get("text_config"), dict):
         hf = hf["text_config"]
@@ -289,4 +290,9 @@ def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
         raise ConfigError(f"{where}: model_type {model_type!r} is not supported "
                           f"(supported: {sorted(PARSERS)})")
     cfg = PARSERS[model_type](hf)
+    text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else hf
+    mpe = text.get("max_position_embeddings") or hf.get("max_position_embeddings")
+    archs = outer.get("architectures") or ()
+    cfg = dataclasses.replace(cfg, max_position_embeddings=int(mpe) if mpe else None,
+                              architectures=tuple(str(a) for a in archs) if isinstance(archs, (list, tuple)) else ())
     return cfg.validate()

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pjax.config import ConfigError, ModelConfig
 from pjax.models.drafter import DrafterConfig
 
-__all__ = ["aux_layer_source", "check_pair", "resolve_aux_layer_ids"]
+__all__ = ["aux_layer_source", "check_pair", "pair_warnings", "resolve_aux_layer_ids"]
 
 
 def aux_layer_source(drafter_cfg: DrafterConfig, target_cfg: ModelConfig) -> str:
@@ -56,3 +56,20 @@ def check_pair(target_cfg: ModelConfig, drafter_cfg: DrafterConfig, where: str =
         raise ConfigError(f"{where}: aux layer ids {list(ids)} (from the {source}) are not distinct; pass "
                           f"eagle_aux_hidden_state_layer_ids with {drafter_cfg.num_aux} distinct ids in [0, {n}]")
     return ids
+
+
+def pair_warnings(target_cfg: ModelConfig, drafter_cfg: DrafterConfig) -> list[str]:
+    """Things that pass `check_pair` but deserve a word: a head trained for another verifier (acceptance then
+    collapses to ~0), or aux layer ids defaulted on a target too shallow for vLLM's default."""
+    out = []
+    want, have = set(drafter_cfg.verifier_architectures), set(target_cfg.architectures)
+    if want and have and not want & have:
+        name = f" ({drafter_cfg.verifier_name_or_path})" if drafter_cfg.verifier_name_or_path else ""
+        out.append(f"the head was trained for a {'/'.join(sorted(want))} verifier{name} but the target is "
+                   f"{'/'.join(sorted(have))}: expect acceptance near zero")
+    n = target_cfg.num_layers
+    if aux_layer_source(drafter_cfg, target_cfg) == "default" and target_cfg.default_aux_layer_ids() != (
+            2, n // 2, n - 3):
+        out.append(f"the head names no aux layer ids and the target has {target_cfg.num_layers} layers (< 8, too "
+                   f"shallow for the default (2, n//2, n-3)): using {list(target_cfg.default_aux_layer_ids())}")
+    return out

@@ -6,6 +6,7 @@ straight into `jax.jit` / `jax.vmap`d functions.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -16,7 +17,8 @@ from flax import nnx
 from pjax.config import ModelConfig
 from pjax.models.transformer import ForwardOutput, Transformer
 
-__all__ = ["Target", "abstract_target", "forward", "init_target", "logits_from_hidden", "target_logits"]
+__all__ = ["Target", "abstract_target", "consistent_target", "forward", "init_target", "logits_from_hidden",
+           "target_logits"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +35,31 @@ class Target:
     @property
     def dtype(self):
         return self.params["embed_tokens"]["embedding"].dtype
+
+    def astype(self, dtype) -> "Target":
+        """The same target with floating params and the module's compute dtype both `dtype` (bfloat16 / float32 /
+        float16). Casting only the params (`jax.tree.map(astype)`) would keep a module built for the old dtype."""
+        from pjax.dtypes import parse_dtype
+        dtype = parse_dtype(dtype, what="Target.astype dtype")
+        params = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, self.params)
+        return Target(self.config, _graphdef(self.config, dtype), params)
+
+
+@functools.lru_cache(maxsize=32)
+def _graphdef(config: ModelConfig, dtype):
+    return abstract_target(config, dtype).graphdef
+
+
+def consistent_target(target: "Target") -> "Target":
+    """`target` with a module definition matching its params' dtype (rebuilt if the params were cast alone);
+    ValueError if its floating params mix dtypes."""
+    floats = {x.dtype for x in jax.tree.leaves(target.params) if jnp.issubdtype(x.dtype, jnp.floating)}
+    if len(floats) > 1:
+        raise ValueError(f"the target's floating params mix dtypes {sorted(str(d) for d in floats)}; cast it whole "
+                         "with target.astype(dtype)")
+    dtype = floats.pop() if floats else target.dtype
+    gd = _graphdef(target.config, jnp.dtype(dtype))
+    return target if gd == target.graphdef else Target(target.config, gd, target.params)
 
 
 jax.tree_util.register_dataclass(Target, data_fields=["params"], meta_fields=["config", "graphdef"])
