@@ -1,37 +1,46 @@
-"""Backend selection shared by the kernel `api.py` modules."""
+"""The one implementation switch of every kernel op.
+
+`implementation=` takes one of IMPLEMENTATIONS:
+- "xla": the op's jnp reference, compiled by XLA: no Pallas kernel anywhere.
+- "pallas": the op's Pallas kernel (Triton on a GPU, interpret mode elsewhere). Where the kernel cannot take a
+  shape, the op falls back to its reference; each op's docstring names those shapes.
+- "auto": per op, shape and device: the kernel where it was measured faster on a GPU, else the reference. Off a GPU
+  "auto" is "xla" (interpret mode is a correctness tool, not a fast path).
+An op may accept extra explicit choices of its own (cache attention: "mosaic").
+"""
 from __future__ import annotations
 
 import functools
+import importlib.util
 
 import jax
+
+__all__ = ["IMPLEMENTATIONS", "check", "interpret", "on_gpu", "use_kernel"]
 
 IMPLEMENTATIONS = ("xla", "pallas", "auto")
 
 
-@functools.lru_cache(maxsize=None)
-def pallas_gpu_available() -> bool:
-    """True when the default backend is a CUDA GPU and the Pallas Triton lowering imports."""
-    try:
-        if jax.default_backend() != "gpu":
-            return False
-        from jax.experimental.pallas import triton  # noqa: F401
-        return True
-    except Exception:  # pragma: no cover - import failures on exotic installs
-        return False
-
-
-def resolve(implementation: str, *, auto_pallas: bool = True) -> str:
-    """'xla' | 'pallas' from the user's choice; `auto_pallas` = the kernel won on GPU for this op/shape."""
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, found {implementation!r}")
-    if implementation == "auto":
-        return "pallas" if (auto_pallas and pallas_gpu_available()) else "xla"
+def check(implementation: str, choices: tuple = IMPLEMENTATIONS, op: str = "pjax.kernels") -> str:
+    if implementation not in choices:
+        raise ValueError(f"{op}: implementation must be one of {choices}, found {implementation!r}")
     return implementation
 
 
-_FORCE_COMPILED = [False]  # set by _pallas_util.lower_for_gpu while lowering for CUDA on a CPU host
+@functools.lru_cache(maxsize=None)
+def on_gpu() -> bool:
+    """True when the default backend is a CUDA GPU and the Pallas Triton lowering imports."""
+    return jax.default_backend() == "gpu" and importlib.util.find_spec("jax.experimental.pallas.triton") is not None
 
 
-def interpret() -> bool:
-    """Pallas interpret mode everywhere except on a GPU backend."""
-    return not _FORCE_COMPILED[0] and jax.default_backend() != "gpu"
+def use_kernel(implementation: str, *, supported: bool = True, faster: bool = True, op: str = "pjax.kernels") -> bool:
+    """Whether an op runs its Pallas kernel: `supported` = the kernel takes these shapes (else the reference, for
+    "pallas" too); `faster` = on a GPU the kernel was measured faster than XLA at these shapes ("auto")."""
+    check(implementation, op=op)
+    if implementation == "xla" or not supported:
+        return False
+    return implementation == "pallas" or (faster and on_gpu())
+
+
+def interpret(interpret: bool | None = None) -> bool:
+    """A kernel's interpret flag: as given, or (None) interpret mode everywhere except on a GPU backend."""
+    return jax.default_backend() != "gpu" if interpret is None else bool(interpret)

@@ -5,11 +5,9 @@ import functools
 
 import jax
 
-from pjax.kernels import _dispatch
+from pjax.kernels import dispatch
 from pjax.kernels.acceptance import reference
 from pjax.kernels.acceptance.reference import AcceptResult
-
-# H200 (JAX 0.11.2, examples/benchmarks/bench_kernels.py): timings in docs/benchmarks.md section 2.
 
 
 @functools.partial(jax.jit, static_argnames=("implementation",))
@@ -22,11 +20,12 @@ def accept(logits, draft_ids, draft_probs=None, *, temperature, top_k=None, top_
     f32 (1 = off) or None; seeds [B] u32; positions [B] i32 (absolute position of emitted index 0);
     num_drafts [B] i32 or None (= K). Returns AcceptResult(tokens [B, K+1] -1 padded, num_accepted [B],
     next_token [B]). Exact rule: `pjax.kernels.acceptance.reference`.
+    implementation (`pjax.kernels.dispatch`): the kernels take every shape with K >= 1; K = 0 (a plain sample,
+    nothing to fuse) always runs the reference. "auto" runs the kernels on a GPU.
     """
-    impl = _dispatch.resolve(implementation)
-    kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds, positions=positions,
-              num_drafts=num_drafts)
-    if impl == "xla" or draft_ids.shape[1] == 0:  # K = 0 is a plain sample: nothing to fuse
-        return reference.accept(logits, draft_ids, draft_probs, **kw)
+    if not dispatch.use_kernel(implementation, supported=draft_ids.shape[1] > 0, op="accept"):
+        return reference.accept(logits, draft_ids, draft_probs, temperature=temperature, top_k=top_k, top_p=top_p,
+                                seeds=seeds, positions=positions, num_drafts=num_drafts)
     from pjax.kernels.acceptance import pallas
-    return pallas.accept(logits, draft_ids, draft_probs, **kw)
+    return pallas.accept(logits, draft_ids, draft_probs, temperature=temperature, top_k=top_k, top_p=top_p,
+                         seeds=seeds, positions=positions, num_drafts=num_drafts)

@@ -28,6 +28,7 @@ slicing, no int64 (uint32 hash).
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -35,23 +36,23 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pjax.kernels import rng
+from pjax.kernels import dispatch, hardware, rng
 from pjax.kernels._pallas_util import call_kwargs, next_pow2
 from pjax.kernels.acceptance import reference as ref
+from pjax.kernels.acceptance.config import DEFAULT, AcceptanceConfig
 from pjax.kernels.acceptance.reference import AcceptResult
 
-TILE = 1024  # vocabulary lanes per load (power of two)
-UNROLL = 4  # loads issued back to back per loop step (bytes in flight per thread: the loops are latency bound)
-TARGET_PROGRAMS = 1024  # ~8 programs per H200 SM: split the vocabulary until the grid is this large
 NEG_INF = float("-inf")
 _BIG = np.int32(2 ** 31 - 1)
 _FMIN = np.float32(np.finfo(np.float32).min)
 
 
-def _splits(v: int, rows: int, tile: int):
-    """(num_splits, chunk): chunk is a multiple of tile, num_splits * chunk >= v."""
+def _splits(v: int, rows: int, tile: int, config: AcceptanceConfig):
+    """(num_splits, chunk): chunk is a multiple of tile, num_splits * chunk >= v; rows x num_splits programs come
+    close to the config's grid-size target."""
+    target = config.target_programs or config.programs_per_sm * hardware.gpu().wave
     tiles = pl.cdiv(v, tile)
-    ns = max(1, min(tiles, pl.cdiv(TARGET_PROGRAMS, rows)))
+    ns = max(1, min(tiles, pl.cdiv(target, rows)))
     chunk = pl.cdiv(tiles, ns) * tile
     return pl.cdiv(v, chunk), chunk
 
@@ -248,9 +249,9 @@ def _full(shape):
     return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
 
 
-def _stats(logits, temperature, thr, *, tile, unroll, num_warps, num_stages):
+def _stats(logits, temperature, thr, *, tile, unroll, config, interpret):
     b, r, v = logits.shape
-    ns, chunk = _splits(v, b * r, tile * unroll)
+    ns, chunk = _splits(v, b * r, tile * unroll, config)
     f32 = jnp.float32
     outs = [jax.ShapeDtypeStruct((b, r, ns), dt) for dt in (f32, jnp.int32, f32, f32)]
     ins = [logits, temperature] + ([thr] if thr is not None else [])
@@ -258,19 +259,19 @@ def _stats(logits, temperature, thr, *, tile, unroll, num_warps, num_stages):
         functools.partial(_stats_kernel, chunk=chunk, tile=tile, unroll=unroll, use_thr=thr is not None),
         grid=(b, r, ns), out_shape=outs, in_specs=[_full(x.shape) for x in ins],
         out_specs=[_full(o.shape) for o in outs], name="pjax_accept_stats",
-        **call_kwargs(num_warps, num_stages),
+        **call_kwargs(config.warps, config.stages, interpret),
     )(*ins)
 
 
-def _tile_unroll(v, tile, unroll):
-    tile = min(tile or TILE, next_pow2(v))
-    return tile, max(1, min(unroll or UNROLL, pl.cdiv(v, tile)))
+def _tile_unroll(v, config: AcceptanceConfig):
+    tile = min(config.tile, next_pow2(v))
+    return tile, max(1, min(config.unroll, pl.cdiv(v, tile)))
 
 
 def accept(logits, draft_ids, draft_probs=None, *, temperature, top_k=None, top_p=None, seeds, positions,
-           num_drafts=None, tile: int = None, unroll: int = None, num_warps: int = 4,
-           num_stages: int = 1) -> AcceptResult:
-    """Same contract and outputs as `pjax.kernels.acceptance.reference.accept`."""
+           num_drafts=None, config: AcceptanceConfig = DEFAULT, interpret: Optional[bool] = None) -> AcceptResult:
+    """Same contract and outputs as `pjax.kernels.acceptance.reference.accept`. interpret: None =
+    interpret mode off GPU."""
     b, k, v = ref.check_inputs(logits, draft_ids, draft_probs, temperature, seeds, positions, num_drafts, top_k,
                                top_p)
     seeds = jnp.asarray(seeds).astype(jnp.uint32)
@@ -282,12 +283,12 @@ def accept(logits, draft_ids, draft_probs=None, *, temperature, top_k=None, top_
         thr = ref.truncation_threshold(ref.scaled(logits, ref.inverse_temperature(temperature)[1]), top_k, top_p)
     else:
         thr = None
-    tile, unroll = _tile_unroll(v, tile, unroll)
-    av, ai, m_s, z_s = _stats(logits, temperature, thr, tile=tile, unroll=unroll, num_warps=num_warps,
-                              num_stages=num_stages)
+    interpret = dispatch.interpret(interpret)
+    tile, unroll = _tile_unroll(v, config)
+    av, ai, m_s, z_s = _stats(logits, temperature, thr, tile=tile, unroll=unroll, config=config, interpret=interpret)
     ns1 = av.shape[-1]
     has_q = draft_probs is not None and k > 0
-    ns2, chunk = _splits(v, b, tile * unroll)
+    ns2, chunk = _splits(v, b, tile * unroll, config)
     has_n = num_drafts is not None
     ins = ([logits] + ([draft_probs] if has_q else []) + [draft_ids.astype(jnp.int32)]
            + ([num_drafts.astype(jnp.int32)] if has_n else []) + [temperature, seeds, positions]
@@ -300,7 +301,7 @@ def accept(logits, draft_ids, draft_probs=None, *, temperature, top_k=None, top_
                           tile=tile, unroll=unroll, use_thr=use_thr, has_q=has_q, has_n=has_n),
         grid=(b, ns2), out_shape=outs, in_specs=[_full(x.shape) for x in ins],
         out_specs=[_full(o.shape) for o in outs], name="pjax_accept_walk_race",
-        **call_kwargs(num_warps, num_stages),
+        **call_kwargs(config.warps, config.stages, interpret),
     )(*ins)
     _, tok = _combine_argmax(pv, pi)
     if has_q:

@@ -6,47 +6,42 @@ from typing import Optional
 
 import jax
 
-from pjax.kernels import _dispatch
+from pjax.kernels import dispatch
 from pjax.kernels.cache_attention import reference
+from pjax.kernels.cache_attention.config import DEFAULT, AttentionConfig
 
-IMPLEMENTATIONS = ("xla", "pallas", "mosaic", "auto")
-# H200 (JAX 0.11.2, 2026-11-22, device time from the profiler): the Triton kernel is 1.9-6.5x faster than XLA on
-# all measured verify/draft shapes (docs/benchmarks.md section 2).
-AUTO_PALLAS = True
-MAX_QUERY_ROWS = 128  # T * nh / nkv rows held in one program; larger (prefill) stays on XLA
-# The Mosaic kernel beats the Triton one where each program streams at least this many 128-key tiles (H200,
-# 2026-11-22, JAX 0.11.2, whole op incl. merge, 88 query rows: 8 tiles per program (B=1 16K) 26.6 vs 27.3 us, GPT-OSS
-# 96 rows 18.0 vs 19.3 us; 64 (B=8 16K) 136.2 vs 154.4 us; at 1K: 4 tiles (B=8) 18.2 vs 18.1 us, 1 tile (B=1) 10.6 vs
-# 8.1 us).
-MOSAIC_MIN_TILES = 8
+IMPLEMENTATIONS = ("xla", "pallas", "mosaic", "auto")  # dispatch.IMPLEMENTATIONS + this op's explicit "mosaic"
 
 
-def pallas_supported(q, k) -> bool:
-    """The kernel keeps all T * g query rows of a KV head in one program: decode / verify / draft shapes."""
+def pallas_supported(q, k, config: AttentionConfig = DEFAULT) -> bool:
+    """The Triton kernel keeps all T * g query rows of a KV head in one program: decode / verify / draft shapes."""
     t, nh, hd = q.shape[1:]
-    return t * (nh // k.shape[2]) <= MAX_QUERY_ROWS and hd <= 256
+    return t * (nh // k.shape[2]) <= config.max_query_rows and hd <= config.max_head_dim
 
 
-def mosaic_preferred(q, k) -> bool:
+def mosaic_preferred(q, k, config: AttentionConfig = DEFAULT) -> bool:
     """The Mosaic kernel supports these inputs and its programs are long enough to beat the Triton kernel."""
     from pjax.kernels.cache_attention import mosaic, pallas
-    if mosaic.unsupported_reason(q, k) is not None:
+    if mosaic.unsupported_reason(q, k, config=config) is not None:
         return False
     b, s_len, nkv = k.shape[:3]
-    tiles = -(-s_len // mosaic.BLOCK_K)
-    return -(-tiles // pallas.num_splits(b, nkv, s_len, mosaic.BLOCK_K)) >= MOSAIC_MIN_TILES
+    tiles = -(-s_len // config.mosaic_block_k)
+    return -(-tiles // pallas.num_splits(b, nkv, s_len, config.mosaic_block_k)) >= config.mosaic_min_tiles
 
 
-def choose(q, k, implementation: str = "auto") -> str:
-    """'xla' | 'pallas' | 'mosaic' for these shapes; 'auto' picks the fastest measured kernel on a GPU."""
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, found {implementation!r}")
-    if implementation != "auto":
-        return implementation
-    from pjax.kernels.cache_attention import mosaic
-    if _dispatch.pallas_gpu_available() and mosaic.available() and mosaic_preferred(q, k):
+def choose(q, k, implementation: str = "auto", config: AttentionConfig = DEFAULT) -> str:
+    """'xla' | 'pallas' | 'mosaic' for these shapes. "pallas" falls back to 'xla' past the Triton kernel's rows
+    (`pallas_supported`); "auto" picks the fastest measured kernel on a GPU (Mosaic on Hopper for long programs of
+    65..128 rows, else Triton where it takes the shape), 'xla' off GPU; "mosaic" is taken as asked."""
+    dispatch.check(implementation, IMPLEMENTATIONS, op="cache_attention")
+    if implementation == "mosaic":
         return "mosaic"
-    return _dispatch.resolve("auto", auto_pallas=AUTO_PALLAS and pallas_supported(q, k))
+    if implementation == "auto" and dispatch.on_gpu():
+        from pjax.kernels.cache_attention import mosaic
+        if mosaic.available() and mosaic_preferred(q, k, config):
+            return "mosaic"
+    supported = pallas_supported(q, k, config)
+    return "pallas" if dispatch.use_kernel(implementation, supported=supported, op="cache_attention") else "xla"
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "window", "implementation"))
@@ -56,8 +51,11 @@ def cache_attention(q, k, v, q_pos, *, scale: float, window: Optional[int] = Non
 
     q [B, T, nh, hd]; k, v [B, S, nkv, hd]; q_pos [B, T] absolute positions; kv_len [B] (keys at index
     >= kv_len hidden) or None; window (sliding window) or None; sinks [nh] or None. Visible: key index <=
-    q_pos, > q_pos - window, < kv_len. Equals `pjax.nn.attention(q, k, v, q_pos, arange(S), ...)`.
-    Returns [B, T, nh, hd] in q's dtype. "mosaic" (Hopper, JAX >= 0.11) raises for shapes it does not take.
+    q_pos, > q_pos - window, < kv_len. Equals `reference.attention(q, k, v, q_pos, arange(S), ...)`.
+    Returns [B, T, nh, hd] in q's dtype.
+    implementation (`pjax.kernels.dispatch`, see `choose`): "pallas" runs the Triton kernel for up to
+    `AttentionConfig.max_query_rows` (128) query rows per KV head (T * nh / nkv) and head_dim <= 256, the reference
+    past that (prefill); "mosaic" (Hopper, bf16 / f16, 65..128 rows) raises ValueError for shapes it does not take.
     """
     impl = choose(q, k, implementation)
     kw = dict(scale=scale, window=window, sinks=sinks, kv_len=kv_len)

@@ -11,26 +11,26 @@ and the tensor cores idle during the softmax. Here each program (b, KV head h, s
   other runs its online softmax (base 2, scale folded into one multiply-add).
 With 65..96 rows and head_dim 128 at small batch (`swap_default`), warpgroup 1 instead takes the rows past 64 as
 the wgmma N dimension with keys as M (s^T = k q^T, o^T += v^T p^T; the online softmax reduces over the key axis across
-warps): 32 columns instead of 64 padded rows halve its products and exponentials (B=1 16K T=22: 25.0 vs 25.3 us).
+warps): 32 columns instead of 64 padded rows halve its products and exponentials.
 Only tiles at the edges of the visible range apply the mask (causal diagonal, window start, kv_len). Each program
 reads its row's key range and per-row positions from T scalar loads of q_pos (no XLA prologue launch); the q copy
-is issued first, before those loads and the K/V ring: issued behind the ring, q arrived ~5 us late at batch 1, when
-every program requests its first tiles at once. Split s of ns takes tiles s, s + ns, s + 2 ns, ... of the range
+is issued first, before those loads and the K/V ring (issued behind the ring, q arrives late at batch 1, when
+every program requests its first tiles at once). Split s of ns takes tiles s, s + ns, s + 2 ns, ... of the range
 (all programs stream neighbouring tiles at the same time); without a window the range starts at key 0, so its
-first tiles are issued together with q, before the positions are read (B=1 16K T=22: 24.5 vs 25.3 us with
-contiguous blocks issued after them; B=64: 999 vs 1052 us). The output is the same unnormalised per-split
-(o, m, l) as `pallas.partials`, merged by the same Triton merge kernel. (Merging in the same launch measured
-slower both ways: inside a thread-block cluster of a head's 16 splits, 2x, as the H200 runs at most 7 such clusters
-at once; behind a global-memory semaphore per head, 28.1 vs 24.5 us; docs/benchmarks.md.)
-Measured (H200, JAX 0.11.2, docs/benchmarks.md section 2), whole op: 95-101% of HBM bandwidth at 16K for batch 8
-and 64 (Triton: 79-80%), 63% at batch 1 (Triton 56%); with 4 tiles or fewer per program (short caches) its fixed
-cost per program (~2 us more than Triton's) makes it slower, so `api.choose` keeps Triton there.
+first tiles are issued together with q, before the positions are read. The output is the same unnormalised
+per-split (o, m, l) as `pallas.partials`, merged by the same Triton merge kernel (merging in the same launch, in a
+thread-block cluster or behind a global semaphore, measured slower; docs/performance.md).
+With few tiles per program (short caches) its fixed cost per program exceeds Triton's, so `api.choose` keeps
+Triton there (`AttentionConfig.mosaic_min_tiles`).
 Bytes moved: as the Triton kernel (K/V of the visible range once + the partials).
+Numerics: 16-bit q / K / V only (wgmma); float32 inputs are not taken (they would multiply in TF32 whatever JAX's
+default matmul precision says), so float32 attention always runs the Triton kernel or the reference.
+Interpret mode (JAX >= 0.11, `_compat.mosaic_gpu_interpret_runs`) stages q and p through shared memory where the GPU
+keeps them in registers; the outputs are the same arrays either way.
 """
 from __future__ import annotations
 
 import functools
-import inspect
 from typing import Optional
 
 import jax
@@ -38,23 +38,19 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pjax import _compat
+from pjax.kernels import dispatch, hardware
+from pjax.kernels.cache_attention.config import DEFAULT, AttentionConfig
 from pjax.kernels.cache_attention.reference import check_inputs
 
 ROWS = 128  # query rows per program: two consumer warpgroups x 64 (the wgmma M tile)
 SWAP_COLS = 32  # rows past the first 64, up to this many, run as wgmma columns (see `cols_consumer`)
-# keys per K/V tile, tiles in flight: 2 stages beat 3 at every 16K shape measured (H200, 2026-11-22, tenth session: B=8
-# T=22 127.8 vs 132.8 us, B=64 965 vs 977; GPT-OSS T=12 B=1 / 8 / 64 17.2 / 86.2 / 634 vs 17.8 / 90.0 / 667 us);
-# 64-key tiles are slower (B=1 T=22, 64 x 4: 23.0 us split kernel on the rows path, 28.2 swapped, vs 22.2 / 21.5)
-BLOCK_K, STAGES = 128, 2
-SWAP_MAX_TILES = 16  # `swap_default`: the swapped consumer for programs shorter than this
 REDUCTION_SCRATCH = 2048  # shared-memory bytes for the swapped consumer's cross-warp (key axis) reductions
-SMEM_BUDGET = 227 * 1024  # H100 / H200 shared memory per block
 LOG2E = 1.4426950408889634
 
 
 def _plgpu():
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-    return plgpu
+    return _compat.mosaic_gpu()
 
 
 def _mgpu():
@@ -62,57 +58,33 @@ def _mgpu():
     return mgpu
 
 
-def _load(ref, layout):
-    """`plgpu.load` of a whole ref with an explicit register layout (JAX 0.10 takes a required index argument,
-    0.11 deprecates it)."""
-    plgpu = _plgpu()
-    if inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty:
-        return plgpu.load(ref, (), layout=layout, optimized=False)
-    return plgpu.load(ref, layout=layout, optimized=False)
-
-
-def _interpret_params():
-    """Mosaic GPU interpret mode (simulated threads, barriers, TMA; public in JAX 0.11, private in 0.10)."""
-    plgpu = _plgpu()
-    if hasattr(plgpu, "InterpretGPUParams"):
-        return plgpu.InterpretGPUParams()
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-    return InterpretGPUParams()
-
-
 def available() -> bool:
-    """True on a Hopper (sm_90) GPU whose JAX has Mosaic GPU's `plgpu.kernel` (run on the H200 with JAX 0.11.2)."""
-    try:
-        dev = jax.devices()[0]
-        if dev.platform != "gpu" or getattr(dev, "compute_capability", "") != "9.0":  # wgmma: sm_90a only
-            return False
-        plgpu = _plgpu()
-        return hasattr(plgpu, "kernel") and hasattr(plgpu, "set_max_registers")
-    except Exception:  # pragma: no cover - exotic installs
-        return False
+    """True on a Hopper (sm_90) GPU whose JAX has Mosaic GPU's warp-specialised `plgpu.kernel`."""
+    return (dispatch.on_gpu() and hardware.gpu().compute_capability == (9, 0)  # wgmma: sm_90a only
+            and _compat.mosaic_gpu_warp_specialization())
 
 
 def swapped(t: int, g: int, hd: int) -> bool:
     """True when the rows past the first 64 (at most SWAP_COLS) go to the second consumer as wgmma columns: with
-    head_dim 128 (H200, B=1 16K T=22 split kernel 21.5 vs 22.2 us, both 2 stages); with 64 its cross-warp
-    reductions cost more than the halved products save (GPT-OSS T=12: 17.3 vs 15.6 us)."""
+    head_dim 128; with 64 its cross-warp reductions cost more than the halved products save."""
     return 64 < t * g <= 64 + SWAP_COLS and hd == 128
 
 
-def swap_default(q, k, *, block_k: int = BLOCK_K) -> bool:
-    """`swapped`, where each program streams fewer than SWAP_MAX_TILES tiles (H200, 16K, 88 rows, both 2 stages,
-    whole op: 8 tiles per program (B=1) 25.0 vs 25.3 us; 32 (B=2) 41.3 vs 40.2; 64 (B=8) 135.0 vs 127.8 us)."""
+def swap_default(q, k, *, block_k: Optional[int] = None, config: AttentionConfig = DEFAULT) -> bool:
+    """`swapped`, where each program streams fewer than config.swap_max_tiles tiles."""
     from pjax.kernels.cache_attention.pallas import num_splits
+    block_k = block_k or config.mosaic_block_k
     b, t, nh, hd = q.shape
     s_len, nkv = k.shape[1], k.shape[2]
     tiles = -(-s_len // block_k)
-    return swapped(t, nh // nkv, hd) and -(-tiles // num_splits(b, nkv, s_len, block_k)) < SWAP_MAX_TILES
+    return swapped(t, nh // nkv, hd) and -(-tiles // num_splits(b, nkv, s_len, block_k)) < config.swap_max_tiles
 
 
-def unsupported_reason(q, k, *, block_k: int = BLOCK_K, stages: Optional[int] = None,
-                       swap: Optional[bool] = None) -> Optional[str]:
+def unsupported_reason(q, k, *, block_k: Optional[int] = None, stages: Optional[int] = None,
+                       swap: Optional[bool] = None, config: AttentionConfig = DEFAULT) -> Optional[str]:
     """None when the kernel handles these inputs, else why not (the caller falls back to the Triton kernel);
     `swap` as in `partials` (None: `swap_default`)."""
+    block_k = block_k or config.mosaic_block_k
     b, t, nh, hd = q.shape
     s_len, nkv = k.shape[1], k.shape[2]
     g = nh // nkv
@@ -124,10 +96,11 @@ def unsupported_reason(q, k, *, block_k: int = BLOCK_K, stages: Optional[int] = 
         return f"{t} queries x {g} heads per KV head = {t * g} rows: 65..{ROWS} rows, g dividing {ROWS}"
     if s_len % block_k:
         return f"cache length {s_len} is not a multiple of block_k={block_k}"
-    stages = stages or STAGES
-    swap = swap_default(q, k, block_k=block_k) if swap is None else swap and swapped(t, g, hd)
-    if _smem_bytes(block_k, stages, hd, 2, swap) > SMEM_BUDGET:
-        return f"block_k={block_k} x {stages} stages x head_dim {hd} exceeds {SMEM_BUDGET} bytes of shared memory"
+    stages = stages or config.mosaic_stages
+    swap = swap_default(q, k, block_k=block_k, config=config) if swap is None else swap and swapped(t, g, hd)
+    budget = hardware.gpu().smem_per_block
+    if _smem_bytes(block_k, stages, hd, 2, swap) > budget:
+        return f"block_k={block_k} x {stages} stages x head_dim {hd} exceeds {budget} bytes of shared memory"
     return None
 
 
@@ -189,11 +162,11 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, *refs, t, g, hd, s_len, bk, stages, ns
 
         # Program sp takes tiles sp, sp + ns, sp + 2 ns, ... of the row's range. Without a window the range starts at
         # key 0, so its first `spec` tiles are known before the positions are read: the producer issues them at once
-        # (at batch 1 the position loads took ~1 us, H200) and drains those past the range.
+        # (the position loads are a memory round trip) and drains those past the range.
         spec = stages if window is None else 0
 
         @pl.when(wg == 2)
-        def _issue_first():  # q first: issued behind the ring of every program, it arrived ~5 us late at batch 1
+        def _issue_first():  # q first: issued behind the ring of every program, it arrives late at batch 1
             plgpu.set_max_registers(40, action="decrease")
             if interpret:  # q_ref holds the rows already ([B, nkv, ROWS, hd]), one tile per consumer
                 for w in range(2):
@@ -272,7 +245,7 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, *refs, t, g, hd, s_len, bk, stages, ns
             else:  # wgmma reads q from registers
                 plgpu.barrier_wait(q_bar.at[0])
                 qo_rows = qo_smem.reshape(qo_smem.shape[0] * g, hd).at[rows]
-                lhs = _load(qo_rows, wgmma_layout)
+                lhs = _compat.mosaic_gpu_load(qo_rows, wgmma_layout)
                 ridx = plgpu.broadcasted_iota(jnp.int32, (64, hd), 0, layout=wgmma_layout) + wg * 64
                 lhs = jnp.where(ridx < t * g, lhs, jnp.zeros_like(lhs))  # rows past T x g: stale shared memory
 
@@ -342,7 +315,7 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, *refs, t, g, hd, s_len, bk, stages, ns
                 q_cols = qo_smem.at[1, pl.ds(0, ncol)]
             else:  # rows 64.. from the q tile into a swizzled tile, the layout wgmma reads its B operand in
                 plgpu.barrier_wait(q_bar.at[0])
-                q_rows = _load(qo_smem.reshape(ROWS, hd).at[pl.ds(64, 64)], wgmma_layout)
+                q_rows = _compat.mosaic_gpu_load(qo_smem.reshape(ROWS, hd).at[pl.ds(64, 64)], wgmma_layout)
                 ridx = plgpu.broadcasted_iota(jnp.int32, (64, hd), 0, layout=wgmma_layout) + 64
                 q1_smem[...] = jnp.where(ridx < t * g, q_rows, jnp.zeros_like(q_rows))
                 plgpu.commit_smem()
@@ -447,25 +420,29 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, *refs, t, g, hd, s_len, bk, stages, ns
     )
 
 
-def partials(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, kv_len=None, block_k: int = BLOCK_K,
-             stages: Optional[int] = None, splits: Optional[int] = None, swap: Optional[bool] = None,
-             interpret: bool = False):
+def partials(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, kv_len=None,
+             block_k: Optional[int] = None, stages: Optional[int] = None, splits: Optional[int] = None,
+             swap: Optional[bool] = None, config: AttentionConfig = DEFAULT, interpret: Optional[bool] = None):
     """Same outputs as `pallas.partials` (o [B, ns, nkv, R, hd] in q's dtype, m, l [B, ns, nkv, R] f32; R = ROWS, or
-    64 + SWAP_COLS with `swap`: rows past 64 as wgmma columns, by default where `swap_default`)."""
+    64 + SWAP_COLS with `swap`: rows past 64 as wgmma columns, by default where `swap_default`), in interpret mode
+    too (interpret: None = interpret mode off GPU; it needs JAX >= 0.11). block_k / stages / splits force a value
+    (else the config's and `pallas.num_splits`)."""
     from pjax.kernels.cache_attention.pallas import num_splits
     plgpu = _plgpu()
+    interpret = dispatch.interpret(interpret)
+    block_k = block_k or config.mosaic_block_k
     b, t, nh, hd = q.shape
     s_len, nkv = k.shape[1], k.shape[2]
     g = nh // nkv
-    reason = unsupported_reason(q, k, block_k=block_k, stages=stages, swap=swap)
+    reason = unsupported_reason(q, k, block_k=block_k, stages=stages, swap=swap, config=config)
     if reason:
         raise ValueError(f"cache_attention implementation='mosaic': {reason}")
     if swap is None:
-        swap = swap_default(q, k, block_k=block_k)
+        swap = swap_default(q, k, block_k=block_k, config=config)
     elif swap and not swapped(t, g, hd):
         raise ValueError(f"cache_attention implementation='mosaic': swap=True needs 65..{64 + SWAP_COLS} rows and "
                          f"head_dim 128, found {t} queries x {g} heads = {t * g} rows, head_dim {hd}")
-    stages = stages or STAGES
+    stages = stages or config.mosaic_stages
     ns = splits or num_splits(b, nkv, s_len, block_k)
     f32 = jnp.float32
     kern = functools.partial(_kernel, t=t, g=g, hd=hd, s_len=s_len, bk=block_k, stages=stages, ns=ns, window=window,
@@ -481,21 +458,22 @@ def partials(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, kv_l
                   jax.ShapeDtypeStruct((b, ns, nkv, rows), f32)),
         grid=(b, nkv, ns), grid_names=("b", "h", "s"), num_threads=3, thread_name="wg",
         # row reductions stay in-warp; the swapped consumer's key-axis reductions cross warps. Lane semantics (the
-        # JAX 0.10 default; 0.11 defaults to Warpgroup): every register layout here is explicit, and Warpgroup's
-        # layout inference took 18-21 s per head_dim-128 shape on the H200 host (Lane: 3-6 s), same kernel time
+        # JAX 0.10 default, explicit for 0.11): every register layout here is explicit, and Warpgroup semantics'
+        # layout inference compiles several times slower for the same kernel time
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=REDUCTION_SCRATCH if swap else 0,
                                              lowering_semantics=_mgpu().LoweringSemantics.Lane),
-        **({"interpret": _interpret_params()} if interpret else {}),
+        **({"interpret": _compat.mosaic_gpu_interpret_params()} if interpret else {}),
     )(*ins)
 
 
 def cache_attention(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, sinks=None, kv_len=None,
-                    block_k: int = BLOCK_K, stages: Optional[int] = None, splits: Optional[int] = None,
-                    swap: Optional[bool] = None, interpret: bool = False):
-    """Same contract as `pjax.kernels.cache_attention.reference.cache_attention`."""
+                    block_k: Optional[int] = None, stages: Optional[int] = None, splits: Optional[int] = None,
+                    swap: Optional[bool] = None, config: AttentionConfig = DEFAULT, interpret: Optional[bool] = None):
+    """Same contract as `pjax.kernels.cache_attention.reference.cache_attention` for the inputs `unsupported_reason`
+    accepts (raises ValueError naming why for others); `partials` for the other arguments."""
     from pjax.kernels.cache_attention.pallas import merge
     check_inputs(q, k, v, q_pos, kv_len, sinks)
     parts = partials(q, k, v, q_pos, scale=scale, window=window, kv_len=kv_len, block_k=block_k, stages=stages,
-                     splits=splits, swap=swap, interpret=interpret)
+                     splits=splits, swap=swap, config=config, interpret=interpret)
     _, t, nh, hd = q.shape
-    return merge(*parts, t=t, nh=nh, hd=hd, sinks=sinks, dtype=q.dtype)
+    return merge(*parts, t=t, nh=nh, hd=hd, sinks=sinks, dtype=q.dtype, config=config, interpret=interpret)

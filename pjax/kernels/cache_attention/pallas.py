@@ -6,7 +6,7 @@ materialises [B, nh, T, S] scores; this kernel reads only the visible range [lo,
 (hi = min(S, kv_len, max q_pos + 1), lo from the sliding window), each K/V tile once for all T
 queries and all g = nh / nkv query heads sharing the KV head (GQA), and splits that range over
 `num_splits` programs (flash-decoding) so batch 1 still fills the GPU.
-Grid: (B, nkv, splits), about one program per SM. Each program holds a [M, hd] query tile (M = next power of
+Grid: (B, nkv, splits), about one program per SM (`hardware.gpu().wave`). Each program holds a [M, hd] query tile (M = next power of
 two >= T * g, rows = (query, head-in-group)) and streams [BK, hd] K/V tiles (3-stage pipeline) with an online
 softmax in base 2 (scale folded into one multiply-add before `ex2.approx`); only the tiles at the edges of the
 visible range (causal diagonal, window start, kv_len, cache end) apply a mask, the interior runs mask-free; partial
@@ -15,7 +15,8 @@ that also adds the attention sinks and writes [B, T, nh, hd] directly.
 Bytes moved: 2 * B * nkv * (hi - lo) * hd * itemsize of K/V + the tiny q and partials, written once and
 read once (B * splits * nkv * M * (hd * itemsize + 8)).
 Numerics: scores and the running sums in float32; probabilities are cast to V's dtype before the PV
-product (as the reference does); the unnormalised partial o is stored in q's dtype when that is 16-bit
+product (as the reference does); float32 inputs multiply at the precision JAX's default matmul precision asks for
+(`_pallas_util.dot_precision`: full float32 under "highest"); the unnormalised partial o is stored in q's dtype when that is 16-bit
 (as FlashInfer's merge_state takes it) and merged in float32; masked keys are -inf. Difference from the
 reference: a query with no visible key gets 0 here (the reference, with a finite mask value, averages all S
 values).
@@ -31,26 +32,19 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pjax.kernels._dispatch import interpret
-from pjax.kernels._pallas_util import call_kwargs, next_pow2
+from pjax.kernels import dispatch, hardware
+from pjax.kernels._pallas_util import call_kwargs, dot_precision, next_pow2
+from pjax.kernels.cache_attention.config import DEFAULT, AttentionConfig
 from pjax.kernels.cache_attention.reference import check_inputs
 
-# K/V pipeline buffers (stages x 2 x block_k x head_dim) plus the query tile must fit in the H200's 227 KB of shared
-# memory per program; block_k is halved until stages x 2 x block_k x hd x itemsize + rows x hd x itemsize <= this.
-SMEM_BUDGET = 224 * 1024
-# Programs per launch: one per H200 SM (132). With 128-key blocks and 3 stages a program holds 192 KB of K/V in
-# flight, so one program fills an SM; more splits only add a second, mostly idle wave and a costlier merge.
-# (B=1 16K, H200 2026-11-22: T=8 16 splits x 128 keys 21.3 us vs 32 x 64 22.2 us; T=12 22.1 vs 23.4 us; B=8 T=22
-# 2 x 128 154.6 vs 4 x 64 174.6 us.)
-TARGET_PROGRAMS = 128
 NEG_INF = float("-inf")
 LOG2E = 1.4426950408889634
 
 
-def _exp2(x):
+def _exp2(x, interpret: bool):
     """2 ** x as one MUFU `ex2.approx.ftz` instruction per element (what Triton's own exp2 emits; Pallas lowers
-    jnp.exp2 to libdevice's slower exp2f: B=8 16K T=22 179 vs 184 us). Interpret mode uses jnp.exp2."""
-    if interpret():
+    jnp.exp2 to libdevice's slower exp2f). Interpret mode uses jnp.exp2."""
+    if interpret:
         return jnp.exp2(x)
     return pltriton.elementwise_inline_asm("ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=r,r", pack=1,
                                            result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, x.dtype)])[0]
@@ -70,7 +64,7 @@ def key_range(qmin, qmax, kv_hi, *, bk, window):
 
 
 def _kernel(q_ref, k_ref, v_ref, qpos_ref, *refs, t, g, s_len, hd, hdp, m_rows, bk, ns, window, has_len, scale,
-            precision):
+            precision, interpret):
     if has_len:
         len_ref, o_ref, m_ref, l_ref = refs
     else:
@@ -120,8 +114,8 @@ def _kernel(q_ref, k_ref, v_ref, qpos_ref, *refs, t, g, s_len, hd, hdp, m_rows, 
         sc = jax.lax.cond((start < full_lo) | (start + bk > full_hi), mask, lambda s_: s_, sc)
         m_new = jnp.maximum(m, jnp.max(sc, axis=1))
         mc = jnp.where(m_new == NEG_INF, 0.0, m_new) * c
-        alpha = _exp2(m * c - mc)
-        p = _exp2(sc * c - mc[:, None])
+        alpha = _exp2(m * c - mc, interpret)
+        p = _exp2(sc * c - mc[:, None], interpret)
         l = l * alpha + jnp.sum(p, axis=1)
         vb = pltriton.load(v_ref.at[b, pl.ds(start, bk), h, pl.ds(0, hdp)], mask=tmask, other=other)
         pv = jax.lax.dot_general(p.astype(vb.dtype), vb, (((1,), (0,)), ((), ())), precision=precision,
@@ -137,59 +131,67 @@ def _kernel(q_ref, k_ref, v_ref, qpos_ref, *refs, t, g, s_len, hd, hdp, m_rows, 
 
 
 def num_splits(b: int, nkv: int, s: int, bk: int) -> int:
-    """KV-length splits: the largest power of two that keeps B x nkv x splits within one wave."""
-    fit = max(1, TARGET_PROGRAMS // (b * nkv))
+    """KV-length splits: the largest power of two that keeps B x nkv x splits within one wave (one program per SM:
+    each fills its SM, a second wave would mostly idle and cost a larger merge)."""
+    fit = max(1, hardware.gpu().wave // (b * nkv))
     return max(1, min(pl.cdiv(s, bk), 1 << (fit.bit_length() - 1)))
 
 
-def default_tiles(b: int, nkv: int, s_len: int, m_rows: int) -> tuple:
-    """(keys per tile, pipeline stages): 128 x 3 (one program fills an SM), except where other shapes measured
-    faster on the H200 (2026-11-22, same-run medians):
-    - 64-row programs (T * g in 33..64): 64 x 4 (B=1 16K T=12 / 14: 21.6 vs 22.1 us, B=8: 122.7 vs 123.4 us; with
-      32 rows it loses: T=6 22.4 vs 21.5 us);
-    - short caches whose 128-key blocks are too few to spread over TARGET_PROGRAMS: 64 x 3 (B=1 1K: 64 vs 128
-      programs; T=8 6.2 vs 6.6 us, T=22 8.1 vs 8.9 us);
-    - several waves of short programs with fewer than 128 rows, where two 64-key programs per SM overlap each
-      other's start and end: 64 x 3 (B=64 1K T=8: 74.2 vs 81.8 us; at 16K 128 keys win, T=4 977 vs 1125 us)."""
-    pairs = b * nkv
-    if pl.cdiv(s_len, 128) * pairs < TARGET_PROGRAMS or (pairs > TARGET_PROGRAMS and s_len <= 4096 and m_rows < 128):
-        return 64, 3
+def default_tiles(b: int, nkv: int, s_len: int, m_rows: int, config: AttentionConfig = DEFAULT) -> tuple:
+    """(keys per tile, pipeline stages): block_k x stages (one program fills an SM), except
+    - small_block_k x small_stages where the cache's block_k tiles are too few to fill one wave, or where several
+      waves of short programs (caches up to short_cache_keys, fewer than max_query_rows rows) run, and two smaller
+      programs per SM overlap each other's start and end;
+    - rows64_block_k x rows64_stages for 64-row programs (T * g in 33..64)."""
+    pairs, wave = b * nkv, hardware.gpu().wave
+    if pl.cdiv(s_len, config.block_k) * pairs < wave or (
+            pairs > wave and s_len <= config.short_cache_keys and m_rows < config.max_query_rows):
+        return config.small_block_k, config.small_stages
     if m_rows == 64:
-        return 64, 4
-    return 128, 3
+        return config.rows64_block_k, config.rows64_stages
+    return config.block_k, config.stages
 
 
-def block_size(block_k: int, s_len: int, hdp: int, m_rows: int, itemsize: int, stages: int) -> int:
-    """Keys per tile: block_k, capped by the cache length and halved (down to 16) until the K/V pipeline buffers
-    and the query tile fit in SMEM_BUDGET (f32 or head_dim 256 tiles are 2x larger)."""
-    bk = max(16, min(block_k, next_pow2(s_len)))
-    while bk > 16 and (stages * 2 * bk + m_rows) * hdp * itemsize > SMEM_BUDGET:
+def smem_budget(config: AttentionConfig = DEFAULT) -> int:
+    """Bytes of shared memory a program's K/V ring and query tile may take on this device."""
+    return hardware.gpu().smem_per_block - config.smem_reserve
+
+
+def block_size(block_k: int, s_len: int, hdp: int, m_rows: int, itemsize: int, stages: int,
+               config: AttentionConfig = DEFAULT) -> int:
+    """Keys per tile: block_k, capped by the cache length and halved (down to min_block_k) until the K/V pipeline
+    buffers and the query tile fit in `smem_budget` (f32 or head_dim 256 tiles are 2x larger)."""
+    lo = config.min_block_k
+    bk = max(lo, min(block_k, next_pow2(s_len)))
+    while bk > lo and (stages * 2 * bk + m_rows) * hdp * itemsize > smem_budget(config):
         bk //= 2
     return bk
 
 
 def partials(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, kv_len=None,
              block_k: Optional[int] = None, splits: Optional[int] = None, num_warps: Optional[int] = None,
-             num_stages: Optional[int] = None):
+             num_stages: Optional[int] = None, config: AttentionConfig = DEFAULT, interpret: Optional[bool] = None):
     """The kernel alone: unnormalised per-split results (o [B, ns, nkv, M, hdp], m, l [B, ns, nkv, M]); m in
-    units of scale * score.
+    units of scale * score. block_k / splits / num_warps / num_stages force a value (else `default_tiles`,
+    `num_splits` and the config); interpret: None = interpret mode off GPU.
 
-    o is stored in q's dtype when that is 16-bit (bf16 / f16; the merge then reads half the bytes -- B=1 16K
-    T=12: 26.1 -> 24.3 us on the H200), else float32; m and l are always float32."""
+    o is stored in q's dtype when that is 16-bit (bf16 / f16; the merge then reads half the bytes), else float32;
+    m and l are always float32."""
     b, t, nh, hd = q.shape
     s_len, nkv = k.shape[1], k.shape[2]
     g = nh // nkv
     m_rows = max(16, next_pow2(t * g))
     hdp = max(16, next_pow2(hd))
-    tiles = default_tiles(b, nkv, s_len, m_rows)
+    tiles = default_tiles(b, nkv, s_len, m_rows, config)
     block_k, num_stages = block_k or tiles[0], num_stages or tiles[1]
-    bk = block_size(block_k, s_len, hdp, m_rows, jnp.dtype(k.dtype).itemsize, num_stages)
+    bk = block_size(block_k, s_len, hdp, m_rows, jnp.dtype(k.dtype).itemsize, num_stages, config)
     ns = splits or num_splits(b, nkv, s_len, bk)
-    num_warps = num_warps or (4 if m_rows < 128 else 8)
-    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    num_warps = num_warps or (config.warps if m_rows < config.max_query_rows else config.warps_full_rows)
+    interpret = dispatch.interpret(interpret)
     has_len = kv_len is not None
     kern = functools.partial(_kernel, t=t, g=g, s_len=s_len, hd=hd, hdp=hdp, m_rows=m_rows, bk=bk, ns=ns,
-                             window=window, has_len=has_len, scale=float(scale), precision=precision)
+                             window=window, has_len=has_len, scale=float(scale), precision=dot_precision(q.dtype),
+                             interpret=interpret)
     f32 = jnp.float32
     o_dtype = q.dtype if jnp.dtype(q.dtype).itemsize == 2 else f32
     outs = [jax.ShapeDtypeStruct((b, ns, nkv, m_rows, hdp), o_dtype), jax.ShapeDtypeStruct((b, ns, nkv, m_rows), f32),
@@ -199,22 +201,11 @@ def partials(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, kv_l
     return pl.pallas_call(
         kern, grid=(b, nkv, ns), out_shape=outs, in_specs=[full(x.shape) for x in ins],
         out_specs=[full(o.shape) for o in outs], name="pjax_cache_attention",
-        **call_kwargs(num_warps, num_stages),
+        **call_kwargs(num_warps, num_stages, interpret),
     )(*ins)
 
 
-MERGE_TILE = 8192  # elements of partial o one merge program loads at once ([splits, rows, dims])
-# head dims per merge program: 128 contiguous bytes of a bf16 partial row per split. H200, 16K, same runs
-# (`bench_kernels.py --only attn-merge`): the B=1 T=22 merge kernel takes 2.37-2.46 us vs 2.62-2.69 at 32 dims;
-# the other shapes measured stay within run-to-run spread
-MERGE_DIMS = 64
-# warps per merge program. H200, 16K, merge kernel us (`bench_kernels.py --only attn-merge`, 2026-11-23): 4 warps
-# 2.37-2.43 / 2.08-2.11 / 2.43 at B=1 T=22, GPT-OSS B=1 T=12, B=8 T=22; 2 warps 2.34 / 2.11 / 2.98-3.04; 8 warps
-# 2.88-2.91 / 2.27-2.37 / 2.46; 1 warp (scratch run) 3.10 at B=1 T=22
-MERGE_WARPS = 4
-
-
-def _merge_kernel(o_ref, m_ref, l_ref, *refs, t, g, hd, ns, nsp, rb, db, has_sinks):
+def _merge_kernel(o_ref, m_ref, l_ref, *refs, t, g, hd, ns, nsp, rb, db, has_sinks, interpret):
     """Program (b, h, c): rows block c // (hdp / db), dims block c % (hdp / db) of one (row, KV head)."""
     sink_ref, out_ref = refs if has_sinks else (None, refs[0])
     b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -241,37 +232,41 @@ def _merge_kernel(o_ref, m_ref, l_ref, *refs, t, g, hd, ns, nsp, rb, db, has_sin
     o = jnp.sum(w[:, :, None] * o_s, axis=0) / jnp.where(denom == 0, 1.0, denom)[:, None]
     # padding rows are masked; interpret mode applies a masked store as a read-modify-write scatter, so there
     # they get their own spare query row t instead of aliasing a real one
-    t_out = jnp.where(rmask, t_idx, t if interpret() else 0)
+    t_out = jnp.where(rmask, t_idx, t if interpret else 0)
     pltriton.store(out_ref.at[b, t_out[:, None], (h * g + j_idx)[:, None], dims[None, :]], o.astype(out_ref.dtype),
                    mask=rmask[:, None] & (dims < hd)[None, :])
 
 
-def merge(o_s, m_s, l_s, *, t: int, nh: int, hd: int, sinks=None, dtype=jnp.bfloat16):
+def merge(o_s, m_s, l_s, *, t: int, nh: int, hd: int, sinks=None, dtype=jnp.bfloat16,
+          config: AttentionConfig = DEFAULT, interpret: Optional[bool] = None):
     """Merge the splits (and the sinks) in float32 -> [B, T, nh, hd] in one launch; rows r = (query t, head j)."""
     b, ns, nkv, m_rows, hdp = o_s.shape
     nsp = next_pow2(ns)
-    db = min(MERGE_DIMS, hdp)
+    db = min(config.merge_dims, hdp)
     # rows per program: a power of two (Triton blocks) dividing the rows (the Mosaic kernel's swapped partials: 96)
-    rb = math.gcd(m_rows, 1 << (max(1, min(m_rows, MERGE_TILE // (nsp * db))).bit_length() - 1))
-    spare = 1 if interpret() else 0  # see the final store in _merge_kernel
+    rb = math.gcd(m_rows, 1 << (max(1, min(m_rows, config.merge_tile // (nsp * db))).bit_length() - 1))
+    interpret = dispatch.interpret(interpret)
+    spare = 1 if interpret else 0  # see the final store in _merge_kernel; the result is [B, T, nh, hd] either way
     ins = [o_s, m_s, l_s] + ([sinks.astype(jnp.float32)] if sinks is not None else [])
     out = pl.pallas_call(
         functools.partial(_merge_kernel, t=t, g=nh // nkv, hd=hd, ns=ns, nsp=nsp, rb=rb, db=db,
-                          has_sinks=sinks is not None),
+                          has_sinks=sinks is not None, interpret=interpret),
         grid=(b, nkv, (m_rows // rb) * (hdp // db)), out_shape=jax.ShapeDtypeStruct((b, t + spare, nh, hd), dtype),
         in_specs=[pl.BlockSpec(x.shape, lambda *_, n=x.ndim: (0,) * n) for x in ins],
         out_specs=pl.BlockSpec((b, t + spare, nh, hd), lambda *_: (0, 0, 0, 0)), name="pjax_cache_attention_merge",
-        **call_kwargs(MERGE_WARPS, 1),
+        **call_kwargs(config.merge_warps, 1, interpret),
     )(*ins)
     return out[:, :t] if spare else out
 
 
 def cache_attention(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, sinks=None, kv_len=None,
                     block_k: Optional[int] = None, splits: Optional[int] = None, num_warps: Optional[int] = None,
-                    num_stages: Optional[int] = None):
-    """Same contract as `pjax.kernels.cache_attention.reference.cache_attention`."""
+                    num_stages: Optional[int] = None, config: AttentionConfig = DEFAULT,
+                    interpret: Optional[bool] = None):
+    """Same contract as `pjax.kernels.cache_attention.reference.cache_attention`, for T * nh / nkv <=
+    config.max_query_rows query rows per KV head (`partials` for the other arguments)."""
     check_inputs(q, k, v, q_pos, kv_len, sinks)
     parts = partials(q, k, v, q_pos, scale=scale, window=window, kv_len=kv_len, block_k=block_k, splits=splits,
-                     num_warps=num_warps, num_stages=num_stages)
+                     num_warps=num_warps, num_stages=num_stages, config=config, interpret=interpret)
     _, t, nh, hd = q.shape
-    return merge(*parts, t=t, nh=nh, hd=hd, sinks=sinks, dtype=q.dtype)
+    return merge(*parts, t=t, nh=nh, hd=hd, sinks=sinks, dtype=q.dtype, config=config, interpret=interpret)

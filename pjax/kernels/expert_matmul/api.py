@@ -6,23 +6,23 @@ import functools
 import jax
 import numpy as np
 
-from pjax.kernels import _dispatch
+from pjax.kernels import dispatch
 from pjax.kernels.expert_matmul import reference
-
-# H200 (JAX 0.11.2, 2026-11-22, device time from the profiler): the kernel is 4.1-21x faster than the XLA gather path at
-# the Qwen3-30B-A3B and GPT-OSS-20B expert shapes with 1 and 8 tokens (docs/benchmarks.md section 2).
 
 
 @functools.partial(jax.jit, static_argnames=("repeat", "implementation"))
 def expert_matmul(x, expert_ids, w, *, repeat: int = 1, implementation: str = "auto"):
     """out [P, dout] = x[p // repeat] @ w[expert_ids[p]]: x [P / repeat, din] (repeat = top-k lets each token row feed
     its k pairs), expert_ids [P] int (indexed as `w[expert_ids]`: negative ids wrap, too large ones clamp),
-    w [E, din, dout]; float32 accumulation, x's dtype out. "auto" takes the Pallas kernel on a GPU where it supports
-    the shapes. Differentiable (the kernel's VJP is the reference's)."""
+    w [E, din, dout]; float32 accumulation, x's dtype out. Differentiable (the kernel's VJP is the reference's).
+    implementation (`pjax.kernels.dispatch`): the kernel takes one dtype for x and w, at most
+    `ExpertMatmulConfig.max_rows` (128) pairs and din / dout multiples of 16; other inputs run the reference, for
+    "pallas" too. "auto" runs the kernel on a GPU where it takes the shapes (faster at every measured decode /
+    verify shape)."""
     from pjax.kernels.expert_matmul import pallas
     reference.check_inputs(x, expert_ids, w, repeat)
     supported = pallas.unsupported_reason(x, w, repeat) is None
-    if _dispatch.resolve(implementation, auto_pallas=supported) == "pallas":
+    if dispatch.use_kernel(implementation, supported=supported, op="expert_matmul"):
         return _pallas_with_reference_vjp(x, expert_ids, w, repeat)
     return reference.expert_matmul(x, expert_ids, w, repeat)
 

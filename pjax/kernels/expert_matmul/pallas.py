@@ -8,28 +8,25 @@ weight tile from HBM once and multiplies it into every pair routed to the same e
 `dot` per step, rows of other experts masked to zero); other slots exit at once. Every selected expert is read
 exactly once, nothing is materialised.
 Bytes moved: distinct selected experts x din x dout x itemsize + P x (din + dout) x itemsize.
-Numerics: float32 accumulation, output cast to x's dtype (as the reference).
+Numerics: float32 accumulation, output cast to x's dtype (as the reference); float32 inputs multiply at the
+precision JAX's default matmul precision asks for (`_pallas_util.dot_precision`).
 Measured (H200, docs/benchmarks.md section 2): 4.1-21x the XLA path; 3.5-4.5 TB/s with 8 tokens, 2.8-4.1 TB/s
 with one (4-8 experts: a short launch).
 """
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pjax.kernels._dispatch import interpret
-from pjax.kernels._pallas_util import call_kwargs, next_pow2
+from pjax.kernels import dispatch, hardware
+from pjax.kernels._pallas_util import call_kwargs, dot_precision, next_pow2
+from pjax.kernels.expert_matmul.config import DEFAULT, ExpertMatmulConfig
 from pjax.kernels.expert_matmul.reference import check_inputs
-
-MAX_ROWS = 128  # pairs held in one program's [pp, bn] accumulator (pp = rows padded to a power of two >= 16)
-ACC_ELEMENTS = 64 * 128  # pp x bn float32 accumulators per program at most (64 registers a thread at 4 warps)
-BLOCK_K = 128  # din per pipeline step (the largest power of two <= this dividing din)
-BLOCK_N = 128  # output columns per program (<= ACC_ELEMENTS / pp), halved while fewer than MIN_PROGRAMS would run
-MIN_PROGRAMS = 256  # ~2 per H200 SM: a program streams ~30 GB/s, so the launch needs them all busy
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -40,23 +37,25 @@ def padded_rows(p: int) -> int:
     return max(16, next_pow2(p))  # dot rows: at least 16
 
 
-def tiles(p: int, din: int, dout: int) -> tuple[int, int]:
-    """(bk, bn): power-of-two tiles dividing din / dout (no masked weight loads), bn at most ACC_ELEMENTS / pp and
-    halved (down to 32) while the grid would have fewer than MIN_PROGRAMS programs."""
-    bk, bn = _pow2_divisor(din, BLOCK_K), _pow2_divisor(dout, min(BLOCK_N, ACC_ELEMENTS // padded_rows(p)))
-    while bn > 32 and p * (dout // bn) < MIN_PROGRAMS:
+def tiles(p: int, din: int, dout: int, config: ExpertMatmulConfig = DEFAULT) -> tuple[int, int]:
+    """(bk, bn): power-of-two tiles dividing din / dout (no masked weight loads), bn at most acc_elements / pp and
+    halved (down to min_block_n) while the grid would have fewer than programs_per_sm x SMs programs."""
+    bk = _pow2_divisor(din, config.block_k)
+    bn = _pow2_divisor(dout, min(config.block_n, config.acc_elements // padded_rows(p)))
+    target = config.programs_per_sm * hardware.gpu().wave
+    while bn > config.min_block_n and p * (dout // bn) < target:
         bn //= 2
     return bk, bn
 
 
-def unsupported_reason(x, w, repeat: int = 1):
+def unsupported_reason(x, w, repeat: int = 1, config: ExpertMatmulConfig = DEFAULT):
     """None when the kernel takes these shapes, else why not (the caller uses the reference)."""
     p, din = x.shape[0] * repeat, x.shape[1]
     dout = w.shape[2]
     if x.dtype != w.dtype:
         return f"x {x.dtype} and w {w.dtype}: one dtype only (the tensor-core dot)"
-    if p > MAX_ROWS:
-        return f"{p} rows: at most {MAX_ROWS}"
+    if p > config.max_rows:
+        return f"{p} rows: at most {config.max_rows}"
     if din % 16 or dout % 16:
         return f"din {din} / dout {dout}: multiples of 16 only"
     return None
@@ -94,31 +93,33 @@ def _kernel(ids_ref, x_ref, w_ref, o_ref, *, p, pp, din, bk, bn, e_count, repeat
         pltriton.store(o_ref.at[out_row[:, None], cols[None, :]], acc.astype(o_ref.dtype), mask=mine[:, None])
 
 
-def expert_matmul(x, expert_ids, w, *, repeat: int = 1, block_n=None, num_warps: int = 4, num_stages: int = 3):
-    """Same contract as `reference.expert_matmul`; `block_n` overrides the column tile (benchmarks). One launch:
-    ids, rows and the output are read and written in place (no padding or slicing ops around it on a GPU)."""
+def expert_matmul(x, expert_ids, w, *, repeat: int = 1, block_n=None, config: ExpertMatmulConfig = DEFAULT,
+                  interpret: Optional[bool] = None):
+    """Same contract as `reference.expert_matmul`; `block_n` overrides the column tile (benchmarks); interpret:
+    None = interpret mode off GPU. One launch: ids, rows and the output are read and written in place (no padding
+    or slicing ops around it on a GPU)."""
     check_inputs(x, expert_ids, w, repeat)
-    reason = unsupported_reason(x, w, repeat)
+    reason = unsupported_reason(x, w, repeat, config)
     if reason:
         raise ValueError(f"expert_matmul implementation='pallas': {reason}")
+    interpret = dispatch.interpret(interpret)
     p, din = expert_ids.shape[0], x.shape[1]
     dout = w.shape[2]
     pp = padded_rows(p)
-    bk, bn = tiles(p, din, dout)
+    bk, bn = tiles(p, din, dout, config)
     if block_n is not None:
-        if block_n < 16 or block_n & (block_n - 1) or dout % block_n or pp * block_n > ACC_ELEMENTS:
+        if block_n < 16 or block_n & (block_n - 1) or dout % block_n or pp * block_n > config.acc_elements:
             raise ValueError(f"expert_matmul: block_n={block_n} must be a power of two >= 16 dividing dout={dout}, "
-                             f"at most {ACC_ELEMENTS // pp} for {p} rows")
+                             f"at most {config.acc_elements // pp} for {p} rows")
         bn = block_n
-    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-    out_rows = pp if interpret() else p
+    out_rows = pp if interpret else p  # interpret mode: every padding lane its own row (see the store in _kernel)
     ids = expert_ids.astype(jnp.int32)
     full = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
     out = pl.pallas_call(
         functools.partial(_kernel, p=p, pp=pp, din=din, bk=bk, bn=bn, e_count=w.shape[0], repeat=repeat,
-                          precision=precision),
+                          precision=dot_precision(x.dtype)),
         grid=(p, dout // bn), out_shape=jax.ShapeDtypeStruct((out_rows, dout), x.dtype),
         in_specs=[full(ids.shape), full(x.shape), full(w.shape)], out_specs=full((out_rows, dout)),
-        name="pjax_expert_matmul", **call_kwargs(num_warps, num_stages),
+        name="pjax_expert_matmul", **call_kwargs(config.warps, config.stages, interpret),
     )(ids, x, w)
     return out[:p] if out_rows != p else out

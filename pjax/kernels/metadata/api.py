@@ -6,12 +6,9 @@ from typing import Optional
 
 import jax
 
-from pjax.kernels import _dispatch
+from pjax.kernels import dispatch
 from pjax.kernels.metadata import reference
 from pjax.kernels.metadata.reference import DraftInputs
-
-# H200 (JAX 0.11.2, 2026-11-21, device time from the profiler): the kernel is one launch with all loads in flight
-# together; 0.87-0.97 us vs XLA's 0.99-1.84 us at batch 1 / 8 / 64 (docs/benchmarks.md section 2).
 
 
 @functools.partial(jax.jit, static_argnames=("num_slots", "mask_token_id", "implementation"))
@@ -22,10 +19,10 @@ def build_draft_inputs(num_accepted, verify_tokens, next_token, start_pos, *, nu
     num_accepted [B] i32, verify_tokens [B, K+1] i32, next_token [B] i32, start_pos [B] i32 (absolute
     position of verify_tokens[:, 0]) -> DraftInputs(tokens, positions, feature_row, write_pos [B, S] i32,
     sample_idx [B, K] i32, valid [B, S] bool), S = num_slots >= 2K. Slot layout:
-    `pjax.kernels.metadata.reference`.
+    `pjax.kernels.metadata.reference`. implementation (`pjax.kernels.dispatch`): the kernel takes every shape;
+    "auto" runs it on a GPU (one launch instead of XLA's several small fusions).
     """
-    impl = _dispatch.resolve(implementation)
-    if impl == "xla":
+    if not dispatch.use_kernel(implementation, op="build_draft_inputs"):
         return reference.build_draft_inputs(num_accepted, verify_tokens, next_token, start_pos,
                                             num_slots=num_slots, mask_token_id=mask_token_id)
     from pjax.kernels.metadata import pallas

@@ -17,13 +17,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pjax.kernels import dispatch
 from pjax.kernels._pallas_util import call_kwargs, next_pow2
+from pjax.kernels.metadata.config import DEFAULT, MetadataConfig
 from pjax.kernels.metadata.reference import DraftInputs, check_inputs
-
-ROWS_PER_PROGRAM = 16
-# H200 (2026-11-21): 16 rows x 1 warp at batch 1; at batch 8 / 64, 16 rows x 4 warps (0.87 / 0.92 us) beat 1 warp
-# (1.26 / 1.46 us before the loads were made independent) and 2 warps (0.92 / 0.96 us): the [16, S] tile's
-# scattered stores want more threads.
 
 
 def _kernel(na_ref, vt_ref, nt_ref, sp_ref, tok_ref, pos_ref, fr_ref, wp_ref, si_ref, val_ref, *, b, k, s, bb,
@@ -53,13 +50,14 @@ def _kernel(na_ref, vt_ref, nt_ref, sp_ref, tok_ref, pos_ref, fr_ref, wp_ref, si
 
 
 def build_draft_inputs(num_accepted, verify_tokens, next_token, start_pos, *, num_slots: int,
-                       mask_token_id: Optional[int], rows_per_program: Optional[int] = None,
-                       num_warps: Optional[int] = None) -> DraftInputs:
-    """Same contract as `pjax.kernels.metadata.reference.build_draft_inputs`."""
+                       mask_token_id: Optional[int], config: MetadataConfig = DEFAULT,
+                       interpret: Optional[bool] = None) -> DraftInputs:
+    """Same contract as `pjax.kernels.metadata.reference.build_draft_inputs`. interpret: None = interpret mode
+    off GPU."""
     b, k = check_inputs(num_accepted, verify_tokens, next_token, start_pos, num_slots)
     s = num_slots
-    bb = min(rows_per_program or ROWS_PER_PROGRAM, next_pow2(b))
-    num_warps = num_warps or (1 if bb < 8 else 4)
+    bb = min(config.rows_per_program, next_pow2(b))
+    num_warps = config.warps_few_rows if bb < 8 else config.warps
     i32 = jnp.int32
     full = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))
     out_shapes = [jax.ShapeDtypeStruct((b, s), i32)] * 4 + [jax.ShapeDtypeStruct((b, max(k, 1)), i32),
@@ -69,6 +67,7 @@ def build_draft_inputs(num_accepted, verify_tokens, next_token, start_pos, *, nu
     tok, pos, fr, wp, si, val = pl.pallas_call(
         kern, grid=(pl.cdiv(b, bb),), out_shape=out_shapes,
         in_specs=[full((b,)), full((b, k + 1)), full((b,)), full((b,))],
-        out_specs=[full(o.shape) for o in out_shapes], name="pjax_draft_inputs", **call_kwargs(num_warps),
+        out_specs=[full(o.shape) for o in out_shapes], name="pjax_draft_inputs",
+        **call_kwargs(num_warps, 1, dispatch.interpret(interpret)),
     )(num_accepted.astype(i32), verify_tokens.astype(i32), next_token.astype(i32), start_pos.astype(i32))
     return DraftInputs(tok, pos, fr, wp, si[:, :k], val)
