@@ -34,8 +34,11 @@ def parse_dtype(value, *, what: str = "dtype", allowed: Sequence[str] = FLOAT_DT
     if isinstance(value, str):
         name = SPELLINGS.get(value.strip().lower())
         if name is None:
-            raise ValueError(f"{what}={value!r} is not a supported dtype (expected one of {choices}; spellings: "
-                             f"{', '.join(sorted(SPELLINGS))})")
+            try:
+                name = np.dtype(value.strip().lower()).name  # a real dtype name pjax does not take (int8, float64)
+            except TypeError:
+                raise ValueError(f"{what}={value!r} is not a supported dtype (expected one of {choices}; spellings: "
+                                 f"{', '.join(sorted(SPELLINGS))})") from None
     else:
         try:
             name = np.dtype(value).name

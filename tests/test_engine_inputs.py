@@ -173,7 +173,8 @@ def test_context_beyond_max_positions_warns(models):
 
 def test_float32_models_run_full_precision_products(models, monkeypatch):
     """float32 models compile under matmul precision "highest" unless TF32 is allowed (CPU: the setting is seen)."""
-    from pjax.decode import generate as G
+    import sys
+    G = sys.modules["pjax.decode.generate"]
     target, drafter = models
     seen = []
     orig = G._compiled

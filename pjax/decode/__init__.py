@@ -1,7 +1,10 @@
-"""Speculative decoding engine: prefill, jitted rounds (verify -> accept -> draft), generate()."""
-from pjax.decode.generate import GenerateResult, generate, make_spec
-from pjax.decode.state import DecodeState, EngineSpec, Sampling
+"""Speculative decoding engine: prefill, jitted rounds (verify -> accept -> draft), `generate` and the streaming
+`Generation`; `prefill_single` / `round_single` are the single-sequence research API (jax.vmap them)."""
+from pjax.decode.generate import (Chunk, GenerateResult, Generation, GenerationInterrupted, compile_count, generate,
+                                  make_spec)
+from pjax.decode.state import STOP_NAMES, DecodeState, EngineSpec, Sampling
 from pjax.decode.step import decode_loop, prefill, prefill_single, round_single, spec_round, verify
 
-__all__ = ["DecodeState", "EngineSpec", "GenerateResult", "Sampling", "decode_loop", "generate", "make_spec",
-           "prefill", "prefill_single", "round_single", "spec_round", "verify"]
+__all__ = ["STOP_NAMES", "Chunk", "DecodeState", "EngineSpec", "GenerateResult", "Generation",
+           "GenerationInterrupted", "Sampling", "compile_count", "decode_loop", "generate", "make_spec", "prefill",
+           "prefill_single", "round_single", "spec_round", "verify"]

@@ -225,10 +225,12 @@ class Generation:
         for w in self._warnings:
             warnings.warn(w, stacklevel=3)
 
-        # buckets: rows, prompt positions, output buffer; padding rows stop at prefill (max_new = 1)
+        # buckets: rows, prompt positions; the output buffer holds `capacity` tokens (no row can emit more), so the
+        # row limits are runtime data and programs depend on (rows, prompt bucket, capacity, K) only; padding rows
+        # stop at prefill (max_new = 1)
         b = I.bucket_batch(n)
         lp = min(I.bucket_length(longest), max(capacity, longest))
-        spec = dataclasses.replace(spec, max_new_tokens=I.next_pow2(int(limits.max())))
+        spec = dataclasses.replace(spec, max_new_tokens=capacity)
         padded = np.zeros((b, lp), np.int32)
         for i, r in enumerate(rows):
             padded[i, :len(r)] = r
@@ -277,7 +279,7 @@ class Generation:
         host = jax.device_get(dict(out=s.out, num_out=s.num_out, done=s.done, stop=s.stop, rounds=s.rounds,
                                    num_drafts=s.num_drafts, num_draft_tokens=s.num_draft_tokens, accepted=s.accepted,
                                    accepted_at=s.accepted_at))
-        self._host = {k: np.asarray(v)[:self.n] for k, v in host.items()}
+        self._host = {k: np.array(v[:self.n]) for k, v in host.items()}  # writable host copies
         for i, keep in self._keep.items():
             self._host["num_out"][i] = min(self._host["num_out"][i], keep)
         if self._bar is not None:

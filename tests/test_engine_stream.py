@@ -1,0 +1,119 @@
+"""The device loop in bounded chunks: output equal to one device call and to the host loop, streaming chunks that
+concatenate to the result, rows ended from the host, Ctrl-C returning the output so far, and a sweep of shapes and
+settings that compiles only a handful of programs."""
+import functools
+import itertools
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import pjax
+from pjax.config import LayerSpec, ModelConfig, RopeSpec
+from pjax.decode import Generation, GenerationInterrupted
+from tests.engine_utils import FAST, make_drafter
+
+V, H = 61, 32
+PROMPTS = [[5, 17, 3], [9, 1, 44, 60, 2, 10, 33, 8], [30, 31, 32, 33, 34, 35]]
+SAMPLED = dict(temperature=[1.0, 0.0, 0.8], top_k=[0, 0, 5], seed=[3, 4, 5])
+gen = functools.partial(pjax.generate, compiler_options=FAST)
+
+
+@pytest.fixture(scope="module")
+def models():
+    rope = RopeSpec(theta=10000.0)
+    cfg = ModelConfig("llama", V, H, 64, 4, tuple(LayerSpec(8, 2, rope) for _ in range(2)), rms_norm_eps=1e-5)
+    target = pjax.init_target(cfg, jax.random.key(0), jnp.float32, scale=0.3)
+    return target, make_drafter(target)
+
+
+@pytest.mark.parametrize("drafting", ["parallel", "sequential", "none"])
+def test_chunked_equals_one_call_and_host_loop(models, drafting):
+    target, drafter = models
+    kw = dict(max_new_tokens=20, drafting=drafting, num_speculative_tokens=3, **SAMPLED)
+    one = gen(target, drafter, PROMPTS, chunk_seconds=None, **kw)
+    many = gen(target, drafter, PROMPTS, chunk_seconds=1e-6, **kw)  # one round per chunk after the first
+    host = gen(target, drafter, PROMPTS, loop="host", **kw)
+    assert many.tokens == one.tokens == host.tokens
+    assert many.stats["rounds"] == one.stats["rounds"] == host.stats["rounds"]
+    assert one.stats["device_chunks"] == 1 and many.stats["device_chunks"] > 3
+    assert many.stats["num_accepted_tokens"] == one.stats["num_accepted_tokens"]
+
+
+def test_stream_chunks_concatenate_to_the_result(models):
+    target, drafter = models
+    ref = gen(target, drafter, PROMPTS, max_new_tokens=16, **SAMPLED)
+    g = Generation(target, drafter, PROMPTS, max_new_tokens=16, chunk_seconds=1e-6, compiler_options=FAST, **SAMPLED)
+    got = [[] for _ in PROMPTS]
+    chunks = list(g)
+    assert all(len(t) == 1 for t in chunks[0].new_tokens)  # the first chunk: the token sampled at prefill
+    for c in chunks:
+        for i, t in enumerate(c.new_tokens):
+            got[i] += t
+    assert got == ref.tokens and chunks[-1].done == [True] * 3
+    assert chunks[-1].stop_reasons == ref.stats["stop_reasons"]
+    assert g.result().tokens == ref.tokens
+
+
+def test_finish_ends_a_row_from_the_host(models):
+    target, drafter = models
+    ref = gen(target, drafter, PROMPTS, max_new_tokens=24)
+    g = Generation(target, drafter, PROMPTS, max_new_tokens=24, chunk_seconds=1e-6, compiler_options=FAST)
+    next(g)
+    next(g)
+    g.finish(1, keep=2)
+    later = [c.new_tokens[1] for c in g]
+    res = g.result()
+    assert all(t == [] for t in later)
+    assert res.tokens[1] == ref.tokens[1][:2] and res.stats["stop_reasons"][1] == "stop"
+    assert res.tokens[0] == ref.tokens[0] and res.tokens[2] == ref.tokens[2]
+    assert res.stats["requests"][1]["output_tokens"] == 2
+
+
+def test_ctrl_c_returns_the_output_so_far(models, monkeypatch):
+    """KeyboardInterrupt while a chunk runs: GenerationInterrupted carries every token of the finished chunks."""
+    target, drafter = models
+    ref = gen(target, drafter, PROMPTS, max_new_tokens=24)
+    g = Generation(target, drafter, PROMPTS, max_new_tokens=24, chunk_seconds=1e-6, compiler_options=FAST)
+    loop, calls = g._loop, []
+
+    def flaky(*a):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return loop(*a)
+    g._loop = flaky
+    with pytest.raises(GenerationInterrupted) as e:
+        g.result()
+    part = e.value.result
+    assert isinstance(e.value, KeyboardInterrupt)
+    assert part.stats["stop_reasons"] == ["interrupted"] * 3
+    for have, want in zip(part.tokens, ref.tokens):
+        assert 2 <= len(have) < len(want) and want[:len(have)] == have
+
+
+def test_progress_bar(models, capsys):
+    target, drafter = models
+    res = gen(target, drafter, PROMPTS, max_new_tokens=8, progress=True)
+    assert "generate (parallel)" in capsys.readouterr().err and len(res.tokens) == 3
+
+
+def test_a_sweep_compiles_a_handful_of_programs(models):
+    """Batch sizes 1-4, prompt lengths 2-14, max_new_tokens 3-8, stop lists of 0-3 ids, top-k / top-p on and off:
+    48 settings, at most 8 programs; the same sweep again compiles nothing."""
+    target, drafter = models
+    G = sys.modules["pjax.decode.generate"]
+    settings = list(itertools.product([1, 2, 3, 4], [2, 9, 14], [3, 8], [None, [7, 8, 9]]))
+    samplings = [dict(), dict(temperature=1.0, top_k=4), dict(temperature=0.7, top_p=0.8)]
+
+    def sweep():
+        before = G.compile_count()
+        for i, (b, length, new, eos) in enumerate(settings):
+            prompts = [[(j * 7 + t) % V for t in range(length - j % 2)] for j in range(b)]
+            gen(target, drafter, prompts, max_new_tokens=new, eos_token_id=eos, seed=i,
+                **samplings[i % len(samplings)])
+        return G.compile_count() - before
+    first = sweep()
+    assert first <= 8, first
+    assert sweep() == 0
