@@ -21,6 +21,7 @@ Prints markdown tables; --json writes all rows.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import statistics
@@ -33,15 +34,20 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from devtime import profile_calls
+from pjax.kernels import dispatch
 from pjax.kernels._pallas_util import call_kwargs
+from pjax.kernels.acceptance import config as acc_config
 from pjax.kernels.acceptance import pallas as acc_pallas
 from pjax.kernels.acceptance import reference as acc_ref
 from pjax.kernels.cache_attention import api as attn_api
+from pjax.kernels.cache_attention import config as attn_config
 from pjax.kernels.cache_attention import mosaic as attn_mosaic
 from pjax.kernels.cache_attention import pallas as attn_pallas
 from pjax.kernels.cache_attention import reference as attn_ref
+from pjax.kernels.expert_matmul import config as em_config
 from pjax.kernels.expert_matmul import pallas as em_pallas
 from pjax.kernels.expert_matmul import reference as em_ref
+from pjax.kernels.metadata import config as meta_config
 from pjax.kernels.metadata import pallas as meta_pallas
 from pjax.kernels.metadata import reference as meta_ref
 
@@ -143,12 +149,12 @@ def bench_acceptance(b, k, v, *, reps, calls, temp=1.0, trunc=False, label="", t
     logits, drafts, kw = acc_inputs(b, k, v, temp=temp, trunc=trunc)
     q = jax.nn.softmax(jax.random.normal(jax.random.key(7), (b, k, v), jnp.float32), -1) if with_q else None
     reps = reps or auto_reps(logits.size * 2)
-    cfg = {x: y for x, y in (("tile", tile), ("num_warps", warps), ("unroll", unroll), ("num_stages", stages)) if y}
-    old_target = acc_pallas.TARGET_PROGRAMS
-    acc_pallas.TARGET_PROGRAMS = target or old_target
+    cfg = {x: y for x, y in (("tile", tile), ("warps", warps), ("unroll", unroll), ("stages", stages),
+                             ("target_programs", target)) if y}
+    config = dataclasses.replace(acc_config.DEFAULT, **cfg)
 
     def run(impl):  # the per-row sampling arrays are runtime inputs, as in the engine's round
-        fn = acc_ref.accept if impl == "xla" else functools.partial(acc_pallas.accept, **cfg)
+        fn = acc_ref.accept if impl == "xla" else functools.partial(acc_pallas.accept, config=config)
         return lambda lg, d, pos, temp, seeds, n: fn(lg, d, q, temperature=temp, seeds=seeds, positions=pos,
                                                      num_drafts=n, top_k=kw["top_k"], top_p=kw["top_p"])
     runtime = (kw["temperature"], kw["seeds"], kw["num_drafts"])
@@ -162,9 +168,6 @@ def bench_acceptance(b, k, v, *, reps, calls, temp=1.0, trunc=False, label="", t
     n_x = LAUNCHES[0] if xla else float("nan")
     t_p = timed(run("pallas"), sets, calls=calls)
     del sets
-    acc_pallas.TARGET_PROGRAMS = old_target
-    if target:
-        cfg["target_programs"] = target
     row = dict(op="acceptance", B=b, K=k, V=v, mode=label or {0.0: "greedy", None: "mixed"}.get(temp, "sampled"),
                xla_us=t_x * 1e6, pallas_us=t_p * 1e6, ratio=t_x / t_p, rows_equal=same,
                logits_MB=b * (k + 1) * v * 2 / 1e6, cfg=cfg, reps=reps,
@@ -184,7 +187,7 @@ def check_inverse_temperature(n: int = 4096):
         o_ref[b] = acc_pallas._row_temperature(t_ref, b)[1]
     full = pl.BlockSpec((n,), lambda *_: (0,))
     got = pl.pallas_call(kern, grid=(n,), out_shape=jax.ShapeDtypeStruct((n,), jnp.float32), in_specs=[full],
-                         out_specs=full, **call_kwargs())(t)
+                         out_specs=full, **call_kwargs(4, 1, dispatch.interpret()))(t)
     want = jax.jit(lambda x: acc_ref.inverse_temperature(x)[1])(t)
     same = float(np.mean(np.asarray(got).view(np.uint32) == np.asarray(want).view(np.uint32)))
     ROWS.append(dict(op="inverse_temperature", n=n, bits_equal=same))
@@ -201,7 +204,8 @@ def bench_metadata(b, k, *, reps, calls, cfg=None):
     kw = dict(num_slots=2 * k, mask_token_id=128002)
     fx = lambda *a: meta_ref.build_draft_inputs(*a, **kw)
     cfg = cfg or {}
-    fp = lambda *a: meta_pallas.build_draft_inputs(*a, **kw, **cfg)
+    config = dataclasses.replace(meta_config.DEFAULT, **cfg)
+    fp = lambda *a: meta_pallas.build_draft_inputs(*a, **kw, config=config)
     r, p = jax.jit(fx)(*args), jax.jit(fp)(*args)
     exact = all(bool(np.array_equal(np.asarray(x), np.asarray(y))) for x, y in zip(r, p))
     sets = [(args[0], args[1], args[2], args[3] + i) for i in range(2 * reps)]
@@ -236,7 +240,8 @@ def bench_expert_matmul(model, e, din, dout, n, k, *, reps, calls, cfg=None):
             for i in range(2 * reps)]
     x, idx, _ = sets[0]
     cfg = cfg or {}
-    fp = functools.partial(em_pallas.expert_matmul, **cfg)
+    config = dataclasses.replace(em_config.DEFAULT, **{x: y for x, y in cfg.items() if x != "block_n"})
+    fp = functools.partial(em_pallas.expert_matmul, block_n=cfg.get("block_n"), config=config)
     r = np.asarray(jax.jit(em_ref.expert_matmul)(x, idx, w), np.float32)
     got = np.asarray(jax.jit(fp)(x, idx, w), np.float32)
     err = float(np.max(np.abs(got - r)) / max(np.max(np.abs(r)), 1e-9))
@@ -244,7 +249,7 @@ def bench_expert_matmul(model, e, din, dout, n, k, *, reps, calls, cfg=None):
     t_p = timed(fp, sets, calls=calls)
     distinct = len(np.unique(np.asarray(idx)))
     tbps = distinct * din * dout * 2 / t_p / 1e12
-    cfg = {"block_n": em_pallas.tiles(n * k, din, dout)[1], **cfg}
+    cfg = {"block_n": em_pallas.tiles(n * k, din, dout, config)[1], **cfg}
     row = dict(op="expert_matmul", model=model, tokens=n, top_k=k, din=din, dout=dout, distinct=distinct,
                xla_us=t_x * 1e6, pallas_us=t_p * 1e6, ratio=t_x / t_p, pallas_tbps=tbps, err=err, cfg=cfg)
     ROWS.append(row)
@@ -336,26 +341,22 @@ def bench_mosaic_swap(b, ctx, t, *, reps, calls, nh=32, nkv=8, hd=128):
     return row
 
 
-MERGE_SETTINGS = ({"MERGE_DIMS": 32}, {}, {"MERGE_WARPS": 2}, {"MERGE_WARPS": 8}, {"MERGE_TILE": 16384})
+MERGE_SETTINGS = ({"merge_dims": 32}, {}, {"merge_warps": 2}, {"merge_warps": 8}, {"merge_tile": 16384})
 
 
 def bench_merge_settings(b, t, *, calls, nh=32, nkv=8, hd=128, settings=MERGE_SETTINGS):
-    """The whole op (`api.choose`'s kernel + the Triton merge) with each setting of the merge's module constants
-    (`pallas.MERGE_DIMS` / `MERGE_WARPS` / `MERGE_TILE`; {} = the landed defaults), same inputs, same run, each
-    setting twice: op time (chain) and the merge kernel's profiler duration, us."""
+    """The whole op (`api.choose`'s kernel + the Triton merge) with each setting of the merge's `AttentionConfig`
+    fields (merge_dims / merge_warps / merge_tile; {} = the defaults), same inputs, same run, each setting twice:
+    op time (chain) and the merge kernel's profiler duration, us."""
     q, k, v, q_pos, sets, _, _ = _attention_inputs(b, 16384, t, nh, nkv, hd, 4)
     impl = attn_api.choose(q, k)
     op = attn_mosaic.cache_attention if impl == "mosaic" else attn_pallas.cache_attention
-    defaults, cells = {n: getattr(attn_pallas, n) for n in ("MERGE_DIMS", "MERGE_WARPS", "MERGE_TILE")}, []
-    try:
-        for setting in settings * 2:
-            for name, value in {**defaults, **setting}.items():  # chain_times traces its program anew each time
-                setattr(attn_pallas, name, value)
-            span, merge = chain_times(lambda *a: op(*a, q_pos, scale=hd ** -0.5), sets, calls=calls, kernel="merge")
-            cells.append(f"{span:.2f} ({merge:.2f})")
-    finally:
-        for name, value in defaults.items():
-            setattr(attn_pallas, name, value)
+    cells = []
+    for setting in settings * 2:
+        config = dataclasses.replace(attn_config.DEFAULT, **setting)
+        span, merge = chain_times(lambda *a: op(*a, q_pos, scale=hd ** -0.5, config=config), sets, calls=calls,
+                                  kernel="merge")
+        cells.append(f"{span:.2f} ({merge:.2f})")
     log(f"| {b} | {t} | {nh}/{nkv} x {hd} | {impl} | " + " | ".join(cells) + " |")
     del q, k, v, sets
 
@@ -405,7 +406,7 @@ def pallas_read(k, v, *, splits, bk, num_warps=4, num_stages=3):
     return pl.pallas_call(functools.partial(_read_kernel, per=s // splits, bk=bk), grid=(nkv, splits),
                           out_shape=jax.ShapeDtypeStruct((nkv, splits, hd), jnp.float32), in_specs=[full(k), full(v)],
                           out_specs=pl.BlockSpec((nkv, splits, hd), lambda *_: (0, 0, 0)),
-                          **call_kwargs(num_warps, num_stages))(k, v)
+                          **call_kwargs(num_warps, num_stages, dispatch.interpret()))(k, v)
 
 
 @guarded
@@ -491,7 +492,7 @@ def main():
             for n in ((1, 3) if a.smoke else (1, 8)):  # decode, verify K = 7
                 for din, dout in ((h, 2 * inter), (inter, h)):  # gate_up, down
                     sweep = [{}] + ([dict(block_n=bn) for bn in (32, 64, 128) if dout % bn == 0] + [
-                        dict(num_warps=w, num_stages=st) for w, st in ((4, 2), (4, 4), (8, 3), (8, 4))]
+                        dict(warps=w, stages=st) for w, st in ((4, 2), (4, 4), (8, 3), (8, 4))]
                         if "moe-tune" in only else [])
                     for cfg in sweep:
                         bench_expert_matmul(model, e, din, dout, n, k, reps=reps, calls=calls, cfg=cfg)
@@ -530,7 +531,8 @@ def main():
             "\n|---|---|---|---|---|---|---|---|---|")
         for b in (8, 64):
             for rows, nw in ((16, 4), (8, 4), (8, 2), (16, 2), (32, 4), (16, 8)):
-                bench_metadata(b, 7, reps=reps, calls=calls, cfg=dict(rows_per_program=rows, num_warps=nw))
+                bench_metadata(b, 7, reps=reps, calls=calls,
+                               cfg=dict(rows_per_program=rows, warps=nw, warps_few_rows=nw))
         log("\n| op | B | K | V | mode | xla us | pallas us | xla/pallas | rows equal | pallas TB/s | cfg |"
             "\n|---|---|---|---|---|---|---|---|---|---|---|")
         for b in (1, 8, 64):  # sampled drafts with their probabilities (q): the residual race path

@@ -1,19 +1,23 @@
 """Device time of jitted calls from the profiler's GPU activity records (CUPTI), not the host clock.
 
-Why: on the lent H200 machine a synchronised call pays ~0.1-4 ms of host round trip that varies from call
-to call, more than the kernels being compared (10-200 us). The profiler timestamps every kernel on the
-GPU, so the device span of a call (first kernel start -> last kernel end, launch gaps inside the program
-included) and the time of named kernels are exact to the microsecond.
+Why: a synchronised call pays a host round trip (0.1-4 ms on a shared GPU host, varying from call to call), more
+than the kernels being compared (10-200 us). The profiler timestamps every kernel on the GPU, so the device span of
+a call (first kernel start -> last kernel end, launch gaps inside the program included) and the time of named
+kernels are exact to the microsecond.
 
     spans, kernels = profile_calls(f, args, calls=20)
     span_us = median(spans) / 1e3            # device time of one call, ns -> us
     kernels[0]                               # [(kernel name, start ns, duration ns)] of the first call
 
-Calls are told apart by kernel count (every call runs the same program, so the events split into equal
-runs), else by the host sync between them (a gap of > `gap_ns` with no kernel running). On a
-host without a GPU plane (CPU), `profile_calls` returns None and callers fall back to host timing.
+Public APIs only: `jax.profiler.start_trace` / `stop_trace` write an XSpace file, read back with
+`jax.profiler.ProfileData.from_file`. Calls are told apart by kernel count (every call runs the same program, so
+the events split into equal runs), else by the host sync between them (a gap of > `gap_ns` with no kernel
+running). Without a GPU plane (CPU) `profile_calls` returns None and callers fall back to host timing.
 """
 from __future__ import annotations
+
+import tempfile
+from pathlib import Path
 
 import jax
 from jax.profiler import ProfileData
@@ -21,9 +25,8 @@ from jax.profiler import ProfileData
 GAP_NS = 100_000  # a pause this long between kernels = the host sync between two calls
 
 
-def _gpu_kernel_events(xspace: bytes):
-    """[(start_ns, end_ns, name)] of kernel / memcpy activity on the first GPU, sorted by start."""
-    data = ProfileData.from_serialized_xspace(xspace)
+def _gpu_kernel_events(data: ProfileData):
+    """[(start_ns, end_ns, name)] of kernel / memcpy activity on the first GPU, sorted by start; None without one."""
     plane = next((p for p in data.planes if p.name.startswith("/device:GPU:0")), None)
     if plane is None:
         return None
@@ -35,24 +38,33 @@ def _gpu_kernel_events(xspace: bytes):
     return sorted(ev)
 
 
+def trace_calls(f, args, calls: int) -> ProfileData:
+    """Run `f(*args)` (already compiled) once to warm up, then `calls` times under the profiler; the trace."""
+    jax.block_until_ready(f(*args))
+    with tempfile.TemporaryDirectory() as log_dir:
+        jax.profiler.start_trace(log_dir)
+        try:
+            for _ in range(calls):
+                jax.block_until_ready(f(*args))
+        finally:
+            jax.profiler.stop_trace()
+        files = sorted(Path(log_dir).rglob("*.xplane.pb"))
+        if not files:
+            raise RuntimeError(f"jax.profiler wrote no .xplane.pb trace under {log_dir}")
+        return ProfileData.from_file(str(files[-1]))
+
+
 def profile_calls(f, args, *, calls: int, gap_ns: int = GAP_NS):
     """Run `f(*args)` (jitted, already compiled) `calls` times under the profiler.
 
     Returns (spans_ns [per call], kernels [per call: [(name, start_ns, dur_ns)]]) or None without a GPU plane.
     """
-    from jax._src.lib import _profiler  # the profiler session API behind jax.profiler.trace
-
-    jax.block_until_ready(f(*args))
-    session = _profiler.ProfilerSession(_profiler.ProfileOptions())
-    for _ in range(calls):
-        jax.block_until_ready(f(*args))
-    events = _gpu_kernel_events(session.stop())
+    events = _gpu_kernel_events(trace_calls(f, args, calls))
     if not events:
         return None
     if len(events) % calls == 0:  # every call runs the same program: equal runs of kernels
         n = len(events) // calls
-        groups = [events[c * n:(c + 1) * n] for c in range(calls)]
-        return _spans(groups)
+        return _spans([events[c * n:(c + 1) * n] for c in range(calls)])
     groups, cur, end = [], [], 0
     for s, e, name in events:
         if cur and s - end > gap_ns:
