@@ -47,6 +47,7 @@ from pjax.models.cache import init_cache  # noqa: E402
 from pjax.decode import DecodeState, Sampling, make_spec, spec_round, verify  # noqa: E402
 from pjax.decode import draft as D  # noqa: E402
 from pjax.decode.step import _accept  # noqa: E402
+from pjax.kernels import IMPLEMENTATIONS  # noqa: E402
 from pjax.kernels.metadata import build_draft_inputs  # noqa: E402
 from pjax.models.drafter import DrafterConfig, combine, init_drafter, init_drafter_cache  # noqa: E402
 
@@ -170,15 +171,17 @@ def jitted(compiler_options=None):
 
 
 class Bench:
-    def __init__(self, target, drafter, batch: int, context: int, capacity: int, compiler_options=None):
+    def __init__(self, target, drafter, batch: int, context: int, capacity: int, compiler_options=None,
+                 implementation: str = "auto"):
         self.target, self.drafter, self.b, self.ctx, self.capacity = target, drafter, batch, context, capacity
+        self.implementation = implementation
         self.fn = jitted(compiler_options)
         b = batch
         self.sampling = Sampling(jnp.zeros(b), jnp.zeros(b, jnp.int32), jnp.ones(b), jnp.arange(b, dtype=jnp.uint32))
 
     def spec(self, k, drafting):
         return make_spec(self.target, self.drafter, max_new_tokens=4096, num_speculative_tokens=k,
-                         drafting=drafting)
+                         drafting=drafting, implementation=self.implementation)
 
     def state(self, spec):
         return synthetic_state(self.target, self.drafter, spec, self.b, self.capacity, self.ctx)
@@ -283,6 +286,8 @@ def main(argv=None):
     ap.add_argument("--ks", default=None, help="comma-separated K values (default 1..11)")
     ap.add_argument("--rounds", type=int, default=None, help="rounds for the loop comparison (default 64)")
     ap.add_argument("--calls", type=int, default=None, help="timed calls per measurement (default 30)")
+    ap.add_argument("--implementation", default="auto", choices=IMPLEMENTATIONS,
+                    help="kernel switch of every op of the round (pjax.kernels; default auto)")
     args = ap.parse_args(argv)
     tiny = args.tiny
     name = "tiny" if tiny else "llama3.1-8b"
@@ -301,8 +306,10 @@ def main(argv=None):
     loop_calls = max(1, calls // 5)
     capacity = -(-(context + 3 * rounds * (loop_calls + 1) + 4 * (kmax + 1) + 64) // 128) * 128
     fast = {"xla_backend_optimization_level": 0} if tiny and jax.default_backend() == "cpu" else None
-    bench = Bench(target, drafter, args.batch, context, capacity, compiler_options=fast)
+    bench = Bench(target, drafter, args.batch, context, capacity, compiler_options=fast,
+                  implementation=args.implementation)
     result = {"model": name, "device": str(jax.devices()[0]), "jax": jax.__version__, "batch": args.batch,
+              "implementation": args.implementation,
               "context": context, "capacity": capacity, "calls": calls, "rounds": rounds,
               "drafter_pass": {"parallel": {}, "sequential": {}}, "round": {}, "loop": {}}
     print(f"# bench_engine: {name}, batch {args.batch}, context {context}, {jax.devices()[0]}\n")

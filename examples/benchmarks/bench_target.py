@@ -33,6 +33,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from pjax.kernels import IMPLEMENTATIONS  # noqa: E402
 from pjax.models.cache import init_cache  # noqa: E402
 from pjax.config import LayerSpec, ModelConfig, MoeSpec, RopeSpec  # noqa: E402
 from pjax.models.target import Target, abstract_target, forward, logits_from_hidden  # noqa: E402
@@ -86,10 +87,11 @@ def random_target(cfg: ModelConfig, dtype, seed=0) -> Target:
     return Target(cfg, abstract.graphdef, jax.tree.unflatten(treedef, out))
 
 
-def make_step(last_only: bool):
-    """(target, tokens [B,T], positions [B,T], cache) -> (float32 logits, cache); cache donated."""
+def make_step(last_only: bool, implementation: str = "auto"):
+    """(target, tokens [B,T], positions [B,T], cache) -> (float32 logits, cache); cache donated; implementation: the
+    kernel switch (`pjax.kernels`)."""
     def step(target, tokens, positions, cache):
-        out = forward(target, tokens, positions, cache)
+        out = forward(target, tokens, positions, cache, implementation=implementation)
         hidden = out.hidden[:, -1:] if last_only else out.hidden  # logits only where they are needed
         return logits_from_hidden(target, hidden), out.cache
     return jax.jit(step, donate_argnums=(3,))
@@ -153,19 +155,20 @@ def time_step(step, target, tokens, positions, cache, *, warmup: int, repeats: i
     return ts, (time.perf_counter() - t) / repeats, cache
 
 
-def bench_model(name, cfg, *, context, k1, warmup, repeats, bandwidth, dtype) -> list[dict]:
+def bench_model(name, cfg, *, context, k1, warmup, repeats, bandwidth, dtype, implementation="auto") -> list[dict]:
     target = random_target(cfg, dtype)
     cache = init_cache(cfg, 1, context + k1, dtype)
     rows = []
     for kind, t in (("decode", 1), ("extend", k1)):
-        step = make_step(last_only=(t == 1))
+        step = make_step(last_only=(t == 1), implementation=implementation)
         tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (1, t)), jnp.int32)
         positions = jnp.asarray(context + np.arange(t)[None], jnp.int32)
         b = step_bytes(target, cache, t)
         ts, pipelined, cache = time_step(step, target, tokens, positions, cache, warmup=warmup, repeats=repeats)
         med = statistics.median(ts)
         roof = b["bytes"] / bandwidth
-        rows.append(dict(model=name, step=kind, tokens=t, context=context, median_ms=1e3 * med,
+        rows.append(dict(model=name, step=kind, tokens=t, context=context, implementation=implementation,
+                         median_ms=1e3 * med,
                          p10_ms=1e3 * float(np.percentile(ts, 10)), p90_ms=1e3 * float(np.percentile(ts, 90)),
                          pipelined_ms=1e3 * pipelined, roofline_ms=1e3 * roof, roofline_fraction=roof / pipelined, sync_fraction=roof / med,
                          params=int(sum(x.size for x in jax.tree.leaves(target.params))), **b))
@@ -193,6 +196,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--k", type=int, default=7, help="speculative tokens K (extend step = K+1 tokens)")
     ap.add_argument("--repeats", type=int, default=None, help="timed calls (default 30, tiny 3)")
     ap.add_argument("--warmup", type=int, default=None, help="warm-up calls (default 5, tiny 1)")
+    ap.add_argument("--implementation", default="auto", choices=IMPLEMENTATIONS,
+                    help="kernel switch of the forward (pjax.kernels; default auto)")
     ap.add_argument("--json", default=None, help="JSON output path (default $OUT/bench_target.json)")
     a = ap.parse_args(argv)
     table = TINY if a.tiny else MODELS
@@ -210,7 +215,7 @@ def main(argv=None) -> dict:
     rows = []
     for n in names:
         rows += bench_model(n, known[n](), context=context, k1=a.k + 1, warmup=warmup, repeats=repeats,
-                            bandwidth=bandwidth, dtype=jnp.bfloat16)
+                            bandwidth=bandwidth, dtype=jnp.bfloat16, implementation=a.implementation)
     report = {"device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__,
               "copy_bandwidth_Bps": bandwidth, "rows": rows}
     print(markdown(rows, bandwidth))
