@@ -1,0 +1,174 @@
+"""End-to-end `pjax.generate` timing on random-weight targets: what a user's generation costs per round.
+
+    PYTHONPATH=. python examples/benchmarks/bench_generate.py chunks   # the bounded-chunk device loop vs one call
+    PYTHONPATH=. python examples/benchmarks/bench_generate.py steps    # ms per round: none / P-EAGLE / EAGLE-3
+    PYTHONPATH=. python examples/benchmarks/bench_generate.py steps --xla-sweep   # the same under XLA flag sets
+    ... --tiny                                                          # CPU smoke run (tiny shapes)
+
+chunks: for the 8B shape at batch 1 and 64, output tokens/s of one device call for the whole generation
+(chunk_seconds=None) and of the default bounded chunks (chunk_seconds=0.25: progress, Ctrl-C, streaming), same
+seeds and rounds; median over --repeats; the ratio is the chunking's throughput cost.
+steps: decode time per round of plain decoding, a P-EAGLE round (one drafter pass) and an EAGLE-3 round (K passes)
+at batch 1 on the 445M shape (24 x 1024) and the 8B shape; --xla-sweep re-runs the measurement in subprocesses
+under each XLA_FLAGS set of FLAG_SETS (e.g. XLA command buffers, i.e. CUDA graphs, for the loop body) and prints one
+table. Weights are random bf16; acceptance is then ~0, so every round emits one token and has the same cost as a
+round with accepted drafts (the same slots are computed). Compilation is excluded (a warm-up generation first).
+Prints markdown; writes JSON to --out (default $OUT/bench_generate.json when $OUT is set).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import pjax  # noqa: E402
+from pjax.config import LayerSpec, ModelConfig, RopeSpec  # noqa: E402
+from pjax.models.drafter import DrafterConfig  # noqa: E402
+
+SHAPES = {  # name: (layers, hidden, intermediate, heads, kv heads, head dim, vocab)
+    "llama3.1-8b": (32, 4096, 14336, 32, 8, 128, 128256),
+    "llama-445m": (24, 1024, 3840, 16, 16, 64, 32000),
+    "tiny": (2, 64, 128, 4, 2, 16, 257),
+}
+FLAG_SETS = {  # XLA_FLAGS variants for --xla-sweep (each in its own process)
+    "default": "",
+    "command-buffers": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL "
+                       "--xla_gpu_graph_min_graph_size=1",
+    "no-command-buffers": "--xla_gpu_enable_command_buffer=",
+}
+
+
+def llama(layers, h, inter, heads, kv, hd, vocab) -> ModelConfig:
+    rope = RopeSpec(kind="llama3", theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=8192)
+    return ModelConfig("llama", vocab, h, inter, heads, tuple(LayerSpec(hd, kv, rope) for _ in range(layers)),
+                       rms_norm_eps=1e-5)
+
+
+def models(shape: str, head_layers: int, peagle: bool = True):
+    """Random bf16 target of `shape` and a random head (P-EAGLE with a mask token, or EAGLE-3)."""
+    layers, h, inter, heads, kv, hd, vocab = SHAPES[shape]
+    tcfg = llama(layers, h, inter, heads, kv, hd, vocab)
+    target = pjax.init_target(tcfg, jax.random.key(0), jnp.bfloat16)
+    n = layers
+    aux = (2, n // 2, n - 3) if n >= 8 else (0, 1, 2)
+    dcfg = DrafterConfig(layer=llama(head_layers, h, inter, heads, kv, hd, vocab), num_aux=3, target_hidden_size=h,
+                         draft_vocab_size=vocab, mask_token_id=vocab - 1 if peagle else None, aux_layer_ids=aux,
+                         has_mask_hidden=peagle, model_kind="peagle" if peagle else "eagle3")
+    return target, pjax.init_drafter(dcfg, jax.random.key(1), jnp.bfloat16)
+
+
+def prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, vocab - 1, (batch, length)).tolist()
+
+
+def timed(target, drafter, ps, *, repeats: int, **kw) -> dict:
+    """Warm-up generation (compiles), then `repeats` timed ones; medians of the engine's own clocks."""
+    pjax.generate(target, drafter, ps, **kw)
+    runs = [pjax.generate(target, drafter, ps, **kw).stats for _ in range(repeats)]
+    rounds = runs[0]["rounds"]
+    return {"output_tokens_per_s": statistics.median(r["output_tokens_per_s"] for r in runs),
+            "decode_ms_per_round": statistics.median(1e3 * r["decode_time_s"] / max(r["rounds"], 1) for r in runs),
+            "rounds": rounds, "output_tokens": runs[0]["output_tokens"], "device_chunks": runs[0]["device_chunks"]}
+
+
+def run_chunks(args) -> list[dict]:
+    shape = "tiny" if args.tiny else "llama3.1-8b"
+    target, drafter = models(shape, 1 if args.tiny else 4)
+    rows = []
+    for batch in ([1, 4] if args.tiny else [1, 64]):
+        ps = prompts(batch, args.prompt_len, SHAPES[shape][-1])
+        kw = dict(max_new_tokens=args.new_tokens, num_speculative_tokens=args.k, drafting="parallel",
+                  repeats=args.repeats)
+        one = timed(target, drafter, ps, chunk_seconds=None, **kw)
+        chunked = timed(target, drafter, ps, chunk_seconds=args.chunk_seconds, **kw)
+        rows.append({"shape": shape, "batch": batch, "one_call": one, "chunked": chunked,
+                     "chunked_over_one_call": chunked["output_tokens_per_s"] / one["output_tokens_per_s"]})
+    print(f"\n| shape | batch | one call tok/s | chunks ({args.chunk_seconds} s) tok/s | chunks | ratio |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['shape']} | {r['batch']} | {r['one_call']['output_tokens_per_s']:.1f} | "
+              f"{r['chunked']['output_tokens_per_s']:.1f} | {r['chunked']['device_chunks']} | "
+              f"{r['chunked_over_one_call']:.4f} |")
+    return rows
+
+
+def run_steps(args) -> list[dict]:
+    rows = []
+    for shape, p_layers in ((("tiny", 1),) if args.tiny else (("llama-445m", 2), ("llama3.1-8b", 4))):
+        target, peagle = models(shape, p_layers, peagle=True)
+        _, eagle3 = models(shape, 1, peagle=False)
+        ps = prompts(1, args.prompt_len, SHAPES[shape][-1])
+        kw = dict(max_new_tokens=args.new_tokens, chunk_seconds=None, repeats=args.repeats)
+        for mode, drafter, k in (("none", None, 0), ("parallel", peagle, args.k), ("sequential", eagle3, args.k)):
+            m = timed(target, drafter, ps, drafting=mode, num_speculative_tokens=max(k, 1), **kw)
+            rows.append({"shape": shape, "drafting": mode, "k": k, **m})
+    print("\n| shape | drafting | K | ms per round | rounds |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['shape']} | {r['drafting']} | {r['k']} | {r['decode_ms_per_round']:.3f} | {r['rounds']} |")
+    return rows
+
+
+def sweep(argv: list[str]) -> dict:
+    """Re-run `steps` under every XLA flag set, each in a fresh process; one table."""
+    out = {}
+    for name, flags in FLAG_SETS.items():
+        env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + flags).strip())
+        with_json = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_generate_{name}.json"
+        cmd = [sys.executable, __file__, "steps", "--out", str(with_json)] + [a for a in argv if a != "--xla-sweep"]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode:
+            print(f"{name}: failed\n{proc.stderr[-2000:]}")
+            continue
+        out[name] = json.loads(with_json.read_text())["steps"]
+        print(f"{name}: done in {time.perf_counter() - t0:.0f} s")
+    print("\n| shape | drafting | " + " | ".join(f"{n} ms/round" for n in out) + " |")
+    print("|---|---|" + "---|" * len(out))
+    first = next(iter(out.values()), [])
+    for i, r in enumerate(first):
+        cells = " | ".join(f"{v[i]['decode_ms_per_round']:.3f}" for v in out.values())
+        print(f"| {r['shape']} | {r['drafting']} K={r['k']} | {cells} |")
+    return out
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("what", choices=("chunks", "steps"))
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
+    ap.add_argument("--k", type=int, default=7)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--chunk-seconds", type=float, default=0.25)
+    ap.add_argument("--xla-sweep", action="store_true", help="steps under each XLA_FLAGS set (subprocesses)")
+    ap.add_argument("--out", default=None, help="JSON output path (default $OUT/bench_generate.json)")
+    args = ap.parse_args(argv)
+    if args.xla_sweep:
+        result = {"sweep": sweep(argv)}
+    else:
+        result = {args.what: (run_chunks if args.what == "chunks" else run_steps)(args)}
+    result["meta"] = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+                      "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": argv}
+    out = args.out or (os.path.join(os.environ["OUT"], "bench_generate.json") if os.environ.get("OUT") else None)
+    if out:
+        Path(out).write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()
