@@ -11,7 +11,7 @@ import pytest
 from kernel_np import chi2_pvalue, np_accept, np_draft_inputs, np_keep, np_probs, np_uniform
 from pjax.kernels import rng
 from pjax.kernels.acceptance import accept
-from pjax.kernels.acceptance.reference import scaled, truncation_threshold
+from pjax.kernels.acceptance.reference import truncation_threshold
 from pjax.kernels.metadata import build_draft_inputs
 
 ALPHA = 1e-4
@@ -117,7 +117,7 @@ def _sample(logits, drafts, q, temp, top_k=None, top_p=None, n_rows=None):
 @pytest.mark.parametrize("mode", ["argmax", "sampled_q", "top_k_p"])
 def test_first_and_conditional_second_token_distribution(mode):
     """x_1 ~ processed p_1; given x_1 = d_1 (accepted), x_2 ~ processed p_2(. | d_1)."""
-    v, k, nsamp, temp = 6, 2, 30000, 0.8
+    v, nsamp, temp = 6, 30000, 0.8  # K = 2 drafts
     rs = np.random.default_rng(11)
     l1 = rs.normal(size=v) * 1.5
     l2 = rs.normal(size=(v, v)) * 1.5  # p_2 depends on d_1

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pjax import _compat
+import pjax._compat as _compat
 from pjax.kernels import dispatch, hardware
 from pjax.kernels.cache_attention.config import DEFAULT, AttentionConfig
 from pjax.kernels.cache_attention.reference import check_inputs
