@@ -508,7 +508,7 @@ def main():
                     bench_read_kv(ctx, reps=reps, calls=calls)
                 if ctx == 16384 and not a.smoke:  # GPT-OSS verify K = 11: 8 query heads per KV head (96 rows), hd 64
                     bench_attention(b, ctx, 12, reps=reps, calls=calls, nh=64, nkv=8, hd=64, label="gpt-oss")
-    if "attn-table" in only and not a.smoke:  # docs/benchmarks.md's attention table: 16K, batch 1 / 8 / 64
+    if "attn-table" in only and not a.smoke:  # docs/performance.md's attention table: 16K, batch 1 / 8 / 64
         log(ATTN_HEADER)
         for b in batches:
             bench_attention(b, 16384, 22, reps=reps, calls=calls)  # Llama draft of K = 11

@@ -10,8 +10,7 @@ exactly once, nothing is materialised.
 Bytes moved: distinct selected experts x din x dout x itemsize + P x (din + dout) x itemsize.
 Numerics: float32 accumulation, output cast to x's dtype (as the reference); float32 inputs multiply at the
 precision JAX's default matmul precision asks for (`_pallas_util.dot_precision`).
-Measured (H200, docs/benchmarks.md section 2): 4.1-21x the XLA path; 3.5-4.5 TB/s with 8 tokens, 2.8-4.1 TB/s
-with one (4-8 experts: a short launch).
+Measured against the XLA path at the Qwen3-30B-A3B and GPT-OSS-20B expert shapes: docs/performance.md.
 """
 from __future__ import annotations
 
