@@ -54,13 +54,11 @@ def _capability(dev) -> tuple[int, int] | None:
 
 @functools.lru_cache(maxsize=None)
 def gpu() -> Gpu:
-    """The default device's facts on a GPU backend; `REFERENCE` elsewhere."""
+    """The default device's facts on a GPU backend; `REFERENCE` elsewhere. A GPU that does not report its SM count
+    (core_count) or a CUDA compute capability gets the reference's SM count and the no-opt-in shared memory."""
     dev = jax.devices()[0]
     if dev.platform != "gpu":
         return REFERENCE
-    cc = _capability(dev)
-    sm = getattr(dev, "core_count", None)
-    if cc is None or not sm:
-        raise RuntimeError(f"pjax.kernels: device {dev.device_kind!r} reports no CUDA compute capability / SM count "
-                           "(core_count); the Pallas kernels size their tiles from them")
+    cc = _capability(dev) or (0, 0)
+    sm = getattr(dev, "core_count", None) or REFERENCE.sm_count
     return Gpu(dev.device_kind, int(sm), cc, smem_per_block(cc))
