@@ -11,10 +11,7 @@ Formats read (spec B.1 / B.2):
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -23,13 +20,14 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from pjax.checkpoint import integrity
 from pjax.checkpoint.errors import CheckpointError
-from pjax.checkpoint.safetensors import Checkpoint, save_file
-from pjax.checkpoint.files import read_hf_config
+from pjax.checkpoint.files import NATIVE_MARKER, read_hf_config, write_json, write_output_dir
 from pjax.checkpoint.hf import TensorSource
+from pjax.checkpoint.safetensors import Checkpoint, save_file
 from pjax.config import ConfigError, ModelConfig, RopeSpec
 from pjax.models.drafter import Drafter, DrafterConfig, abstract_drafter
-from pjax.models.families import config_from_hf
+from pjax.models.families import PARSERS, config_from_hf
 from pjax.models.pairing import check_pair
 
 # Training-only frozen copies that speculators never saves; tolerated if an older writer kept them.
@@ -75,7 +73,8 @@ def _layer_config(tl: dict, where: str) -> ModelConfig:
     """Draft decoder geometry from a llama / qwen3 config dict (eagle-specific keys ignored)."""
     if not isinstance(tl, dict):
         raise CheckpointError(f"{where}: expected a llama/qwen3 config object, found {type(tl).__name__}")
-    tl = {k: v for k, v in tl.items() if k not in ("eagle_aux_hidden_state_layer_ids", "eagle_config")}
+    # eagle keys and the head's own architectures (e.g. LlamaForCausalLMEagle3) are not draft-layer geometry
+    tl = {k: v for k, v in tl.items() if k not in ("eagle_aux_hidden_state_layer_ids", "eagle_config", "architectures")}
     mt = tl.get("model_type")
     if mt not in ("llama", "qwen3"):
         raise CheckpointError(f"{where}: model_type {mt!r} is not supported for draft layers (expected 'llama' "
@@ -117,6 +116,38 @@ def _num_depths(hf: dict) -> Optional[int]:
         return int(methods[0]["speculative_tokens"])
     except (KeyError, IndexError, TypeError, ValueError):
         return None
+
+
+def is_head_config(hf: dict) -> bool:
+    """Whether a config.json describes a drafter head (either layout); a target config has neither key."""
+    return "speculators_model_type" in hf or "draft_vocab_size" in hf
+
+
+def describe_head(path, hf: dict) -> Optional[str]:
+    """'a P-EAGLE drafter head (speculators layout)' / 'an EAGLE-3 drafter head (vllm-native layout)' for a head
+    directory, None for anything else. A vLLM-native head is P-EAGLE when it stores mask_hidden."""
+    if not is_head_config(hf):
+        return None
+    if "speculators_model_type" in hf:
+        kind, layout = hf["speculators_model_type"], "speculators"
+    else:
+        layout = "vllm-native"
+        try:
+            kind = "peagle" if "mask_hidden" in Checkpoint(path) else "eagle3"
+        except CheckpointError:
+            kind = None
+    name = {"peagle": "a P-EAGLE drafter head", "eagle3": "an EAGLE-3 drafter head"}.get(kind, "a drafter head")
+    return f"{name} ({layout} layout)"
+
+
+def _not_a_head(path: Path, hf: dict) -> Optional[str]:
+    """What a directory that is not a head is, when it is a target pjax could load."""
+    if (path / NATIVE_MARKER).exists():
+        return "a pjax-native target copy"
+    text = hf.get("text_config")
+    if hf.get("model_type") in PARSERS or (isinstance(text, dict) and text.get("model_type") in PARSERS):
+        return f"a Hugging Face {hf.get('model_type')!r} target"
+    return None
 
 
 def drafter_config_from_hf(hf: dict, where: str, tensor_names=()) -> DrafterConfig:
@@ -227,17 +258,23 @@ def _check_vocab_map(ckpt: Checkpoint, src: TensorSource, cfg: DrafterConfig):
 
 
 def load_drafter(path, dtype=jnp.bfloat16, target_config: Optional[ModelConfig] = None, *, target=None,
-                 parallel_drafting: Optional[bool] = None) -> Drafter:
-    """Load a speculators-format or vLLM-native drafter directory.
+                 parallel_drafting: Optional[bool] = None, check_finite: bool = True) -> Drafter:
+    """Load a speculators-format or vLLM-native drafter directory (strict: every tensor present, shaped, of a
+    floating dtype where a float is expected, none unexpected; d2t / t2d consistent).
 
     target_config / target: when given, the head is checked against the target and its aux layer ids resolved
-    (`pjax.models.pairing.check_pair`: the same rule the engine and training apply to a head loaded without one). `target` (a
-    pjax Target) also supplies `embed_tokens` when the head has none. parallel_drafting=True
-    requires mask_hidden and a mask token id.
+    (`pjax.models.pairing.check_pair`: the same rule the engine and training apply to a head loaded without
+    one). `target` (a pjax Target) also supplies `embed_tokens` when the head has none. parallel_drafting=True
+    requires mask_hidden and a mask token id. check_finite: reject NaN / inf weights (after the cast to
+    `dtype`), naming the tensor; one device pass over all of them.
     """
     path = Path(path)
     where = str(path / "config.json")
     hf = read_hf_config(path)
+    if not is_head_config(hf):
+        other = _not_a_head(path, hf)
+        if other is not None:
+            raise CheckpointError(f"{path} is {other}, not a drafter head; load it with load_target")
     ckpt = Checkpoint(path)
     layout = "speculators" if "speculators_model_type" in hf else "vllm"
     cfg = drafter_config_from_hf(hf, where, ckpt.keys())
@@ -262,10 +299,15 @@ def load_drafter(path, dtype=jnp.bfloat16, target_config: Optional[ModelConfig] 
                               f"target_hidden_size={cfg.target_hidden_size})")
     abstract = abstract_drafter(cfg, dtype)
     leaves, treedef = jax.tree.flatten_with_path(abstract.params)
-    out = []
+    out, described = [], []
     for kpath, leaf in leaves:
         p = _path_of(kpath)
         name, transpose = tensor_name(p, layout)
+        described.append(f"{ckpt.file_of(name)}: tensor {name!r}" if name in ckpt else
+                         f"{path}: embed_tokens shared from the target")
+        if name in ckpt and not jnp.issubdtype(ckpt.dtype(name), jnp.floating):
+            raise CheckpointError(f"{ckpt.file_of(name)}: tensor {name!r} has dtype {ckpt.dtype(name)}, expected a "
+                                  "floating dtype")
         if p == ("mask_hidden",):
             arr = src.raw(name)
             if arr.size != cfg.fc_in or arr.ndim > 3 or any(s != 1 for s in arr.shape[:-1]):
@@ -285,6 +327,8 @@ def load_drafter(path, dtype=jnp.bfloat16, target_config: Optional[ModelConfig] 
             arr = src.read(name, want)
             arr = arr.T if transpose else arr
         out.append(jnp.asarray(arr, dtype))
+    if check_finite:
+        integrity.check_finite(out, described.__getitem__)
     d2t = _check_vocab_map(ckpt, src, cfg)
     extra = sorted(k for k in ckpt.keys()
                    if k not in src.consumed and k not in IGNORED and not k.endswith(IGNORED_SUFFIXES))
@@ -411,51 +455,22 @@ def drafter_tensors(drafter: Drafter, dtype=ml_dtypes.bfloat16) -> dict[str, np.
     return tensors
 
 
-def _write_json(obj, path: Path):
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2, sort_keys=True)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+def save_drafter(drafter: Drafter, path, *, dtype="bfloat16", verifier_name_or_path: Optional[str] = None,
+                 overwrite: bool = False, sources=()) -> Path:
+    """Write `path/config.json` + `path/model.safetensors` in the speculators format; returns the absolute path.
 
-
-def save_drafter(drafter: Drafter, path, *, dtype="bfloat16", verifier_name_or_path: Optional[str] = None) -> Path:
-    """Write `path/config.json` + `path/model.safetensors` in the speculators format.
-
-    dtype: "bfloat16" (default) or "float32" for floating tensors. A new directory is built aside and
-    renamed into place; an existing directory gets each file replaced atomically (weights first).
+    dtype: "bfloat16" (default), "float16" or "float32" for floating tensors. The directory is built beside
+    `path` and renamed into place with the pjax output marker (kind "drafter"). overwrite: replace a head
+    written earlier by pjax; any other existing directory (a downloaded head, a model) is refused, as is a
+    `path` equal to, inside or containing one of `sources` (`pjax.checkpoint.files.prepare_output`).
     """
     dtypes = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float16": np.float16}
     if dtype not in dtypes:
         raise CheckpointError(f"save_drafter: dtype {dtype!r} is not supported (expected one of {sorted(dtypes)})")
-    path = Path(path)
     hf = drafter_config_to_hf(drafter.config, dtype, verifier_name_or_path)
     tensors = drafter_tensors(drafter, dtypes[dtype])
-    meta = {"format": "pt"}
-    umask = os.umask(0)
-    os.umask(umask)
-
-    def write(d: Path):
-        save_file(tensors, d / "model.safetensors", metadata=meta)
-        _write_json(hf, d / "config.json")
-        for f in ("model.safetensors", "config.json"):  # mkstemp creates 0600 files
-            os.chmod(d / f, 0o666 & ~umask)
-
-    if path.exists():
-        write(path)
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
-    try:
-        os.chmod(tmp, 0o777 & ~umask)
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
+    with write_output_dir(path, force=overwrite, kind="drafter", sources=sources,
+                          metadata={"model_kind": drafter.config.model_kind}) as tmp:
+        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+        write_json(tmp / "config.json", hf)
+    return Path(os.path.abspath(path))

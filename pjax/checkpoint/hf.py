@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from pjax.checkpoint import integrity
 from pjax.checkpoint.errors import CheckpointError
 from pjax.checkpoint.files import read_hf_config
 from pjax.checkpoint.quant import dequant_fp8_block, dequant_mxfp4, should_convert_module
@@ -223,11 +224,23 @@ def _other_tower(name: str, prefix: str) -> bool:
     return prefix == "model.language_model." and not name.startswith(prefix) and name != "lm_head.weight"
 
 
+def _describe(ckpt: Checkpoint, names: list, path: tuple) -> str:
+    """'FILE: tensor NAME' for the tensor(s) a parameter was read from (several for stacked experts)."""
+    if not names:
+        return f"{ckpt.dir}: parameter {'.'.join(map(str, path))}"
+    if len(names) == 1:
+        return f"{ckpt.file_of(names[0])}: tensor {names[0]!r}"
+    return (f"{ckpt.file_of(names[0])}: tensors {names[0]!r} ... ({len(names)} tensors of parameter "
+            f"{'.'.join(map(str, path))})")
+
+
 def load_hf_params(path, cfg: ModelConfig, hf: dict, dtype, *, materialize: bool = True,
-                   check_finite: bool = False) -> Target:
-    """Read every parameter of `cfg` from the HF directory `path` (strict: missing, misshapen or unused
-    tensors raise CheckpointError). materialize=False validates only (params become ShapeDtypeStructs);
-    check_finite also rejects NaN/inf values."""
+                   check_finite: bool = True) -> Target:
+    """Read every parameter of `cfg` from the HF directory `path` (strict: missing, misshapen, non-floating or
+    unused tensors raise CheckpointError). check_finite: NaN / inf in any parameter (after the cast to `dtype`)
+    raise CheckpointError naming the tensor; checked on device in one pass over all parameters.
+    materialize=False validates only (params become ShapeDtypeStructs; the finite check then runs one tensor at
+    a time, so memory stays bounded by the largest tensor)."""
     ckpt = Checkpoint(path)
     src = TensorSource(ckpt, hf.get("quantization_config"))
     src.out_dtype = jnp.dtype(dtype)
@@ -235,20 +248,29 @@ def load_hf_params(path, cfg: ModelConfig, hf: dict, dtype, *, materialize: bool
     abstract = abstract_target(cfg, dtype)
     hook = HOOKS.get(cfg.model_type)
     leaves, treedef = jax.tree.flatten_with_path(abstract.params)
-    out = []
+    out, described = [], []
     for kpath, leaf in leaves:
         path = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in kpath)
+        before = set(src.consumed)
         arr = hook(path, leaf.shape, src, prefix, cfg) if hook else None
         if arr is None:
             name, transpose = hf_name(path, prefix, cfg.model_type)
             want = tuple(reversed(leaf.shape)) if transpose else tuple(leaf.shape)
             arr = src.read(name, want)
             arr = arr.T if transpose else arr
+        names = sorted(src.consumed - before)
+        where = _describe(ckpt, names, path)
         if tuple(arr.shape) != tuple(leaf.shape):
-            raise CheckpointError(f"{path}: produced shape {list(arr.shape)}, expected {list(leaf.shape)}")
-        if check_finite and arr.dtype.kind not in "iub" and not np.isfinite(np.asarray(arr, np.float32)).all():
-            raise CheckpointError(f"{ckpt.dir}: parameter {'.'.join(map(str, path))} has non-finite values")
-        out.append(jnp.asarray(arr, dtype) if materialize else jax.ShapeDtypeStruct(leaf.shape, jnp.dtype(dtype)))
+            raise CheckpointError(f"{where}: produced shape {list(arr.shape)}, expected {list(leaf.shape)}")
+        if jnp.issubdtype(leaf.dtype, jnp.floating) and not jnp.issubdtype(arr.dtype, jnp.floating):
+            raise CheckpointError(f"{where} has dtype {arr.dtype}, expected a floating dtype")
+        if materialize:
+            out.append(jnp.asarray(arr, dtype))
+        else:
+            if check_finite:
+                integrity.check_finite([jnp.asarray(arr, dtype)], lambda i: where)
+            out.append(jax.ShapeDtypeStruct(leaf.shape, jnp.dtype(dtype)))
+        described.append(where)
     if cfg.tie_word_embeddings and "lm_head.weight" in ckpt:
         emb = src.raw(f"{prefix}embed_tokens.weight")
         if not np.array_equal(np.asarray(src.raw("lm_head.weight"), np.float32), np.asarray(emb, np.float32)):
@@ -259,6 +281,8 @@ def load_hf_params(path, cfg: ModelConfig, hf: dict, dtype, *, materialize: bool
     if extra:
         raise CheckpointError(f"{ckpt.dir}: {len(extra)} unexpected tensor(s) for model_type "
                               f"{cfg.model_type!r}: {extra[:8]}{' ...' if len(extra) > 8 else ''}")
+    if materialize and check_finite:
+        integrity.check_finite(out, described.__getitem__)
     return Target(cfg, abstract.graphdef, jax.tree.unflatten(treedef, out))
 
 

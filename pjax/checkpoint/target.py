@@ -5,7 +5,9 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-from pjax.checkpoint.files import NATIVE_MARKER
+from pjax.checkpoint.errors import CheckpointError
+from pjax.checkpoint.files import NATIVE_MARKER, read_hf_config
+from pjax.checkpoint.heads import describe_head
 from pjax.checkpoint.hf import load_hf_params, read_target_config
 from pjax.checkpoint.native import load_native_target
 from pjax.models.target import Target
@@ -13,11 +15,19 @@ from pjax.models.target import Target
 __all__ = ["load_target"]
 
 
-def load_target(path, dtype=jnp.bfloat16) -> Target:
+def load_target(path, dtype=jnp.bfloat16, *, verify: bool = True, check_finite: bool = True) -> Target:
     """Load a Hugging Face model directory (config.json + model.safetensors or a sharded index), or a
-    pjax-native directory written by ``python -m pjax convert target``."""
+    pjax-native directory written by ``python -m pjax convert target``; floating params cast to `dtype`.
+
+    verify: compare a native copy's per-tensor checksums (False skips that pass, for speed; file presence
+    and sizes are always checked). check_finite: reject NaN / inf weights, naming the tensor (one device
+    pass). A drafter head directory is refused with a message saying to use `load_drafter`.
+    """
     path = Path(path)
     if (path / NATIVE_MARKER).exists():
-        return load_native_target(path, dtype)
+        return load_native_target(path, dtype, verify=verify, check_finite=check_finite)
+    head = describe_head(path, read_hf_config(path))
+    if head is not None:
+        raise CheckpointError(f"{path} is {head}, not a target; load it with load_drafter")
     hf, cfg = read_target_config(path)
-    return load_hf_params(path, cfg, hf, dtype)
+    return load_hf_params(path, cfg, hf, dtype, check_finite=check_finite)
