@@ -1,4 +1,4 @@
-"""COD sampling (spec D.3) under jit, the P-EAGLE mask (spec D.2) and the structured attention."""
+"""COD sampling (spec D.3) under jit, the P-EAGLE mask (spec D.2) as data, and attention under it."""
 import numpy as np
 import pytest
 import torch
@@ -9,12 +9,14 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from torch.nn.attention.flex_attention import create_mask  # noqa: E402
 
-from pjax.models.attention import attend as attention  # noqa: E402
-from pjax.train.masks import CodMask, cod_dense_mask  # noqa: E402
+from pjax.kernels.flash_attention import attention  # noqa: E402
+from pjax.kernels.flash_attention.config import FlashConfig  # noqa: E402
+from pjax.train.masks import chain_index, cod_dense_mask, cod_mask  # noqa: E402
 from pjax.train.cod import (CodConfig, cod_budget, cod_capacities, cod_sample, depth_count_table,  # noqa: E402
                             element_segment, layout_from_arrays, partition_layout)
 from speculators.models.peagle.attention import create_peagle_mask_mod  # noqa: E402
 from speculators.models.peagle.data import generate_cod_sample_indices  # noqa: E402
+from tests.dense_attention import dense_attention  # noqa: E402
 
 S = 512
 jit_sample = jax.jit(cod_sample, static_argnums=2)
@@ -109,10 +111,15 @@ def test_mask_builder_matches_speculators(window):
     np.testing.assert_array_equal(ours, ref)
 
 
+SMALL = FlashConfig(block_q=16, block_k=16, dkv_block_q=16, dkv_block_k=16, dq_block_q=16, dq_block_k=16)
+
+
 @pytest.mark.parametrize("window,chunk", [(None, None), (2, 16)])
-def test_structured_cod_attention_equals_dense(window, chunk):
-    """CodMask (context part + chain part, query chunks) == dense attention under the D.2 mask,
-    including windows smaller than the depth (the chain root then comes through the chain part)."""
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_cod_attention_equals_dense(window, chunk, implementation):
+    """Attention under `cod_mask` (context part + chain part; the reference in query chunks, or the flash kernel
+    merged with the chain part) == a plain softmax under the dense D.2 mask, forward and gradients, including
+    windows smaller than the depth (the chain root stays visible through the context)."""
     lm, doc = row(5)
     n0 = 64
     lm_s, doc_s = lm[:n0], doc[:n0].copy()
@@ -124,10 +131,29 @@ def test_structured_cod_attention_equals_dense(window, chunk):
     q = jnp.asarray(rng.normal(size=(1, n, 4, 8)), jnp.float32)
     k = jnp.asarray(rng.normal(size=(1, n, 2, 8)), jnp.float32)
     v = jnp.asarray(rng.normal(size=(1, n, 2, 8)), jnp.float32)
-    pos = (lay.anchor_pos + lay.depth)[None]
-    dense = jax.jit(lambda q, k, v: attention(q, k, v, pos, pos, scale=0.35,
-                                              mask=cod_dense_mask(lay, doc_s, window)[None]))(q, k, v)
-    ours = jax.jit(lambda q, k, v: attention(q, k, v, pos, pos, scale=0.35, window=window,
-                                             mask=CodMask.build(lay, doc_s, 4, n0, chunk)))(q, k, v)
-    live = np.asarray(cod_dense_mask(lay, doc_s, window).any(-1))  # rows with no visible key are don't-care
-    np.testing.assert_allclose(np.asarray(ours)[0][live], np.asarray(dense)[0][live], rtol=1e-5, atol=1e-5)
+    dense = cod_dense_mask(lay, doc_s, window)
+    live = np.asarray(dense.any(-1))  # rows with no visible key are don't-care
+    w = jnp.asarray(rng.normal(size=(1, n, 4, 8)) * live[None, :, None, None], jnp.float32)
+    mask = cod_mask(lay, doc_s, 4, n0, chunk)
+
+    def ours(q, k, v):
+        return attention(q, k[:, :n0], v[:, :n0], mask, chain_k=k, chain_v=v, scale=0.35, window=window,
+                         implementation=implementation, config=SMALL)
+
+    want = dense_attention(q, k, v, dense[None], 0.35)
+    got = jax.jit(ours)(q, k, v)
+    np.testing.assert_allclose(np.asarray(got)[0][live], np.asarray(want)[0][live], rtol=1e-5, atol=1e-5)
+    grads = jax.jit(jax.grad(lambda *a: jnp.sum(ours(*a) * w), argnums=(0, 1, 2)))(q, k, v)
+    wants = jax.grad(lambda *a: jnp.sum(dense_attention(*a, dense[None], 0.35) * w), argnums=(0, 1, 2))(q, k, v)
+    for g, gw in zip(grads, wants):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(gw), rtol=1e-4, atol=1e-5)
+
+
+def test_chain_index_holds_repeated_elements():
+    """A chain is a run of the (anchor, depth)-sorted elements: repeated elements are all found (slots permitting),
+    invalid ones never, depth 0 (the context's own anchor) never."""
+    lay = layout_from_arrays(np.array([0, 1, 2, 2, 2, 2, 1]), np.array([0, 0, 0, 1, 2, 2, 1]),
+                             np.array([1, 1, 1, 1, 1, 1, 0], bool))
+    idx, found = (np.asarray(x) for x in chain_index(lay, 3, 3))
+    chains = [sorted(int(j) for j, f in zip(idx[i], found[i]) if f) for i in range(7)]
+    assert chains == [[], [], [], [3], [3, 4, 5], [3, 4, 5], []]

@@ -1,30 +1,52 @@
-"""Self-attention of one decoder layer: projections, q/k/v norms, RoPE, and attention by absolute position, over
-the new tokens or over a KV cache (the fused cache-attention kernel where the kernel switch allows it).
+"""Self-attention of one decoder layer: projections, q/k/v norms, RoPE, and attention under a mask description
+(`pjax.kernels.flash_attention`): over the new tokens (by position, or a training layout), over a KV cache (the fused
+cache-attention kernel), or over the earlier passes of a multi-pass forward (`StepKV`, the EAGLE-3 training-time
+test).
 
-Shapes: B batch, T new tokens, S key/value length, H hidden, nh/nkv heads, hd head dim.
+Shapes: B batch, T new tokens, S key/value length, P passes, H hidden, nh/nkv heads, hd head dim.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from pjax.config import LayerSpec, ModelConfig
 from pjax.kernels.cache_attention import cache_attention
-from pjax.kernels.cache_attention.reference import attention
+from pjax.kernels.flash_attention import AttentionMask, attention, position_mask
 from pjax.models.cache import LayerKV
 from pjax.models.layers import RMSNorm, apply_rope, linear, rms_norm, rope_tables
 
-__all__ = ["Attention", "attend"]
+__all__ = ["Attention", "StepKV", "init_step_kv"]
 
 
-def attend(q, k, v, q_pos, kv_pos, *, scale: float, window=None, sinks=None, kv_valid=None, mask=None):
-    """Attention by absolute position (`pjax.kernels.cache_attention.reference.attention`), or through a
-    structured training mask (an object with `attend(q, k, v, *, scale, window, sinks)`)."""
-    if mask is not None and hasattr(mask, "attend"):
-        return mask.attend(q, k, v, scale=scale, window=window, sinks=sinks)
-    return attention(q, k, v, q_pos, kv_pos, scale=scale, window=window, sinks=sinks, kv_valid=kv_valid, mask=mask)
+@dataclasses.dataclass(frozen=True)
+class StepKV:
+    """The K/V one layer computed in the passes so far of a multi-pass forward over the same rows (pass t's queries
+    see pass 0's keys as context and the later passes' keys through the mask's chain part): k, v [B, P, S, nkv, hd]
+    (pass t at [:, t]; passes not yet run are zeros), step int32 [] = the pass the next write fills. Passed to the
+    layers like a KV cache and returned updated, so every layer's attention is a pure function of its inputs."""
+    k: jax.Array
+    v: jax.Array
+    step: jax.Array
+
+    def write(self, k_new, v_new) -> "StepKV":
+        """k_new, v_new [B, S, nkv, hd] -> this pass's slot filled, step + 1."""
+        put = lambda buf, x: jax.lax.dynamic_update_index_in_dim(buf, x.astype(buf.dtype), self.step, 1)  # noqa
+        return StepKV(put(self.k, k_new), put(self.v, v_new), self.step + 1)
+
+
+jax.tree_util.register_dataclass(StepKV, data_fields=["k", "v", "step"], meta_fields=[])
+
+
+def init_step_kv(cfg: ModelConfig, batch: int, passes: int, seq_len: int, dtype=jnp.float32) -> list[StepKV]:
+    """One empty StepKV per layer of `cfg`: zeros [batch, passes, seq_len, nkv, hd], step 0."""
+    return [StepKV(jnp.zeros((batch, passes, seq_len, s.num_kv_heads, s.head_dim), dtype),
+                   jnp.zeros((batch, passes, seq_len, s.num_kv_heads, s.head_dim), dtype), jnp.zeros((), jnp.int32))
+            for s in cfg.layers]
 
 
 class Attention(nnx.Module):
@@ -59,28 +81,37 @@ class Attention(nnx.Module):
         cos, sin = rope_tables(self.rope, self.head_dim, positions)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def __call__(self, x, positions, kv: Optional[LayerKV], *, valid=None, mask=None, implementation: str = "auto"):
-        """Returns (attention output [B, T, H], updated LayerKV or None).
+    def __call__(self, x, positions, kv=None, *, valid=None, mask: Optional[AttentionMask] = None,
+                 implementation: str = "auto"):
+        """Returns (attention output [B, T, H], updated kv).
 
         implementation: the kernel switch ("xla" | "pallas" | "auto", `pjax.kernels`).
-        With a cache (`kv` not None) the new K/V are written at their absolute positions (rows where
-        `valid` is False write nothing) and queries attend over the whole cache by position. Without
-        a cache they attend over the new tokens only, hiding keys where `valid` is False.
+        kv None: the queries attend over the new tokens under `mask`, or by position (hiding keys where `valid` is
+        False) when mask is None. kv a LayerKV cache: the new K/V are written at their absolute positions (rows where
+        `valid` is False write nothing) and queries attend over the whole cache by position. kv a StepKV: this pass's
+        K/V join the earlier passes' and the queries attend under `mask` (context: pass 0; chain: all passes).
         """
         q, k, v = self.qkv(x, positions)
         sinks = None if self.sinks is None else self.sinks[...]
-        if kv is None:
-            out = attend(q, k, v, positions, positions, scale=self.scale, window=self.window, sinks=sinks,
-                            kv_valid=valid, mask=mask)
-        else:
+        kw = dict(scale=self.scale, window=self.window, sinks=sinks, implementation=implementation)
+        if isinstance(kv, LayerKV):
+            if mask is not None:
+                raise ValueError("Attention: a KV cache is attended by position; a mask needs kv=None or a StepKV")
             kv = kv.write(k, v, positions, valid)
-            if mask is None:  # the fused cache-attention kernel, as the kernel switch says
-                out = cache_attention(q, kv.k, kv.v, positions, scale=self.scale, window=self.window, sinks=sinks,
-                                      implementation=implementation)
-            else:
-                out = attend(q, kv.k, kv.v, positions, jnp.arange(kv.k.shape[1], dtype=jnp.int32),
-                                scale=self.scale, window=self.window, sinks=sinks, mask=mask)
+            out = cache_attention(q, kv.k, kv.v, positions, **kw)
+        elif isinstance(kv, StepKV):
+            if mask is None:
+                raise ValueError("Attention: a StepKV forward needs its mask (pjax.train.masks.ttt_mask)")
+            kv = kv.write(k, v)
+            b, p, s = kv.k.shape[:3]
+            flat = lambda x: x.reshape((b, p * s) + x.shape[3:])  # noqa: E731
+            out = attention(q, kv.k[:, 0], kv.v[:, 0], mask, chain_k=flat(kv.k), chain_v=flat(kv.v), **kw)
+        elif kv is None:
+            mask = position_mask(positions, positions, valid) if mask is None else mask
+            n = k.shape[1] if mask.num_context is None else mask.num_context
+            chain = dict(chain_k=k, chain_v=v) if mask.has_chain else {}
+            out = attention(q, k[:, :n], v[:, :n], mask, **chain, **kw)
+        else:
+            raise TypeError(f"Attention: kv must be None, a LayerKV or a StepKV, found {type(kv).__name__}")
         b, t = x.shape[:2]
         return self.o_proj(out.reshape(b, t, -1)), kv
-
-

@@ -6,6 +6,7 @@ Shapes: B batch, T new tokens, H hidden, hd head dim.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,8 @@ from flax import nnx
 
 from pjax.config import ModelConfig, RopeSpec
 
-__all__ = ["Linear", "MLP", "RMSNorm", "activation", "apply_rope", "linear", "rms_norm", "rope_tables"]
+__all__ = ["Linear", "MLP", "RMSNorm", "activation", "apply_rope", "head_logits", "linear", "rms_norm", "rope_tables",
+           "softcap"]
 
 
 def rms_norm(x, weight=None, eps: float = 1e-6, fp32_multiply: bool = False):
@@ -75,6 +77,16 @@ class Linear(nnx.Linear):
 
 def linear(din, dout, bias, dtype, rngs) -> Linear:
     return Linear(din, dout, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
+
+
+def softcap(x, cap: Optional[float]):
+    """cap * tanh(x / cap): logit soft-capping (Gemma, GPT-OSS style configs); x itself when cap is None."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+def head_logits(hidden, w, cap: Optional[float] = None):
+    """An LM head: hidden [..., H] @ w [H, V] -> float32 logits [..., V], soft-capped by `cap`."""
+    return softcap(jnp.einsum("...h,hv->...v", hidden, w, preferred_element_type=jnp.float32), cap)
 
 
 def activation(kind: str, gate, up, cfg: ModelConfig):

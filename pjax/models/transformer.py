@@ -11,7 +11,7 @@ from flax import nnx
 from pjax.config import LayerSpec, ModelConfig
 from pjax.models.attention import Attention
 from pjax.models.cache import LayerKV
-from pjax.models.layers import MLP, RMSNorm
+from pjax.models.layers import MLP, RMSNorm, head_logits
 from pjax.models.moe import MoE
 
 
@@ -96,13 +96,9 @@ class Transformer(nnx.Module):
         return ForwardOutput(self.norm(x), aux, x if return_final else None, new_cache)
 
     def logits(self, hidden):
-        """hidden [..., H] (after the final norm) -> float32 logits [..., V]."""
-        if self.lm_head is None:
-            w = self.embed_tokens.embedding[...]
-            out = jnp.einsum("...h,vh->...v", hidden, w, preferred_element_type=jnp.float32)
-        else:
-            out = jnp.einsum("...h,hv->...v", hidden, self.lm_head.kernel[...], preferred_element_type=jnp.float32)
-        cap = self.cfg.final_logit_softcap
-        if cap is not None:
-            out = cap * jnp.tanh(out / cap)
-        return out
+        """hidden [..., H] (after the final norm) -> float32 logits [..., V] (soft-capped where the config says)."""
+        return head_logits(hidden, self.head_weight(), self.cfg.final_logit_softcap)
+
+    def head_weight(self):
+        """The LM head as [H, V] (the transposed embedding when tied)."""
+        return self.embed_tokens.embedding[...].T if self.lm_head is None else self.lm_head.kernel[...]

@@ -8,24 +8,27 @@ Metrics: per-depth top-1 agreement counts (draft argmax == target argmax, loss-m
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pjax.kernels.flash_attention.chunking import chunk_size, chunked_map
 from pjax.models.drafter import (Drafter, combine, draft_logits_from_hidden, draft_to_target, drafter_forward,
                                  no_parallel_reason)
+from pjax.models.layers import head_logits
 from pjax.models.target import Target
 from pjax.train.cod import CodLayout, layout_from_arrays
-from pjax.train.masks import CodMask, _chunked, cod_dense_mask
+from pjax.train.masks import chain_slots, cod_mask
 
 __all__ = ["LOSS_TYPES", "cod_hidden", "cod_inputs", "draft_logits", "element_terms", "peagle_loss",
-           "peagle_loss_and_metrics", "row_loss_terms"]
+           "peagle_loss_and_metrics", "row_loss_terms", "vocab_terms"]
 
 LOSS_EPS = 1e-5
 LOSS_TYPES = ("kl", "ce")
-DEFAULT_LOSS_CHUNK_ELEMENTS = 1 << 25  # logits per chunk (elements * Vd) before the head is chunked
+DEFAULT_LOSS_CHUNK_ELEMENTS = 1 << 25  # float32 logits of one element chunk (elements x vocabulary): 128 MiB
 
 
 def with_params(drafter: Drafter, params) -> Drafter:
@@ -44,19 +47,13 @@ def target_draft_head(target: Target, drafter: Drafter):
     """(norm module, W [H, Vd]): the target's final norm and its head columns for the draft vocabulary."""
     tm = target.module
     ids = draft_to_target(drafter, jnp.arange(drafter.config.draft_vocab_size, dtype=jnp.int32))
-    if tm.lm_head is None:
-        w = tm.embed_tokens.embedding[...][ids].T
-    else:
-        w = tm.lm_head.kernel[...][:, ids]
-    return tm.norm, jax.lax.stop_gradient(w)
+    return tm.norm, jax.lax.stop_gradient(tm.head_weight()[:, ids])
 
 
-def _target_logits(target: Target, norm, w, y):
-    out = jnp.einsum("...h,hv->...v", norm(y.astype(w.dtype)), w, preferred_element_type=jnp.float32)
-    cap = target.config.final_logit_softcap
-    if cap is not None:
-        out = cap * jnp.tanh(out / cap)
-    return jax.lax.stop_gradient(out)
+def target_logits(target: Target, norm, w, y):
+    """The target's draft-vocabulary logits (float32 [..., Vd], soft-capped, gradient-stopped) of final pre-norm
+    states y [..., Ht], from `target_draft_head`'s (norm, w)."""
+    return jax.lax.stop_gradient(head_logits(norm(y.astype(w.dtype)), w, target.config.final_logit_softcap))
 
 
 def element_terms(logits, tlogits, loss_type: str = "kl"):
@@ -98,58 +95,46 @@ def cod_inputs(drafter: Drafter, input_ids, hidden_states, layout: CodLayout, *,
     return tokens.astype(jnp.int32), combine(drafter, feats), r.astype(jnp.int32)
 
 
-def cod_hidden(drafter: Drafter, input_ids, hidden_states, document_ids, layout: CodLayout, *,
-               num_depths: Optional[int] = None, num_depth0: Optional[int] = None, attn_chunk=None, dense: bool = False,
-               require_mask: bool = True):
-    """Normed drafter states [N, H] of the COD elements of one row (arrays [S] / [S, A*Ht]). dense: the dense
-    [N, N] mask (reference; short rows), else the memory-bounded `CodMask` (needs num_depths)."""
+def cod_hidden(drafter: Drafter, input_ids, hidden_states, document_ids, layout: CodLayout, *, num_depths: int,
+               num_depth0: Optional[int] = None, attn_chunk=None, chain_slots: Optional[int] = None,
+               require_mask: bool = True, implementation: str = "auto"):
+    """Normed drafter states [N, H] of the COD elements of one row (arrays [S] / [S, A*Ht]) under `cod_mask` (the
+    layout's first num_depth0 elements, default S, are its depth-0 prefix; chain_slots: see `cod_mask`).
+    implementation: the kernel switch of the drafter's attention ("xla" | "pallas" | "auto")."""
     tokens, f, pos = cod_inputs(drafter, input_ids, hidden_states, layout, require_mask=require_mask)
     s = input_ids.shape[0]
-    if dense:
-        by_window, masks = {}, []
-        for spec in drafter.config.layer.layers:
-            w = spec.sliding_window
-            if w not in by_window:
-                by_window[w] = cod_dense_mask(layout, document_ids, w)[None]
-            masks.append(by_window[w])
-        mask = masks
-    else:
-        mask = CodMask.build(layout, document_ids, num_depths, s if num_depth0 is None else num_depth0, attn_chunk)
-    normed, _, _ = drafter_forward(drafter, tokens[None], f[None], pos[None], mask=mask)
+    mask = cod_mask(layout, document_ids, num_depths, s if num_depth0 is None else num_depth0, attn_chunk,
+                    chain_slots)
+    normed, _, _ = drafter_forward(drafter, tokens[None], f[None], pos[None], mask=mask, implementation=implementation)
     return normed[0]
 
 
-def cod_terms(drafter: Drafter, target: Target, normed, verifier_last, ref, *, loss_type="kl", loss_chunk=None):
-    """Per-element (loss [N], correct [N]) from normed drafter states [N, H] and the target's final
-    pre-norm states verifier_last [S, Ht] at reference positions ref [N]."""
+def vocab_terms(drafter: Drafter, target: Target, normed, verifier_last, ref, *, loss_type="kl", loss_chunk=None):
+    """Per-element (loss [N], correct [N]) of normed drafter states [N, H] against the target's distribution from its
+    final pre-norm states verifier_last [S, Ht] at rows ref [N] (`element_terms`). Computed over element chunks of at
+    most DEFAULT_LOSS_CHUNK_ELEMENTS logits (loss_chunk elements when given), each rematerialised in the backward
+    pass: no [N, Vd] float32 tensor is ever whole."""
     norm, w = target_draft_head(target, drafter)
     lm = drafter.params["lm_head"]["kernel"]
-    n, vd = normed.shape[0], lm.shape[-1]
+    verifier_last = jnp.asarray(verifier_last)
 
-    def fn(hc, rc):
-        logits = jnp.einsum("nh,hv->nv", hc, lm, preferred_element_type=jnp.float32)
-        return element_terms(logits, _target_logits(target, norm, w, verifier_last[rc]), loss_type)
+    def fn(x):
+        return element_terms(head_logits(x["h"], lm), target_logits(target, norm, w, verifier_last[x["r"]]),
+                             loss_type)
 
-    c = n if loss_chunk is None and n * vd <= DEFAULT_LOSS_CHUNK_ELEMENTS else \
-        max(1, min(n, loss_chunk or DEFAULT_LOSS_CHUNK_ELEMENTS // vd))
-    if c >= n:
-        return fn(normed, ref)
-
-    def packed(h, r):  # one output array per chunk for `_chunked`
-        loss, correct = fn(h, r)
-        return jnp.stack([loss, correct.astype(jnp.float32)], axis=-1)
-    out = _chunked(packed, (normed, ref), n, c)
-    return out[:, 0], out[:, 1] > 0.5
+    n = normed.shape[0]
+    return chunked_map(fn, dict(h=normed, r=ref), chunk_size(n, lm.shape[-1], DEFAULT_LOSS_CHUNK_ELEMENTS, loss_chunk))
 
 
 def row_loss_terms(drafter: Drafter, target: Target, input_ids, hidden_states, verifier_last, loss_mask,
                    document_ids, layout: CodLayout, *, num_depths: int, num_depth0=None, loss_type="kl",
-                   attn_chunk=None, loss_chunk=None, dense=False):
+                   attn_chunk=None, loss_chunk=None, implementation: str = "auto"):
     """Per-element (loss [N], correct [N], weight [N]) for one row; weight = loss_mask[r] * valid."""
     normed = cod_hidden(drafter, input_ids, hidden_states, document_ids, layout, num_depths=num_depths,
-                        num_depth0=num_depth0, attn_chunk=attn_chunk, dense=dense)
+                        num_depth0=num_depth0, attn_chunk=attn_chunk, implementation=implementation)
     ref = layout.anchor_pos + layout.depth
-    loss, correct = cod_terms(drafter, target, normed, verifier_last, ref, loss_type=loss_type, loss_chunk=loss_chunk)
+    loss, correct = vocab_terms(drafter, target, normed, verifier_last, ref, loss_type=loss_type,
+                                loss_chunk=loss_chunk)
     weight = jnp.asarray(loss_mask, jnp.float32)[ref] * layout.valid.astype(jnp.float32)
     return loss, correct, weight
 
@@ -190,7 +175,7 @@ def _check_prefix(anchor_pos, depth, s):
 
 def peagle_loss_and_metrics(drafter: Drafter, target: Target, input_ids, hidden_states, verifier_last_hidden_states,
                             loss_mask, document_ids, anchor_pos, depth, *, valid=None, num_depths=None,
-                            loss_type="kl", attn_chunk=None, loss_chunk=None, dense=False):
+                            loss_type="kl", attn_chunk=None, loss_chunk=None, implementation: str = "auto"):
     """(loss, metrics) with metrics = dict(correct [K], total [K], weight_sum) — see `peagle_loss`."""
     ids, hs = _row(input_ids, "input_ids", 0), _row(hidden_states, "hidden_states", 1)
     vl, lm = _row(verifier_last_hidden_states, "verifier_last_hidden_states", 1), _row(loss_mask, "loss_mask", 0)
@@ -200,7 +185,7 @@ def peagle_loss_and_metrics(drafter: Drafter, target: Target, input_ids, hidden_
     layout = layout_from_arrays(anchor_pos, depth, valid)
     loss, correct, weight = row_loss_terms(drafter, target, ids, hs, vl, lm, doc, layout, num_depths=k,
                                            loss_type=loss_type, attn_chunk=attn_chunk, loss_chunk=loss_chunk,
-                                           dense=dense)
+                                           implementation=implementation)
     wsum = jnp.sum(weight)
     total = jnp.sum(loss * weight) / (wsum + LOSS_EPS)
     c, t = depth_metrics(correct, weight, layout.depth, k)
@@ -217,34 +202,42 @@ def peagle_loss(drafter: Drafter, target: Target, input_ids, hidden_states, veri
     final pre-norm states); anchor_pos, depth [N] (the first S elements must be depth 0 at anchors
     0..S-1, as speculators emits). Keyword options: valid [N] (padding elements), num_depths (required
     under jit), loss_type "kl" | "ce", attn_chunk / loss_chunk (query / element chunk sizes; None =
-    automatic), dense (use the dense [N, N] mask, for testing).
+    automatic), implementation (the drafter attention's kernel switch).
     """
     return peagle_loss_and_metrics(drafter, target, input_ids, hidden_states, verifier_last_hidden_states, loss_mask,
                                    document_ids, anchor_pos, depth, **kwargs)[0]
 
 
-@jax.jit
-def _draft_logits(drafter: Drafter, hidden_states, input_ids, document_ids, anchor_pos, depth):
+@functools.partial(jax.jit, static_argnames=("num_depths", "slots"))
+def _draft_logits(drafter: Drafter, hidden_states, input_ids, document_ids, anchor_pos, depth, num_depths, slots):
     s = input_ids.shape[-1]
     layout = layout_from_arrays(anchor_pos, depth)
     normed = cod_hidden(drafter, input_ids.reshape(s).astype(jnp.int32), hidden_states.reshape(s, -1),
-                        document_ids.reshape(s), layout, dense=True, require_mask=False)
+                        document_ids.reshape(s), layout, num_depths=num_depths, chain_slots=slots,
+                        require_mask=False)
     return draft_logits_from_hidden(drafter, normed)
 
 
 def draft_logits(drafter: Drafter, hidden_states, input_ids, document_ids, anchor_pos, depth):
-    """Draft-vocab logits float32 [N, Vd] of the N flattened COD elements (training layout, dense mask).
+    """Draft-vocab logits float32 [N, Vd] of the N flattened COD elements (training layout).
 
     hidden_states [1, S, A*Ht] (pre-fc target features, shifted as in speculators: index p pairs
     token x_{p+1} with feature g_p), input_ids [1, S], document_ids [1, S] (-1 = padding),
-    anchor_pos [N], depth [N]. Element i sits at position anchor+depth; depth 0 takes the real token
+    anchor_pos [N], depth [N] (the first S elements depth 0 at anchors 0..S-1, as speculators emits; any chains,
+    repeated elements too).
+    Element i sits at position anchor+depth; depth 0 takes the real token
     and feature at that position, depth >= 1 the mask token and mask_hidden (same combine path).
     Heads without mask_hidden / mask_token_id accept only all-zero (concrete) depths.
     """
     reason = no_parallel_reason(drafter.config)
+    traced = isinstance(depth, jax.core.Tracer)
     if reason:
-        if isinstance(depth, jax.core.Tracer) or np.any(np.asarray(depth) != 0):
-            raise ValueError(reason + "; draft_logits got depth >= 1 elements"
-                             + (" (or traced depths)" if isinstance(depth, jax.core.Tracer) else ""))
+        if traced or np.any(np.asarray(depth) != 0):
+            raise ValueError(reason + "; draft_logits got depth >= 1 elements" + (" (or traced depths)" if traced else ""))
+    s = np.shape(input_ids)[-1]
+    _check_prefix(anchor_pos, depth, s)
+    k = _num_depths(depth, drafter.config.num_depths if traced else None)
+    concrete = not (traced or isinstance(anchor_pos, jax.core.Tracer))
+    slots = chain_slots(layout_from_arrays(anchor_pos, depth)) if concrete else None
     return _draft_logits(drafter, jnp.asarray(hidden_states), jnp.asarray(input_ids), jnp.asarray(document_ids),
-                         jnp.asarray(anchor_pos), jnp.asarray(depth))
+                         jnp.asarray(anchor_pos), jnp.asarray(depth), k, slots)
