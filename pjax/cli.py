@@ -13,6 +13,8 @@ import sys
 # subcommand -> (module with `main(argv, prog) -> int`, one-line help)
 COMMANDS = {
     "convert": ("pjax.checkpoint.cli", "inspect / validate checkpoints, write pjax-native copies, re-export heads"),
+    "bench": ("pjax.bench.cli", "benchmark speculative decoding: throughput, latency, acceptance, exactness"),
+    "generate": ("pjax.text.cli", "generate text from a prompt, a chat or a jsonl file"),
 }
 
 

@@ -1,0 +1,251 @@
+"""`python -m pjax generate`: text from a prompt, a chat or a jsonl file, with a target directory and a P-EAGLE head.
+
+    python -m pjax generate --target DIR [--head DIR] (--prompt TEXT | --chat TEXT | --file FILE.jsonl)
+        [--drafting parallel|sequential|none] [--k K] [--temperature T] [--top-p P] [--top-k N] [--seed S]
+        [--max-new-tokens N] [--dtype bfloat16|float32] [--stop STR ...] [--stream]
+
+The text goes to stdout (for --file one block per row, headed "=== prompt N ==="), a statistics line per prompt to
+stderr. Exit codes: 0 success, 2 bad usage or bad input (one line naming the flag or file), 130 Ctrl-C (the text
+generated so far is printed first).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from pjax.checkpoint import load_drafter, load_target
+from pjax.decode.inputs import SEED_LIMIT
+from pjax.dtypes import parse_dtype
+from pjax.text.generate import TextGenerationInterrupted, TextGenerator, TextOutput
+from pjax.text.tokenizer import check_messages, load_tokenizer
+
+__all__ = ["build_parser", "main", "read_jsonl"]
+
+
+class InputError(ValueError):
+    """Bad input to the command (a file, a flag's value); the message names it."""
+
+
+def _number(kind, low=None, high=None, low_open=False, high_open=False):
+    """An argparse type: int / float within bounds (argparse names the flag on error)."""
+    def parse(text):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got "
+                                             f"{text!r}") from None
+        if kind is float and v != v:
+            raise argparse.ArgumentTypeError("NaN is not a value")
+        if low is not None and (v < low or (low_open and v == low)):
+            raise argparse.ArgumentTypeError(f"{text} must be {'>' if low_open else '>='} {low}")
+        if high is not None and (v > high or (high_open and v == high)):
+            raise argparse.ArgumentTypeError(f"{text} must be {'<' if high_open else '<='} {high}")
+        return v
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def _dtype(text):
+    try:
+        return parse_dtype(text, what="--dtype").name
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--dtype=")) from None
+
+
+def build_parser(prog: str = "python -m pjax generate") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", required=True, metavar="DIR",
+                   help="Hugging Face target directory (config.json, safetensors, tokenizer.json)")
+    p.add_argument("--head", metavar="DIR", help="P-EAGLE / EAGLE-3 head directory (default: no drafting)")
+    p.add_argument("--tokenizer", metavar="DIR", help="tokenizer directory (default: --target)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", metavar="TEXT", help="a plain-text prompt (encoded as is, BOS per the tokenizer)")
+    src.add_argument("--chat", metavar="TEXT", help="one user message, rendered with the model's chat template")
+    src.add_argument("--file", metavar="FILE.jsonl",
+                     help='prompts, one JSON object per line: {"prompt": TEXT} or {"messages": [{"role", "content"}]}')
+    p.add_argument("--drafting", choices=("parallel", "sequential", "none"),
+                   help="default: the head's kind with --head, else none")
+    p.add_argument("--k", type=_number(int, low=1), metavar="K",
+                   help="draft tokens per round (default 7 parallel, capped by the head's depth; 3 sequential)")
+    p.add_argument("--temperature", type=_number(float, low=0.0), default=0.0, metavar="T",
+                   help="0 = greedy (default)")
+    p.add_argument("--top-p", type=_number(float, low=0.0, high=1.0, low_open=True), metavar="P")
+    p.add_argument("--top-k", type=_number(int, low=0), metavar="N")
+    p.add_argument("--seed", type=_number(int, low=0, high=SEED_LIMIT, high_open=True), default=0, metavar="S")
+    p.add_argument("--max-new-tokens", type=_number(int, low=1), default=256, metavar="N")
+    p.add_argument("--dtype", type=_dtype, default="bfloat16", help="parameter dtype: bfloat16 (default), float32")
+    p.add_argument("--stop", nargs="+", action="extend", metavar="STR",
+                   help="stop strings: the text ends before the first one (bash: --stop $'\\n\\n' for newlines)")
+    p.add_argument("--stream", action="store_true", help="print the text as it is generated")
+    p.add_argument("--batch-size", type=_number(int, low=1), default=8, metavar="N",
+                   help="--file prompts decoded together (default 8)")
+    return p
+
+
+def read_jsonl(path) -> list[tuple[int, object]]:
+    """(line number, prompt) of a jsonl file: each non-blank line an object with "prompt" (text) or "messages" (a
+    chat); other keys are ignored. Errors name the file and line."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise InputError(f"--file {path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"--file {path}: cannot be read ({e})") from None
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path} line {n}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InputError(f"{where}: not valid JSON ({e.msg})") from None
+        if not isinstance(row, dict) or ("prompt" in row) == ("messages" in row):
+            raise InputError(f'{where}: expected an object with "prompt" (text) or "messages" (a chat), not both')
+        if "prompt" in row:
+            if not isinstance(row["prompt"], str):
+                raise InputError(f'{where}: "prompt" must be a string')
+            rows.append((n, row["prompt"]))
+        else:
+            rows.append((n, _checked(where, check_messages, row["messages"], where='"messages"')))
+    if not rows:
+        raise InputError(f"--file {path}: no prompts (empty file)")
+    return rows
+
+
+def _stats_line(out: TextOutput, label: str = "") -> str:
+    s = out.stats
+    return (f"{label}{s['output_tokens']} tokens, acceptance length {s['mean_acceptance_length']:.2f}, "
+            f"{s['output_tokens_per_s']:.1f} tokens/s, ttft {s['ttft_s'] * 1e3:.0f} ms, finish: {out.finish_reason}")
+
+
+class _Printer:
+    """Prints a batch's outputs in order; streaming, the first unfinished one live and the others when their turn
+    comes."""
+
+    def __init__(self, offset: int, count: int, blocks: bool):
+        self.offset, self.count, self.blocks = offset, count, blocks
+        self.pending = [[] for _ in range(count)]
+        self.done = [False] * count
+        self.printed = [""] * count
+        self.current = 0
+        self._header(0)
+
+    def _header(self, i):
+        if self.blocks and i < self.count:
+            print(f"=== prompt {self.offset + i + 1} ===", flush=True)
+
+    def _write(self, i, text):
+        if text:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+            self.printed[i] += text
+
+    def delta(self, i, text, finished):
+        self.pending[i].append(text)
+        self.done[i] = self.done[i] or finished
+        while self.current < self.count:
+            c = self.current
+            self._write(c, "".join(self.pending[c]))
+            self.pending[c] = []
+            if not self.done[c]:
+                return
+            print(flush=True)
+            self.current += 1
+            self._header(self.current)
+
+    def rest(self, outputs: list[TextOutput]):
+        """Print what has not been printed of each output (all of it when not streaming, the tail on Ctrl-C)."""
+        while self.current < self.count:
+            c = self.current
+            self._write(c, outputs[c].text[len(self.printed[c]):])
+            print(flush=True)
+            self.current += 1
+            self._header(self.current)
+
+
+def _run_batch(gen, prompts, offset: int, blocks: bool, args, kw) -> list[TextOutput]:
+    stream = _checked("", gen.stream, prompts, **kw)
+    printer = _Printer(offset, len(prompts), blocks)
+    try:
+        if args.stream:
+            for d in stream:
+                printer.delta(d.index, d.text, d.finished)
+        outputs = stream.result()
+    except TextGenerationInterrupted as e:
+        printer.rest(e.outputs)
+        raise
+    printer.rest(outputs)
+    for i, out in enumerate(outputs):
+        print(_stats_line(out, f"[prompt {offset + i + 1}] " if blocks else ""), file=sys.stderr, flush=True)
+    return outputs
+
+
+def _checked(what: str, fn, *args, **kwargs):
+    """Run a loading / checking step; its ValueError / TypeError (checkpoint, tokenizer, engine checks, each
+    naming what is wrong) becomes an InputError led by `what`."""
+    try:
+        return fn(*args, **kwargs)
+    except (ValueError, TypeError) as e:
+        raise InputError(f"{what}: {e}" if what else str(e)) from e
+
+
+def _render(tokenizer, args) -> list[list[int]]:
+    """Prompt ids, every prompt checked before the models load; errors name the flag or the file line."""
+    if args.file is None:
+        flag, text = ("--prompt", args.prompt) if args.chat is None else ("--chat", args.chat)
+        rows = [(flag, text, args.chat is not None)]
+    else:
+        rows = [(f"{args.file} line {n}", p, None) for n, p in read_jsonl(args.file)]
+    ids = []
+    for where, prompt, chat in rows:
+        p = _checked(where, tokenizer.render, prompt, chat=chat)
+        if not p:
+            raise InputError(f"{where}: the prompt renders to no tokens")
+        ids.append(p)
+    return ids
+
+
+def run(args) -> int:
+    if args.drafting in ("parallel", "sequential") and args.head is None:
+        raise InputError(f"--drafting {args.drafting} needs --head DIR (or use --drafting none)")
+    if args.k is not None and (args.head is None or args.drafting == "none"):
+        raise InputError("--k needs drafting: give --head DIR (and not --drafting none)")
+    tokenizer = _checked("", load_tokenizer, args.target if args.tokenizer is None else args.tokenizer)
+    prompts = _render(tokenizer, args)
+    dtype = parse_dtype(args.dtype)
+    target = _checked("--target", load_target, args.target, dtype=dtype)
+    drafter = None if args.head is None else _checked("--head", load_drafter, args.head, dtype=dtype, target=target)
+    gen = TextGenerator(target, drafter, tokenizer)
+    kw = dict(max_new_tokens=args.max_new_tokens, drafting=args.drafting, k=args.k, temperature=args.temperature,
+              top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop)
+    blocks = args.file is not None
+    step = args.batch_size if blocks else 1
+    outputs: list[TextOutput] = []
+    for start in range(0, len(prompts), step):
+        outputs += _run_batch(gen, prompts[start:start + step], start, blocks, args, kw)
+    if blocks:
+        tokens = sum(o.stats["output_tokens"] for o in outputs)
+        seconds = sum(max(o.stats["e2e_s"] for o in outputs[s:s + step]) for s in range(0, len(outputs), step))
+        print(f"total: {len(outputs)} prompts, {tokens} tokens, {tokens / seconds if seconds > 0 else 0:.1f} "
+              "tokens/s", file=sys.stderr)
+    return 0
+
+
+def main(argv=None, prog: str = "python -m pjax generate") -> int:
+    args = build_parser(prog).parse_args(argv)
+    try:
+        return run(args)
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""`python -m pjax generate` end to end (subprocesses) for --prompt, --chat (streaming, a stop string) and --file, the
+text equal to pjax.text's; bad usage and bad input exit 2 with one line naming the flag or file; Ctrl-C exits 130
+after printing the text so far."""
+import functools
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import pjax.text as T
+import pjax.text.cli as cli
+from tests.engine_utils import FAST
+from tests.text_utils import CHAT, build
+
+ROOT = Path(__file__).resolve().parents[1]
+NEW = 16
+STATS = re.compile(r"\d+ tokens, acceptance length \d+\.\d\d, [\d.]+ tokens/s, ttft \d+ ms, finish: \w+")
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    return build(tmp_path_factory.mktemp("cli"))
+
+
+@pytest.fixture(scope="module")
+def gen(dirs):
+    return T.load(*dirs, dtype="float32", compiler_options=FAST)
+
+
+def run_cli(*args):
+    # tiny CPU programs: skip LLVM optimisation in the child too (as FAST does in-process)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0",
+               PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "pjax", "generate", *map(str, args)], capture_output=True,
+                          text=True, env=env, cwd=ROOT, timeout=600)
+
+
+def test_prompt(dirs, gen):
+    target, head = dirs
+    r = run_cli("--target", target, "--head", head, "--prompt", "The quick brown fox", "--max-new-tokens", NEW,
+                "--k", 3, "--dtype", "float32")
+    assert r.returncode == 0, r.stderr
+    want = gen.generate("The quick brown fox", max_new_tokens=NEW, k=3)
+    assert r.stdout == want.text + "\n"
+    assert STATS.search(r.stderr) and f"{len(want.token_ids)} tokens" in r.stderr
+
+
+def test_chat_streamed_with_a_stop_string(dirs, gen):
+    target, _ = dirs
+    free = gen.generate("Name three prime numbers.", chat=True, max_new_tokens=NEW, drafting="none")
+    at = next(i for i in range(len(free.text) // 2, len(free.text) - 1) if "\ufffd" not in free.text[i:i + 2])
+    stop = free.text[at:at + 2]
+    want = gen.generate("Name three prime numbers.", chat=True, max_new_tokens=NEW, drafting="none", stop=[stop])
+    assert want.finish_reason == "stop"
+    r = run_cli("--target", target, "--chat", "Name three prime numbers.", "--max-new-tokens", NEW, "--dtype",
+                "float32", "--stop", stop, "--stream")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == want.text + "\n" and "finish: stop" in r.stderr
+
+
+def test_file(dirs, gen, tmp_path):
+    target, head = dirs
+    rows = [{"prompt": "The quick brown fox", "id": 1}, {"messages": CHAT}, {"prompt": "def add(a, b):"}]
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("\n".join([json.dumps(rows[0]), "", json.dumps(rows[1]), json.dumps(rows[2])]) + "\n")
+    r = run_cli("--target", target, "--head", head, "--file", f, "--max-new-tokens", NEW, "--dtype", "float32",
+                "--k", 3, "--batch-size", 2)
+    assert r.returncode == 0, r.stderr
+    want = gen.generate(["The quick brown fox", CHAT], max_new_tokens=NEW, k=3)
+    want += [gen.generate("def add(a, b):", max_new_tokens=NEW, k=3)]
+    assert r.stdout == "".join(f"=== prompt {i} ===\n{o.text}\n" for i, o in enumerate(want, 1))
+    assert [int(m) for m in re.findall(r"^\[prompt (\d)\] ", r.stderr, re.M)] == [1, 2, 3]
+    assert len(STATS.findall(r.stderr)) == 3 and "total: 3 prompts" in r.stderr
+
+
+def test_bad_input_exits_2_with_one_line(tmp_path):
+    r = run_cli("--target", tmp_path / "missing", "--prompt", "hi")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines() == [f"error: {tmp_path / 'missing'}: no such directory (expected a Hugging "
+                                             "Face model directory with tokenizer.json and tokenizer_config.json)"]
+
+
+def _main(capsys, *args):
+    rc = cli.main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_bad_input_in_process(dirs, tmp_path, capsys):
+    target, head = dirs
+    base = ("--target", target, "--dtype", "float32")
+
+    def fails(*args, match):
+        rc, _, err = _main(capsys, *base, *args)
+        assert rc == 2 and len(err.strip().splitlines()) == 1 and re.search(match, err), err
+
+    def usage(*args, match):
+        with pytest.raises(SystemExit) as e:
+            cli.main([str(a) for a in args])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and re.search(match, err), err
+    usage(*base, "--prompt", "a", "--k", "0", match=r"argument --k: 0 must be >= 1")
+    usage("--target", target, "--prompt", "a", "--dtype", "int8", match=r"argument --dtype: int8 is not supported")
+    usage(*base, "--prompt", "a", "--chat", "b", match=r"argument --chat: not allowed with argument --prompt")
+    usage(*base, match=r"one of the arguments --prompt --chat --file is required")
+    usage(*base, "--prompt", "a", "--top-p", "0", match=r"argument --top-p: 0 must be > 0")
+    usage(*base, "--prompt", "a", "--temperature", "hot", match=r"argument --temperature: expected a number")
+    fails("--prompt", "a", "--drafting", "parallel", match=r"--drafting parallel needs --head DIR")
+    fails("--prompt", "a", "--k", "3", match=r"--k needs drafting")
+    fails("--file", tmp_path / "none.jsonl", match=r"--file .*none.jsonl: no such file")
+    bad = tmp_path / "bad.jsonl"
+    for text, match in [('{"prompt": "a"}\n{"prompt": ', r"bad.jsonl line 2: not valid JSON"),
+                        ('{"text": "a"}', r'bad.jsonl line 1: expected an object with "prompt"'),
+                        ('{"prompt": "a", "messages": []}', r'line 1: expected .* not both'),
+                        ('{"prompt": 3}', r'line 1: "prompt" must be a string'),
+                        ('\n{"messages": [{"content": "x"}]}', r"bad.jsonl line 2: \"messages\"\[0\] has no 'role'"),
+                        ("\n\n", r"bad.jsonl: no prompts")]:
+        bad.write_text(text)
+        fails("--file", bad, match=match)
+    no_tok = tmp_path / "no_tok"
+    no_tok.mkdir()
+    fails("--prompt", "a", "--tokenizer", no_tok, match=r"no_tok: no tokenizer.json \(looked for tokenizer.json")
+    fails("--prompt", "a", "--head", target, match=r"--head: .* not a drafter head")
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (plain / name).write_bytes((target / name).read_bytes())
+    fails("--chat", "a", "--tokenizer", plain, match=r"--chat: .*plain: no chat template")
+
+
+def test_ctrl_c_prints_the_text_so_far(dirs, gen, capsys, monkeypatch):
+    """Ctrl-C during the third device chunk: exit 130, the text generated so far on stdout."""
+    target, head = dirs
+    full = gen.generate("The quick brown fox", max_new_tokens=NEW, k=3, ignore_eos=True)
+    stream = T.TextGenerator.stream
+
+    def interrupted(self, *a, **kw):
+        s = stream(self, *a, **kw)
+        loop, calls = s._gen._loop, []
+
+        def flaky(*args):
+            calls.append(1)
+            if len(calls) == 3:
+                raise KeyboardInterrupt
+            return loop(*args)
+        s._gen._loop = flaky
+        return s
+    monkeypatch.setattr(T.TextGenerator, "stream", interrupted)
+    monkeypatch.setattr(cli, "TextGenerator", functools.partial(T.TextGenerator, compiler_options=FAST,
+                                                                chunk_seconds=1e-6))
+    for streaming in ([], ["--stream"]):
+        rc, out, err = _main(capsys, "--target", target, "--head", head, "--prompt", "The quick brown fox",
+                             "--max-new-tokens", NEW, "--k", 3, "--dtype", "float32", *streaming)
+        assert rc == 130 and err.strip().splitlines()[-1] == "interrupted"
+        assert out.endswith("\n") and 0 < len(out) - 1 < len(full.text) and full.text.startswith(out[:-1])
