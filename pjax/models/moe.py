@@ -14,10 +14,8 @@ __all__ = ["MOE_FEW_PAIRS", "MoE"]
 
 
 # Token-expert pairs up to this count, and up to twice the expert count, use `expert_matmul` (each selected expert read
-# once); more (prefill, training) sort the pairs by expert for a grouped matmul, which reads every expert. H200, MoE
-# layer (docs/performance.md): 128 experts, top-8: 64 / 96 / 128 pairs 159 / 273 / 313 us vs 349 / 383 / 403;
-# 32 experts, top-4: 32 / 64 pairs 272 / 363 vs 409 / 422 us, but 128 pairs (all experts selected) 492 vs 455 us
-# (the boundary between 2x and 4x the expert count was not measured more finely).
+# once); more (prefill, training) sort the pairs by expert for a grouped matmul, which reads every expert. Where the
+# crossover lies was measured per layer shape (docs/performance.md, "Which path a MoE layer takes").
 MOE_FEW_PAIRS = 128
 
 
