@@ -107,7 +107,9 @@ def run_chunks(args) -> list[dict]:
 
 def run_steps(args) -> list[dict]:
     rows = []
-    for shape, p_layers in ((("tiny", 1),) if args.tiny else (("llama-445m", 2), ("llama3.1-8b", 4))):
+    head_layers = {"tiny": 1, "llama-445m": 2, "llama3.1-8b": 4}
+    for shape in (["tiny"] if args.tiny else args.shapes.split(",")):
+        p_layers = head_layers[shape]
         target, peagle = models(shape, p_layers, peagle=True)
         _, eagle3 = models(shape, 1, peagle=False)
         ps = prompts(1, args.prompt_len, SHAPES[shape][-1])
@@ -155,6 +157,7 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--chunk-seconds", type=float, default=0.25)
+    ap.add_argument("--shapes", default="llama-445m,llama3.1-8b", help="steps: comma-separated shapes of SHAPES")
     ap.add_argument("--xla-sweep", action="store_true", help="steps under each XLA_FLAGS set (subprocesses)")
     ap.add_argument("--out", default=None, help="JSON output path (default $OUT/bench_generate.json)")
     args = ap.parse_args(argv)
