@@ -8,9 +8,8 @@ import jax.numpy as jnp
 
 from pjax.kernels.flash_attention import reference as flash_reference
 from pjax.kernels.flash_attention.mask import position_mask
-from pjax.kernels.flash_attention.reference import MASK_VALUE
 
-__all__ = ["MASK_VALUE", "attention", "cache_attention", "check_inputs"]
+__all__ = ["attention", "cache_attention", "check_inputs"]
 
 
 def attention(q, k, v, q_pos, kv_pos, *, scale: float, window: Optional[int] = None, sinks=None, kv_valid=None):
