@@ -1,0 +1,157 @@
+"""What the benchmark times: a `Backend` runs a list of requests under one setting (drafting mode, K, concurrency,
+...) and returns what each request produced and when. The benchmark's metrics, tables and exactness checks are
+computed from these results only, so another engine (a continuous-batching scheduler) replaces `BatchBackend`
+without changing them.
+
+`BatchBackend` runs `pjax.decode.Generation`: concurrency c means c requests in flight, decoded as one ragged batch;
+the next c start when all of them have finished (static batches: no request joins a batch in flight).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Mapping, Optional, Protocol, Sequence
+
+from pjax.decode import Generation
+from pjax.decode.inputs import bucket_batch, bucket_capacity, bucket_length
+
+__all__ = ["Backend", "BatchBackend", "Request", "RequestResult", "RunResult", "RunSettings"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One request: `tokens` its rendered prompt ids, `seed` its sampling seed."""
+    id: str
+    tokens: tuple[int, ...]
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSettings:
+    """One benchmark configuration.
+
+    drafting: "parallel" | "sequential" | "none"; k: drafts per round (0 for "none"); concurrency: requests in
+    flight; max_positions: KV positions the longest request can need (prompt + new tokens + drafting slack), the
+    same for every configuration of a dataset so that every mode reads the same cache size; eos_token_ids: ids
+    that end a request (empty: every request runs max_new_tokens); simulate_acceptance: K probabilities (the
+    engine's simulated verdicts) or None.
+    """
+    drafting: str
+    k: int
+    concurrency: int
+    max_new_tokens: int
+    max_positions: int
+    temperature: float = 0.0
+    eos_token_ids: tuple[int, ...] = ()
+    simulate_acceptance: Optional[tuple[float, ...]] = None
+
+
+@dataclasses.dataclass
+class RequestResult:
+    """What one request produced: tokens (generated ids), ttft_s / e2e_s (from the moment it was started, i.e. got
+    a slot, to its first token / its last), rounds (target verify passes), num_drafts (rounds with drafts),
+    accepted_per_position [K] (rounds whose draft i was accepted), stop_reason (the engine's)."""
+    tokens: list[int]
+    ttft_s: float
+    e2e_s: float
+    rounds: int
+    num_drafts: int
+    accepted_per_position: list[int]
+    stop_reason: str
+
+    @property
+    def output_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        return int(sum(self.accepted_per_position))
+
+    @property
+    def tpot_s(self) -> Optional[float]:
+        """Time per output token after the first, (e2e - ttft) / (out - 1) (vLLM); None for one token or fewer."""
+        n = self.output_tokens
+        return (self.e2e_s - self.ttft_s) / (n - 1) if n > 1 else None
+
+
+@dataclasses.dataclass
+class RunResult:
+    """requests: one result per request, in the order given; duration_s: wall time of the whole run (the
+    throughput's denominator), compilation excluded; compile_s: compilation that still happened inside the run
+    (already subtracted from duration_s; 0 after a complete `prepare`)."""
+    requests: list[RequestResult]
+    duration_s: float
+    compile_s: float
+
+
+class Backend(Protocol):
+    """Runs requests under one setting. `scheduling` is one line, shown with the results, saying how requests in
+    flight are scheduled."""
+    scheduling: str
+
+    def prepare(self, requests: Sequence[Request], settings: RunSettings) -> float:
+        """Compile and warm up everything `run(requests, settings)` will execute; returns the compile seconds."""
+
+    def run(self, requests: Sequence[Request], settings: RunSettings,
+            on_progress: Optional[Callable[[int], None]] = None) -> RunResult:
+        """Run every request; `on_progress(n)` after each n more requests finished."""
+
+
+class BatchBackend:
+    """`pjax.decode.Generation` in static batches of `concurrency` requests.
+
+    drafters: the head of each drafting mode ({"parallel": head, "sequential": head}; "none" needs none).
+    implementation / cache_dtype: passed to the engine. The KV cache of every batch holds
+    `bucket_capacity(settings.max_positions)` positions, so programs depend on the batch's rows and prompt-length
+    bucket only and `prepare` can compile each of them with a short generation.
+    """
+    scheduling = ("static batches: concurrency c = c requests decoded as one ragged batch; the next c start when "
+                  "all of them finish (no continuous batching)")
+
+    def __init__(self, target, drafters: Mapping[str, object], *, implementation: str = "auto", cache_dtype=None):
+        self.target, self.drafters = target, dict(drafters)
+        self.implementation, self.cache_dtype = implementation, cache_dtype
+
+    @staticmethod
+    def batches(requests: Sequence[Request], concurrency: int) -> list[Sequence[Request]]:
+        return [requests[i:i + concurrency] for i in range(0, len(requests), concurrency)]
+
+    def _generation(self, batch: Sequence[Request], settings: RunSettings, max_new_tokens: int) -> Generation:
+        s = settings
+        return Generation(
+            self.target, self.drafters.get(s.drafting), [list(r.tokens) for r in batch],
+            max_new_tokens=max_new_tokens, num_speculative_tokens=max(s.k, 1), drafting=s.drafting,
+            temperature=s.temperature, seed=[r.seed for r in batch], eos_token_id=list(s.eos_token_ids) or None,
+            cache_capacity=bucket_capacity(s.max_positions), implementation=self.implementation,
+            cache_dtype=self.cache_dtype, simulate_acceptance=s.simulate_acceptance)
+
+    def prepare(self, requests: Sequence[Request], settings: RunSettings) -> float:
+        """One short generation (K + 2 new tokens: prefill and a few rounds) per distinct program of the run."""
+        compile_s, seen = 0.0, set()
+        for batch in self.batches(requests, settings.concurrency):
+            key = (bucket_batch(len(batch)), bucket_length(max(len(r.tokens) for r in batch)))
+            if key in seen:
+                continue
+            seen.add(key)
+            res = self._generation(batch, settings, min(settings.max_new_tokens, settings.k + 2)).result()
+            compile_s += res.stats["compile_time_s"]
+        return compile_s
+
+    def run(self, requests: Sequence[Request], settings: RunSettings,
+            on_progress: Optional[Callable[[int], None]] = None) -> RunResult:
+        out: list[RequestResult] = []
+        compile_s = 0.0
+        t0 = time.perf_counter()
+        for batch in self.batches(requests, settings.concurrency):
+            res = self._generation(batch, settings, settings.max_new_tokens).result()
+            compile_s += res.stats["compile_time_s"]
+            for tokens, r in zip(res.tokens, res.stats["requests"]):
+                nd = r["num_drafts"]
+                out.append(RequestResult(
+                    tokens=list(tokens), ttft_s=r["ttft_s"], e2e_s=r["e2e_s"], rounds=r["rounds"], num_drafts=nd,
+                    accepted_per_position=[int(round(a * nd)) for a in r["acceptance_rates"]][:settings.k],
+                    stop_reason=r["stop_reason"]))
+            if on_progress is not None:
+                on_progress(len(batch))
+        duration = time.perf_counter() - t0 - compile_s
+        return RunResult(out, duration, compile_s)

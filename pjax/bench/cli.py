@@ -1,0 +1,325 @@
+"""`python -m pjax bench`: speculative decoding on your target, head, prompts and concurrency, swept over drafting
+modes and K: output tokens/s, TPOT, TTFT, acceptance length and per-position acceptance (as `vllm bench serve`
+defines them), and exactness against plain decoding at temperature 0.
+
+    python -m pjax bench --target DIR --head DIR --dataset mt-bench --drafting parallel,sequential,none \\
+        --k 3,7,11 --concurrency 1,8,64 --max-new-tokens 256 --out DIR
+
+Targets: a Hugging Face or pjax-native directory, or `random:llama3.1-8b|gpt-oss-20b|qwen3-30b-a3b` (random
+weights of that geometry: time large shapes with --simulate-acceptance). Heads: a P-EAGLE / EAGLE-3 directory or
+`random:N` (N layers shaped for the target). Datasets: mt-bench, spec-bench, humaneval, or a .jsonl file with
+"prompt" or "messages" per line. Outputs in --out: bench.json, requests.jsonl, bench.md, PNG plots.
+
+Exit status: 0 done; 2 bad input (one line `error: ...` naming the flag or file; nothing written to --out);
+130 interrupted (nothing written); an unexpected failure prints its traceback (status 1).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shlex
+import sys
+import time
+from typing import Optional
+
+import jax.numpy as jnp
+
+from pjax.bench.backend import BatchBackend
+from pjax.bench.datasets import DATASET_NAMES, load_dataset
+from pjax.bench.errors import BenchError
+from pjax.bench.exactness import NEAR_TIE_EPS, next_token_logits
+from pjax.bench.models import RANDOM_SHAPES, parse_random, random_head, random_target
+from pjax.bench.report import PLOTS_MISSING, plots_available, write_outputs
+from pjax.bench.runner import BenchSettings, build_prompt_set, environment, run_bench
+from pjax.checkpoint.errors import CheckpointError
+from pjax.checkpoint.files import prepare_output
+from pjax.checkpoint.heads import load_drafter
+from pjax.checkpoint.target import load_target
+from pjax.config import ConfigError
+from pjax.decode import make_spec
+from pjax.models.families import config_from_hf
+from pjax.dtypes import parse_dtype
+from pjax.kernels import IMPLEMENTATIONS
+
+CHAT = ("auto", "on", "off")
+
+
+def _ints(flag: str):
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            return tuple(int(x) for x in text.split(",") if x.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} {text!r}: expected comma-separated integers") from None
+    return parse
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated numbers") from None
+
+
+def build_parser(prog: str = "python -m pjax bench") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    m = p.add_argument_group("models")
+    m.add_argument("--target", required=True,
+                   help="target directory (Hugging Face or pjax-native), or random:SHAPE with SHAPE one of "
+                        f"{', '.join(RANDOM_SHAPES)} (random weights)")
+    m.add_argument("--head", default=None,
+                   help="drafter head directory (P-EAGLE / EAGLE-3, either layout) or random:N (a random head of N "
+                        "layers shaped for the target); needed for parallel / sequential drafting")
+    m.add_argument("--sequential-head", default=None,
+                   help="head for sequential (EAGLE-3) drafting when it differs from --head (e.g. a 1-layer EAGLE-3 "
+                        "head against a 4-layer P-EAGLE one); random:N makes an EAGLE-3 head")
+    m.add_argument("--tokenizer", default=None,
+                   help="tokenizer directory (default: the target directory); with a random target it gives the "
+                        "prompts' token lengths")
+    m.add_argument("--dtype", default="bf16", help="parameter / compute dtype: bf16 (default), f32, f16")
+    m.add_argument("--cache-dtype", default=None, help="KV cache dtype (default: the model's)")
+    m.add_argument("--implementation", default="auto", choices=IMPLEMENTATIONS,
+                   help="kernel switch: xla | pallas | auto (default)")
+    d = p.add_argument_group("prompts")
+    d.add_argument("--dataset", action="append", default=None, metavar="NAME_OR_FILE",
+                   help=f"{', '.join(DATASET_NAMES)}, or a .jsonl file with 'prompt' or 'messages' per line; "
+                        "comma-separated or repeated for several (default: mt-bench)")
+    d.add_argument("--num-prompts", type=_ints("--num-prompts"), default=None,
+                   help="prompts per configuration: one count, or one per concurrency (default: every prompt); an "
+                        "even spread over the dataset's categories")
+    d.add_argument("--chat", choices=CHAT, default="auto",
+                   help="apply the tokenizer's chat template: auto (when it has one; default), on, off")
+    d.add_argument("--prompt-len", type=int, default=None,
+                   help="random targets: prompts of this many random token ids (default: the dataset's token "
+                        "lengths under --tokenizer)")
+    s = p.add_argument_group("sweep")
+    s.add_argument("--drafting", default="parallel,sequential,none",
+                   help="comma-separated modes: parallel (P-EAGLE), sequential (EAGLE-3), none (plain decoding; "
+                        "the reference of speedups and exactness); default all three")
+    s.add_argument("--k", type=_ints("--k"), default=(3, 7, 11), help="drafts per round, comma-separated "
+                                                                      "(default 3,7,11)")
+    s.add_argument("--concurrency", type=_ints("--concurrency"), default=(1,),
+                   help="requests in flight, comma-separated (default 1)")
+    s.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per request at most (default 256)")
+    s.add_argument("--ignore-eos", action="store_true", help="every request runs --max-new-tokens tokens")
+    s.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy, "
+                                                                  "exactness checked)")
+    s.add_argument("--seed", type=int, default=0, help="sampling seed of the first prompt (prompt i: seed + i)")
+    s.add_argument("--simulate-acceptance", type=_floats, default=None, metavar="P1,...,PK",
+                   help="simulated verdicts for timing random weights: draft i accepted with probability p_i (the "
+                        "chain stops at the first rejection); at least max(--k) values, the first K used at K")
+    s.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                   help="start a configuration only while the time since start plus the longest configuration "
+                        "so far fits in SECONDS (the rest are listed as not run)")
+    o = p.add_argument_group("output")
+    o.add_argument("--out", required=True, help="output directory (must not exist, or be empty, unless --force)")
+    o.add_argument("--force", action="store_true",
+                   help="replace --out when it is an earlier pjax bench output (anything else is refused)")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def _settings(args) -> BenchSettings:
+    """The sweep as given (EOS ids are added once the tokenizer is known)."""
+    drafting = tuple(x.strip() for x in args.drafting.split(",") if x.strip())
+    return BenchSettings(drafting=drafting, ks=tuple(args.k), concurrency=tuple(args.concurrency),
+                         num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
+                         temperature=args.temperature, seed=args.seed,
+                         simulate_acceptance=args.simulate_acceptance, time_budget_s=args.time_budget).validate()
+
+
+def _dtype(value: Optional[str], flag: str):
+    if value is None:
+        return None
+    try:
+        return parse_dtype(value, what=flag)
+    except ValueError as e:
+        raise BenchError(str(e)) from None
+
+
+def _tokenizer(args, random_target_: bool):
+    """The tokenizer, or None for a random target without --tokenizer (then --prompt-len is needed)."""
+    path = args.tokenizer or (None if random_target_ else args.target)
+    if path is None:
+        if args.prompt_len is None:
+            raise BenchError(f"--target {args.target}: a random target needs --prompt-len N (random prompts of N "
+                             "tokens) or --tokenizer DIR (random prompts of the dataset's token lengths)")
+        return None
+    flag = "--tokenizer" if args.tokenizer else "--target"
+    from pjax.text import load_tokenizer  # needs the `tokenizers` package (the text / bench extras)
+    try:
+        tok = load_tokenizer(path)
+    except (ValueError, OSError) as e:
+        hint = "" if args.tokenizer else "; pass --tokenizer DIR"
+        raise BenchError(f"{flag} {path}: no usable tokenizer ({' '.join(str(e).split())}){hint}") from None
+    if args.chat == "on" and not tok.has_chat_template:
+        raise BenchError(f"--chat on: the tokenizer of {path} has no chat template")
+    return tok
+
+
+def _head(spec: str, flag: str, target, dtype, *, parallel: bool, shape: Optional[str]):
+    n = parse_random(spec, flag)
+    if n is not None:
+        return random_head(target, n, parallel=parallel, dtype=dtype, shape=shape, flag=flag)
+    try:
+        return load_drafter(spec, dtype, target=target)
+    except (CheckpointError, ConfigError) as e:
+        raise BenchError(f"{flag}: {e}") from None
+
+
+def _heads(args, settings: BenchSettings, target, dtype, shape: Optional[str]) -> dict:
+    """The head of each speculative mode (sequential: --sequential-head when given, whose random:N is an EAGLE-3
+    head; else --head), every (mode, K) checked against the engine's rules before anything runs."""
+    heads, loaded = {}, {}
+    for mode in settings.speculative:
+        own = mode == "sequential" and args.sequential_head is not None
+        flag, spec = ("--sequential-head", args.sequential_head) if own else ("--head", args.head)
+        if spec is None:
+            raise BenchError(f"--drafting {mode} needs --head DIR or --head random:N (or drop {mode} from "
+                             "--drafting)")
+        if (spec, own) not in loaded:
+            loaded[(spec, own)] = _head(spec, flag, target, dtype, parallel=not own, shape=shape)
+        heads[mode] = loaded[(spec, own)]
+        for k in settings.ks:
+            try:
+                make_spec(target, heads[mode], max_new_tokens=settings.max_new_tokens, num_speculative_tokens=k,
+                          drafting=mode, simulate_acceptance=settings.simulated(k))
+            except (ValueError, TypeError) as e:
+                raise BenchError(f"{flag} {spec} with --drafting {mode} --k {k}: {e}") from None
+    return heads
+
+
+def _prompt_sets(args, settings: BenchSettings, datasets, tok, shape: Optional[str]) -> tuple[list, bool]:
+    """(requests for every dataset, whether the chat template was applied): the tokenizer's ids (chat template per
+    --chat), or for a random target random ids of --prompt-len or of the rendered lengths."""
+    chat = tok is not None and (args.chat == "on" or (args.chat == "auto" and tok.has_chat_template))
+    if shape is not None:
+        how = (f"random ids, {args.prompt_len} per prompt" if args.prompt_len else
+               f"random ids of the prompts' token lengths under {args.tokenizer}"
+               + (" with the chat template" if chat else ""))
+    else:
+        how = "the tokenizer" + (" with the chat template" if chat else " (no chat template)")
+
+    def render(content):
+        try:
+            return tok.render(content, chat=chat)
+        except (ValueError, TypeError) as e:
+            raise BenchError(f"rendering a prompt with the tokenizer of {args.tokenizer or args.target} failed: "
+                             f"{e}") from None
+    vocab = config_from_hf(RANDOM_SHAPES[shape]).vocab_size if shape is not None else None
+    count = None if settings.num_prompts is None else max(settings.num_prompts)
+    return [build_prompt_set(ds, count, render=render if tok is not None else None, random_vocab=vocab,
+                             prompt_len=args.prompt_len, seed=settings.seed, how=how) for ds in datasets], chat
+
+
+def _load_target(args, shape: Optional[str], dtype, sets):
+    if shape is not None:
+        return random_target(shape, dtype)
+    try:
+        target = load_target(args.target, dtype)
+    except (CheckpointError, ConfigError) as e:
+        raise BenchError(f"--target: {e}") from None
+    vocab = target.config.vocab_size
+    for ps in sets:
+        top = max(max(r.tokens) for r in ps.requests)
+        if top >= vocab:
+            raise BenchError(f"--tokenizer {args.tokenizer or args.target}: {ps.dataset.name} renders to token id "
+                             f"{top}, outside the target's vocabulary [0, {vocab})")
+    return target
+
+
+def _header(args, settings: BenchSettings, target, meta: dict, cache_dtype, argv) -> dict:
+    """bench.md's description of the run."""
+    cfg = target.config
+    eos = settings.eos_token_ids
+    return {
+        "target": f"`{args.target}` ({cfg.model_type}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab "
+                  f"{cfg.vocab_size}{', random weights' if args.target.startswith('random:') else ''})",
+        "heads": "; ".join(f"{m}: `{h}`" for m, h in meta["heads"].items()) or "-",
+        "dtype": f"{meta['dtype']} (KV cache: {cache_dtype.name if cache_dtype is not None else 'the same'}), "
+                 f"kernels: {args.implementation}",
+        "hardware": meta["hardware"],
+        "software": f"JAX {meta['jax_version']}, jaxlib {meta['jaxlib_version']}, pjax {meta['pjax_version']}, "
+                    f"Python {meta['python_version']}",
+        "date": meta["date"],
+        "settings": f"max_new_tokens {settings.max_new_tokens}"
+                    + (", EOS ignored" if not eos else f", stops at EOS {list(eos)}")
+                    + f", temperature {settings.temperature}, seed {settings.seed}",
+        "exactness": f"temperature 0: each speculative output vs `none`'s at the same concurrency; near-tie "
+                     f"threshold {NEAR_TIE_EPS} x eps({meta['dtype']}) x max(1, abs(top logit))",
+        "timing": "compilation excluded: every configuration compiles and warms up before it is timed; output "
+                  "tok/s = output tokens / wall time of the configuration's run",
+        "command": f"`{shlex.join(['python', '-m', 'pjax', 'bench'] + list(argv))}`",
+    }
+
+
+def run(args, argv) -> int:
+    t_start = time.perf_counter()
+    settings = _settings(args)
+    dtype = _dtype(args.dtype, "--dtype")
+    cache_dtype = _dtype(args.cache_dtype, "--cache-dtype")
+    if args.prompt_len is not None and args.prompt_len < 1:
+        raise BenchError(f"--prompt-len {args.prompt_len}: must be >= 1")
+    shape = parse_random(args.target, "--target")
+    if shape is not None and shape not in RANDOM_SHAPES:
+        raise BenchError(f"--target {args.target}: unknown shape (expected one of "
+                         f"{', '.join('random:' + s for s in RANDOM_SHAPES)})")
+    if shape is None and args.prompt_len is not None:
+        raise BenchError("--prompt-len applies to random targets only (a real target's prompts are the dataset's)")
+    names = [n.strip() for value in (args.dataset or ["mt-bench"]) for n in value.split(",") if n.strip()]
+    if not names:
+        raise BenchError("--dataset: give a dataset name or file")
+    local = [x for x in (args.target, args.head, args.sequential_head, args.tokenizer) + tuple(names)
+             if x is not None and not x.startswith("random:") and x not in DATASET_NAMES]
+    prepare_output(args.out, force=args.force, kind="bench", sources=local)  # refuse before any work
+    datasets = [load_dataset(n) for n in names]
+    tok = _tokenizer(args, shape is not None)
+    sets, chat = _prompt_sets(args, settings, datasets, tok, shape)
+    if not (args.ignore_eos or tok is None or shape is not None):
+        settings = dataclasses.replace(settings, eos_token_ids=tuple(tok.eos_token_ids))
+
+    target = _load_target(args, shape, dtype, sets)
+    heads = _heads(args, settings, target, dtype, shape)
+    meta = {"target": args.target,
+            "heads": {m: (args.sequential_head if m == "sequential" and args.sequential_head else args.head)
+                      for m in settings.speculative},
+            "dtype": jnp.dtype(dtype).name, "implementation": args.implementation,
+            "chat_template": chat, "seed": settings.seed, "near_tie_eps": NEAR_TIE_EPS,
+            **environment()}
+    backend = BatchBackend(target, heads, implementation=args.implementation, cache_dtype=cache_dtype)
+    from tqdm.auto import tqdm
+    result = run_bench(backend, sets, settings, meta=meta,
+                       next_logits=lambda ids: next_token_logits(target, ids, args.implementation),
+                       compute_dtype=dtype, progress=not args.no_progress, t_start=t_start,
+                       log=lambda msg: tqdm.write(msg, file=sys.stderr))
+
+    out = write_outputs(args.out, result, _header(args, settings, target, meta, cache_dtype, argv),
+                        force=args.force, sources=local)
+    print(f"wrote {out}: bench.json, requests.jsonl, bench.md"
+          + ("" if plots_available() else f" ({PLOTS_MISSING})"))
+    for r in result.rows:
+        print(f"  {r['dataset']} {r['drafting']}" + (f" K={r['k']}" if r["k"] else "")
+              + f" c={r['concurrency']}: {r['output_tokens_per_s']:.1f} output tok/s"
+              + (f", AL {r['mean_acceptance_length']:.2f}" if r["mean_acceptance_length"] else "")
+              + (f", exact {r['exact_matches']}/{r['num_prompts']}" if r["exact_matches"] is not None else ""))
+    if result.skipped:
+        print(f"  {len(result.skipped)} configuration(s) not run (time budget): see bench.md")
+    return 0
+
+
+def main(argv=None, prog: str = "python -m pjax bench") -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(prog).parse_args(argv)
+    try:
+        return run(args, argv)
+    except (BenchError, CheckpointError, ConfigError) as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted (nothing written)", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

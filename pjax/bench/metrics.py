@@ -1,0 +1,79 @@
+"""The benchmark's metrics, defined as `vllm bench serve` defines them.
+
+- output_tokens_per_s (OTPS) = total output tokens / duration of the run (wall time, compilation excluded).
+- TPOT per request = (e2e - TTFT) / (output tokens - 1), over requests with more than one output token;
+  TTFT and end-to-end latency (e2el) per request from the moment it started; mean / median / p99 of each, in ms.
+- mean_acceptance_length = 1 + accepted tokens / drafts (the bonus token included), acceptance_rates[i] = rounds
+  whose draft i was accepted / drafts, acceptance_rate = accepted / drafted tokens; None without drafts.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+
+from pjax.bench.backend import RequestResult
+
+__all__ = ["acceptance", "by_category", "latency", "summarize"]
+
+
+def _stats(values: Sequence[float], name: str) -> dict:
+    """{name_ms_mean, name_ms_median, name_ms_p99} of seconds (None when there are no values)."""
+    if not len(values):
+        return {f"{name}_ms_mean": None, f"{name}_ms_median": None, f"{name}_ms_p99": None}
+    ms = 1e3 * np.asarray(values, np.float64)
+    return {f"{name}_ms_mean": float(ms.mean()), f"{name}_ms_median": float(np.median(ms)),
+            f"{name}_ms_p99": float(np.percentile(ms, 99))}
+
+
+def latency(requests: Sequence[RequestResult]) -> dict:
+    """TTFT, TPOT and end-to-end latency statistics of `requests` (ms)."""
+    return {**_stats([r.ttft_s for r in requests], "ttft"),
+            **_stats([r.tpot_s for r in requests if r.tpot_s is not None], "tpot"),
+            **_stats([r.e2e_s for r in requests], "e2el")}
+
+
+def acceptance(requests: Sequence[RequestResult], k: int) -> dict:
+    """Acceptance of the drafts of `requests` (K drafts per round)."""
+    drafts = sum(r.num_drafts for r in requests)
+    accepted = sum(r.num_accepted_tokens for r in requests)
+    per_pos = np.zeros(k, np.int64)
+    for r in requests:
+        per_pos += np.asarray(r.accepted_per_position[:k], np.int64)
+    out = {"num_drafts": drafts, "num_draft_tokens": drafts * k, "num_accepted_tokens": accepted}
+    if k == 0 or drafts == 0:
+        return {**out, "mean_acceptance_length": None, "acceptance_rate": None, "acceptance_rates": None}
+    return {**out, "mean_acceptance_length": 1.0 + accepted / drafts, "acceptance_rate": accepted / (drafts * k),
+            "acceptance_rates": [float(x) / drafts for x in per_pos]}
+
+
+def summarize(requests: Sequence[RequestResult], duration_s: float, k: int) -> dict:
+    """Every metric of one run: throughput over `duration_s`, latencies, acceptance, rounds and stop reasons."""
+    out_tokens = sum(r.output_tokens for r in requests)
+    reasons: dict[str, int] = {}
+    for r in requests:
+        reasons[r.stop_reason] = reasons.get(r.stop_reason, 0) + 1
+    rounds = [r.rounds for r in requests]
+    return {
+        "num_prompts": len(requests),
+        "output_tokens": out_tokens,
+        "duration_s": duration_s,
+        "output_tokens_per_s": out_tokens / duration_s if duration_s > 0 else None,
+        "request_throughput": len(requests) / duration_s if duration_s > 0 else None,
+        **latency(requests),
+        **acceptance(requests, k),
+        "rounds": int(sum(rounds)),
+        "rounds_per_request_mean": float(np.mean(rounds)) if rounds else None,
+        "stop_reasons": dict(sorted(reasons.items())),
+    }
+
+
+def by_category(requests: Sequence[RequestResult], categories: Sequence[Optional[str]], k: int) -> dict:
+    """Per category: prompts, output tokens, acceptance and latency of its requests (throughput is a property of
+    the whole run, not of a category)."""
+    groups: dict[str, list[RequestResult]] = {}
+    for r, c in zip(requests, categories):
+        if c is not None:
+            groups.setdefault(c, []).append(r)
+    return {c: {"num_prompts": len(rs), "output_tokens": sum(r.output_tokens for r in rs),
+                **acceptance(rs, k), **latency(rs)} for c, rs in groups.items()}

@@ -1,0 +1,123 @@
+"""The models a benchmark runs: checkpoints from directories, or random weights of a published geometry for timing
+large shapes (`random:llama3.1-8b`, `random:gpt-oss-20b`, `random:qwen3-30b-a3b` targets, and `random:tiny` for
+CPU smoke runs; `random:N` heads of N layers shaped for the target).
+
+Random geometries are the published `config.json` values of meta-llama/Llama-3.1-8B-Instruct, openai/gpt-oss-20b
+and Qwen/Qwen3-30B-A3B parsed by the same code as a real checkpoint (`pjax.models.config_from_hf`). Random heads
+take the draft vocabulary of the published heads of that target where one is known (32,000 tokens with a d2t
+map for Llama-3.1-8B, as its EAGLE-3 heads; the full vocabulary and mask token 201020 for GPT-OSS-20B, as
+amazon/GPT-OSS-20B-P-EAGLE), else the target's vocabulary and its last id as mask token.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pjax.bench.errors import BenchError
+from pjax.models.drafter import Drafter, abstract_drafter
+from pjax.models.families import config_from_hf
+from pjax.models.target import Target, abstract_target
+
+__all__ = ["RANDOM_SHAPES", "parse_random", "random_head", "random_target"]
+
+RANDOM_SHAPES = {
+    "llama3.1-8b": {
+        "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 131072, "rope_theta": 500000.0, "tie_word_embeddings": False,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192}},
+    "gpt-oss-20b": {
+        "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
+        "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+        "num_local_experts": 32, "num_experts_per_tok": 4, "sliding_window": 128, "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 131072, "rope_theta": 150000.0, "swiglu_limit": 7.0, "attention_bias": True,
+        "tie_word_embeddings": False,
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(24)],
+        "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 4096}},
+    "qwen3-30b-a3b": {
+        "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+        "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+        "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 40960, "rope_theta": 1000000.0,
+        "tie_word_embeddings": False},
+    "tiny": {  # a CPU smoke-test geometry (the random-weight path of the large shapes, in seconds)
+        "model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 4096, "rope_theta": 10000.0, "tie_word_embeddings": False},
+}
+# per target shape: (draft vocabulary size or None = the target's, mask token id or None = the last id)
+HEAD_VOCAB = {"llama3.1-8b": (32000, None), "gpt-oss-20b": (None, 201020), "qwen3-30b-a3b": (None, None)}
+RANDOM_PREFIX = "random:"
+
+
+def parse_random(value: str, flag: str) -> Optional[str]:
+    """The part after "random:" (None when `value` is not a random spec)."""
+    if not value.startswith(RANDOM_PREFIX):
+        return None
+    rest = value[len(RANDOM_PREFIX):]
+    if not rest:
+        raise BenchError(f"{flag} {value}: give what follows 'random:'")
+    return rest
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _normal(key, shape, dtype, std):
+    return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+def _random_params(abstract, key, scale: float = 0.02):
+    """Random params for an abstract tree, generated on the default device one leaf at a time (peak memory: the
+    weights plus one float32 leaf, so a 20B model fits where a whole-tree float32 draw would not): normal(0,
+    scale) matrices, ones for norm weights and layer scalars, zeros for biases and sinks, normal(0, 1)
+    mask_hidden (as speculators initialises it)."""
+    leaves, treedef = jax.tree.flatten_with_path(abstract)
+    out = []
+    for i, (path, leaf) in enumerate(leaves):
+        name = str(getattr(path[-1], "key", path[-1]))
+        shape = tuple(leaf.shape)
+        if name in ("weight", "layer_scalar"):
+            out.append(jnp.ones(shape, leaf.dtype))
+        elif "bias" in name or name == "sinks":
+            out.append(jnp.zeros(shape, leaf.dtype))
+        else:
+            out.append(_normal(jax.random.fold_in(key, i), shape, leaf.dtype, 1.0 if name == "mask_hidden" else scale))
+    return jax.tree.unflatten(treedef, out)
+
+
+def random_target(shape: str, dtype, seed: int = 0) -> Target:
+    """A target of the named geometry (`RANDOM_SHAPES`) with random weights."""
+    if shape not in RANDOM_SHAPES:
+        raise BenchError(f"--target random:{shape}: unknown shape (expected one of "
+                         f"{', '.join('random:' + s for s in RANDOM_SHAPES)})")
+    cfg = config_from_hf(RANDOM_SHAPES[shape], f"random:{shape}")
+    abstract = abstract_target(cfg, dtype)
+    return Target(cfg, abstract.graphdef, _random_params(abstract.params, jax.random.key(seed)))
+
+
+def random_head(target: Target, spec: str, *, parallel: bool, dtype, shape: Optional[str] = None, seed: int = 1,
+                flag: str = "--head") -> Drafter:
+    """A random head of `spec` = N layers shaped for `target` (`pjax.train.drafter_config_for_target`): P-EAGLE
+    (mask token and mask_hidden) when `parallel`, else EAGLE-3. `shape`: the random target's name, which picks
+    the published draft vocabulary."""
+    if not spec.isdigit() or int(spec) < 1:
+        raise BenchError(f"{flag} random:{spec}: expected random:N with N >= 1 draft layers")
+    from pjax.train.heads import drafter_config_for_target
+    vd, mask = HEAD_VOCAB.get(shape, (None, None))
+    v = target.config.vocab_size
+    cfg = drafter_config_for_target(target.config, num_layers=int(spec), draft_vocab_size=vd,
+                                    mask_token_id=(v - 1 if mask is None else mask) if parallel else None,
+                                    model_kind="peagle" if parallel else "eagle3")
+    key = jax.random.key(seed)
+    abstract = abstract_drafter(cfg, dtype)
+    params = _random_params(abstract.params, key)
+    d2t = None
+    if cfg.draft_vocab_size < v:  # a random ascending draft vocabulary
+        ids = np.sort(np.random.default_rng(seed).permutation(v)[:cfg.draft_vocab_size])
+        d2t = jnp.asarray(ids - np.arange(cfg.draft_vocab_size), jnp.int32)
+    return Drafter(cfg, abstract.graphdef, params, d2t)
