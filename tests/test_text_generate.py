@@ -160,6 +160,11 @@ def test_stream_deltas_concatenate_to_the_text(gen, sampling, with_stop):
     assert finished == [o.finish_reason for o in want]
     if with_stop:
         assert want[0].stop_reason == stop[0]
+    left = fine.stream(PROMPTS, **kw)  # a stream left mid-chunk still completes every request in result()
+    for n, _ in enumerate(left):
+        if n == 1:  # the first chunk has one delta per request (the prefill token)
+            break
+    assert [o.text for o in left.result()] == texts
 
 
 def test_ctrl_c_returns_the_text_so_far(gen):

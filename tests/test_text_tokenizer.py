@@ -73,11 +73,15 @@ def test_template_kwargs_and_errors(tmp_path):
     extra = CHAT_TEMPLATE.replace("<|start|>assistant\n{% endif %}",
                                   "<|start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
                                   "(no thinking)\n{% endif %}{% endif %}")
+    extra = extra.replace("{{- bos_token }}", "{{- bos_token }}{{ think_token }}{{ image_token }}")
     path = write_tokenizer(tmp_path / "a", template=extra)
+    cfg = json.loads((path / "tokenizer_config.json").read_text())  # a model's own named tokens are variables too
+    cfg.update(think_token="<|end|>", add_bos_token=False, extra_special_tokens={"image_token": "<|pad|>"})
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
     tok, ref = T.load_tokenizer(path), tf.AutoTokenizer.from_pretrained(path)
     want = ref.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False, enable_thinking=False)
     assert tok.apply_chat_template(CHAT, tokenize=False, enable_thinking=False) == want
-    assert want.endswith("(no thinking)\n")
+    assert want.startswith("<|bos|><|end|><|pad|>") and want.endswith("(no thinking)\n")
     assert tok.render(CHAT, chat_template_kwargs={"enable_thinking": False}) == tok.encode(want,
                                                                                          add_special_tokens=False)
     with pytest.raises(T.TemplateError, match="unknown role: tool"):  # the template's raise_exception

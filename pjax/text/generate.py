@@ -95,16 +95,16 @@ class TextStream:
             return
         try:
             for chunk in self._gen:
+                deltas = []  # every request takes the whole chunk before any delta is handed out
                 for i, req in enumerate(self._requests):
                     if req.finish_reason is not None:
                         continue
-                    new = chunk.new_tokens[i]
-                    reason = chunk.stop_reasons[i] if chunk.done[i] else None
-                    ids = self._feed(i, req, new, reason)
+                    ids = self._feed(i, req, chunk.new_tokens[i], chunk.stop_reasons[i] if chunk.done[i] else None)
                     finished = req.finish_reason is not None
                     text = req.out.take(final=finished)
                     if text or ids or finished:
-                        yield TextDelta(i, text, ids, finished, req.finish_reason)
+                        deltas.append(TextDelta(i, text, ids, finished, req.finish_reason))
+                yield from deltas
         except KeyboardInterrupt as e:
             self._interrupted(e)
         self._outputs = self._build(self._gen.result())
@@ -132,11 +132,13 @@ class TextStream:
             self._gen.close()
             res = self._gen.result()
         for i, req in enumerate(self._requests):
-            if req.finish_reason is None:
+            if req.finish_reason is None:  # tokens of the last snapshot not handed out yet, then "interrupted"
                 for t in res.tokens[i][len(req.out.token_ids):]:
                     if req.out.add(t):
+                        req.finish_reason, req.stop_reason = "stop", req.out.stop_string
                         break
-                req.finish_reason = "interrupted"
+                else:
+                    req.finish_reason = "interrupted"
         outputs = self._build(res)
         self._outputs = outputs
         raise TextGenerationInterrupted(outputs) from None
@@ -145,8 +147,8 @@ class TextStream:
         out = []
         for i, req in enumerate(self._requests):
             req.out.take(final=True)
-            out.append(TextOutput(req.out.text, list(req.out.token_ids), req.finish_reason or "interrupted",
-                                  req.stop_reason, req.prompt, res.stats["requests"][i]))
+            out.append(TextOutput(req.out.text, list(req.out.token_ids), req.finish_reason, req.stop_reason,
+                                  req.prompt, res.stats["requests"][i]))
         return out
 
     def result(self) -> Union[TextOutput, list[TextOutput]]:

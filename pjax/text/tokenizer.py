@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 try:
     import tokenizers
@@ -93,7 +93,8 @@ def check_messages(messages, where: str = "messages") -> list[dict]:
 class Tokenizer:
     """A Hugging Face tokenizer directory: encode / decode with `tokenizers`, chat templates with Jinja.
 
-    backend: the `tokenizers.Tokenizer`; special_tokens: {"bos_token": "<s>", ...} (the names present);
+    backend: the `tokenizers.Tokenizer`; special_tokens: the named special tokens, {"bos_token": "<s>", ...} (chat
+    templates see them as variables);
     chat_templates: {name: Jinja source} ("default" is the one used); eos_token_ids: the ids that end a generation.
     """
 
@@ -199,6 +200,24 @@ class Tokenizer:
                         f"{type(prompt).__name__}" + (" (empty)" if isinstance(prompt, (list, tuple)) else ""))
 
 
+def _special_tokens(config: dict, where: Path) -> dict[str, str]:
+    """Named special tokens of a config: the standard names, any other "*_token" key holding a token (a model's own,
+    e.g. "image_token") and a dict under "extra_special_tokens" (transformers' rules). Null entries are left out."""
+    out = {}
+    for k, v in config.items():
+        if k in SPECIAL_TOKEN_KEYS:
+            v = _token_text(v, f"{where}: {k}")
+        elif not (k.endswith("_token") and (isinstance(v, str) or (isinstance(v, dict) and "content" in v))):
+            continue
+        if v is not None:
+            out[k] = _token_text(v, f"{where}: {k}")
+    extra = config.get("extra_special_tokens")
+    if isinstance(extra, dict):
+        out.update({k: _token_text(v, f"{where}: extra_special_tokens.{k}") for k, v in extra.items()
+                    if v is not None})
+    return out
+
+
 def _chat_templates(path: Path, config: dict) -> dict[str, str]:
     """Templates by name; files beat the config entry (transformers' priority)."""
     templates = {}
@@ -255,13 +274,10 @@ def load_tokenizer(path) -> Tokenizer:
     except Exception as e:  # the Rust loader raises plain Exceptions
         raise TokenizerError(f"{path / TOKENIZER_FILE}: cannot be read by the tokenizers library ({e})") from None
     config = _read_json(path / CONFIG_FILE) or {}
-    special: dict[str, Any] = {k: _token_text(config.get(k), f"{path / CONFIG_FILE}: {k}") for k in SPECIAL_TOKEN_KEYS}
+    special = _special_tokens(config, path / CONFIG_FILE)
     legacy = _read_json(path / SPECIAL_TOKENS_FILE)
     if legacy is not None and "added_tokens_decoder" not in config:
-        for k in SPECIAL_TOKEN_KEYS:
-            if legacy.get(k) is not None:
-                special[k] = _token_text(legacy[k], f"{path / SPECIAL_TOKENS_FILE}: {k}")
-    special = {k: v for k, v in special.items() if v is not None}
+        special.update(_special_tokens(legacy, path / SPECIAL_TOKENS_FILE))
     return Tokenizer(backend, special_tokens=special, chat_templates=_chat_templates(path, config),
                      generation_eos=_generation_eos(path), path=path)
 
