@@ -80,8 +80,9 @@ def test_file(dirs, gen, tmp_path):
 def test_bad_input_exits_2_with_one_line(tmp_path):
     r = run_cli("--target", tmp_path / "missing", "--prompt", "hi")
     assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert r.stderr.strip().splitlines() == [f"error: {tmp_path / 'missing'}: no such directory (expected a Hugging "
-                                             "Face model directory with tokenizer.json and tokenizer_config.json)"]
+    assert r.stderr.strip().splitlines() == [f"error: --target: {tmp_path / 'missing'}: no such directory (expected "
+                                             "a Hugging Face model directory with tokenizer.json and "
+                                             "tokenizer_config.json)"]
 
 
 def _main(capsys, *args):
@@ -123,7 +124,8 @@ def test_bad_input_in_process(dirs, tmp_path, capsys):
         fails("--file", bad, match=match)
     no_tok = tmp_path / "no_tok"
     no_tok.mkdir()
-    fails("--prompt", "a", "--tokenizer", no_tok, match=r"no_tok: no tokenizer.json \(looked for tokenizer.json")
+    fails("--prompt", "a", "--tokenizer", no_tok,
+          match=r"--tokenizer: .*no_tok: no tokenizer.json \(looked for tokenizer.json")
     fails("--prompt", "a", "--head", target, match=r"--head: .* not a drafter head")
     plain = tmp_path / "plain"
     plain.mkdir()

@@ -1,8 +1,8 @@
 """`python -m pjax generate`: text from a prompt, a chat or a jsonl file, with a target directory and a P-EAGLE head.
 
-    python -m pjax generate --target DIR [--head DIR] (--prompt TEXT | --chat TEXT | --file FILE.jsonl)
+    python -m pjax generate --target DIR [--head DIR] [--tokenizer DIR] (--prompt TEXT | --chat TEXT | --file F.jsonl)
         [--drafting parallel|sequential|none] [--k K] [--temperature T] [--top-p P] [--top-k N] [--seed S]
-        [--max-new-tokens N] [--dtype bfloat16|float32] [--stop STR ...] [--stream]
+        [--max-new-tokens N] [--dtype bfloat16|float32] [--stop STR ...] [--stream] [--batch-size N]
 
 The text goes to stdout (for --file one block per row, headed "=== prompt N ==="), a statistics line per prompt to
 stderr. Exit codes: 0 success, 2 bad usage or bad input (one line naming the flag or file), 130 Ctrl-C (the text
@@ -71,10 +71,13 @@ def build_parser(prog: str = "python -m pjax generate") -> argparse.ArgumentPars
                    help="draft tokens per round (default 7 parallel, capped by the head's depth; 3 sequential)")
     p.add_argument("--temperature", type=_number(float, low=0.0), default=0.0, metavar="T",
                    help="0 = greedy (default)")
-    p.add_argument("--top-p", type=_number(float, low=0.0, high=1.0, low_open=True), metavar="P")
-    p.add_argument("--top-k", type=_number(int, low=0), metavar="N")
-    p.add_argument("--seed", type=_number(int, low=0, high=SEED_LIMIT, high_open=True), default=0, metavar="S")
-    p.add_argument("--max-new-tokens", type=_number(int, low=1), default=256, metavar="N")
+    p.add_argument("--top-p", type=_number(float, low=0.0, high=1.0, low_open=True), metavar="P",
+                   help="nucleus sampling in (0, 1] (default: off)")
+    p.add_argument("--top-k", type=_number(int, low=0), metavar="N", help="top-k sampling (default: off)")
+    p.add_argument("--seed", type=_number(int, low=0, high=SEED_LIMIT, high_open=True), default=0, metavar="S",
+                   help="sampling seed in [0, 2**32) (default 0)")
+    p.add_argument("--max-new-tokens", type=_number(int, low=1), default=256, metavar="N",
+                   help="new tokens per prompt at most (default 256)")
     p.add_argument("--dtype", type=_dtype, default="bfloat16", help="parameter dtype: bfloat16 (default), float32")
     p.add_argument("--stop", nargs="+", action="extend", metavar="STR",
                    help="stop strings: the text ends before the first one (bash: --stop $'\\n\\n' for newlines)")
@@ -214,7 +217,8 @@ def run(args) -> int:
         raise InputError(f"--drafting {args.drafting} needs --head DIR (or use --drafting none)")
     if args.k is not None and (args.head is None or args.drafting == "none"):
         raise InputError("--k needs drafting: give --head DIR (and not --drafting none)")
-    tokenizer = _checked("", load_tokenizer, args.target if args.tokenizer is None else args.tokenizer)
+    tokenizer = (_checked("--target", load_tokenizer, args.target) if args.tokenizer is None
+                 else _checked("--tokenizer", load_tokenizer, args.tokenizer))
     prompts = _render(tokenizer, args)
     dtype = parse_dtype(args.dtype)
     target = _checked("--target", load_target, args.target, dtype=dtype)
