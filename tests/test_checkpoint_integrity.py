@@ -197,15 +197,26 @@ def test_finite_check_is_one_device_pass(hf_dir, monkeypatch):
     """All leaves in one jitted reduction (one call, device arrays in), no host numpy scan."""
     from pjax.checkpoint import integrity
     calls = []
-    real = integrity.nonfinite_counts
+    real = integrity.finite_flags
 
     def spy(leaves):
         calls.append([type(x) for x in leaves])
         return real(leaves)
-    monkeypatch.setattr(integrity, "nonfinite_counts", spy)
+    monkeypatch.setattr(integrity, "finite_flags", spy)
 
     def no_host_scan(*a, **k):
         raise AssertionError("host numpy scan")
     monkeypatch.setattr(np, "isfinite", no_host_scan)
     pjax.load_target(hf_dir, dtype=jnp.float32)
     assert len(calls) == 1 and all(issubclass(t, jax.Array) for t in calls[0]) and len(calls[0]) == 21
+
+
+def test_finite_flags_every_dtype():
+    from pjax.checkpoint import integrity
+    x = np.zeros((5, 7), np.float32)
+    leaves = [jnp.asarray(x, dt).at[2, 3].set(v) for dt in (jnp.float32, jnp.bfloat16, jnp.float16)
+              for v in (0.5, np.nan, np.inf, -np.inf)]
+    leaves += [jnp.zeros((0, 3), jnp.float32), jnp.arange(4), jnp.ones(3, bool)]
+    flags = np.asarray(integrity.finite_flags(leaves))
+    np.testing.assert_array_equal(flags, [True, False, False, False] * 3 + [True] * 3)
+    np.testing.assert_array_equal(np.asarray(integrity.nonfinite_counts(leaves[:4])), [0, 1, 1, 1])
