@@ -152,6 +152,16 @@ def test_write_output_dir_is_atomic(tmp_path):
     assert sorted(os.listdir(out)) == ["b.json", files.OUTPUT_MARKER] and os.listdir(tmp_path) == ["run"]
 
 
+def test_replacement_without_atomic_exchange(tmp_path, monkeypatch):
+    """Where the file system cannot swap two directories, the old output is renamed aside, then removed."""
+    monkeypatch.setattr(files, "_exchange", lambda a, b: False)
+    for n in range(2):
+        with files.write_output_dir(tmp_path / "run", force=True, kind="bench") as d:
+            (d / f"{n}.json").write_text("{}")
+    assert sorted(os.listdir(tmp_path / "run")) == ["1.json", files.OUTPUT_MARKER]
+    assert os.listdir(tmp_path) == ["run"]
+
+
 def _dead_pid() -> int:
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     p.wait()
