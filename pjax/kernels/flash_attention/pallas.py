@@ -77,15 +77,21 @@ def _interior(start, bk, lo_max, hi_min):
     return (start >= lo_max) & (start + bk - 1 <= hi_min)
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, lo_ref, hi_ref, first_ref, end_ref, o_ref, lse_ref, *, g, bq, bk, c, shared,
-                precision, interpret):
+def _query_tile(q_ref, lo_ref, hi_ref, *, bq, shared):
+    """Program (b, h, i) of a kernel over query tiles: (b, h, i, mask row bm, tile rows, head dims, q [bq, hdp],
+    lo, hi [bq])."""
     b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     bm = jnp.int32(0) if shared else b
-    hdp = q_ref.shape[-1]
     rows = pl.ds(pl.multiple_of(i * bq, bq), bq)
-    dims = pl.ds(0, hdp)
+    dims = pl.ds(0, q_ref.shape[-1])
     q = pltriton.load(q_ref.at[b, rows, h, dims])
-    lo, hi = pltriton.load(lo_ref.at[bm, rows]), pltriton.load(hi_ref.at[bm, rows])
+    return b, h, i, bm, rows, dims, q, pltriton.load(lo_ref.at[bm, rows]), pltriton.load(hi_ref.at[bm, rows])
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, lo_ref, hi_ref, first_ref, end_ref, o_ref, lse_ref, *, g, bq, bk, c, shared,
+                precision, interpret):
+    b, h, i, bm, rows, dims, q, lo, hi = _query_tile(q_ref, lo_ref, hi_ref, bq=bq, shared=shared)
+    hdp = q_ref.shape[-1]
     lo_max, hi_min = jnp.max(lo), jnp.min(hi)
     kvh = h // g
 
@@ -114,15 +120,10 @@ def _fwd_kernel(q_ref, k_ref, v_ref, lo_ref, hi_ref, first_ref, end_ref, o_ref, 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lo_ref, hi_ref, first_ref, end_ref, dq_ref, *, g, bq,
                bk, c, scale, shared, precision, interpret):
-    b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    bm = jnp.int32(0) if shared else b
+    b, h, i, bm, rows, dims, q, lo, hi = _query_tile(q_ref, lo_ref, hi_ref, bq=bq, shared=shared)
     hdp = q_ref.shape[-1]
-    rows = pl.ds(pl.multiple_of(i * bq, bq), bq)
-    dims = pl.ds(0, hdp)
-    q = pltriton.load(q_ref.at[b, rows, h, dims])
     do = pltriton.load(do_ref.at[b, rows, h, dims])
     lse, delta = pltriton.load(lse_ref.at[b, h, rows]), pltriton.load(delta_ref.at[b, h, rows])
-    lo, hi = pltriton.load(lo_ref.at[bm, rows]), pltriton.load(hi_ref.at[bm, rows])
     lo_max, hi_min = jnp.max(lo), jnp.min(hi)
     kvh = h // g
 

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 from pjax.kernels.flash_attention.chunking import chunk_size, chunked_map
 from pjax.kernels.flash_attention.mask import AttentionMask, bounds_visible, query_bounds
 
-__all__ = ["DEFAULT_CHUNK_ELEMENTS", "MASK_VALUE", "attention", "chain_partial", "check_inputs", "masked_softmax",
-           "merge_partials"]
+__all__ = ["DEFAULT_CHUNK_ELEMENTS", "MASK_VALUE", "attention", "chain_partial", "check_inputs", "check_qkv",
+           "masked_softmax", "merge_partials"]
 
 MASK_VALUE = -1e30  # finite: a query with no visible key gets uniform weights instead of NaN
 DEFAULT_CHUNK_ELEMENTS = 1 << 28  # float32 scores of one query chunk (batch x heads x chunk x keys): 1 GiB
@@ -57,14 +57,19 @@ def merge_partials(parts, sinks=None):
     return functools.reduce(jnp.add, [o * (wi / den)[..., None] for (o, _), wi in zip(parts, w)])
 
 
-def check_inputs(q, k, v, mask: AttentionMask, sinks=None, chain_k=None, chain_v=None, op: str = "attention"):
-    """Shape checks with errors that name the tensor and what was expected."""
+def check_qkv(q, k, v, op: str):
+    """q [B, T, nh, hd] and k, v [B, S, nkv, hd] with nkv dividing nh, or an error naming the op and the shapes."""
     if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
         raise ValueError(f"{op}: q must be [B, T, nh, hd] and k, v [B, S, nkv, hd]; found q {q.shape}, k {k.shape}, "
                          f"v {v.shape}")
-    b, t, nh, hd = q.shape
-    if k.shape[0] != b or k.shape[3] != hd or nh % k.shape[2]:
+    if k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3] or q.shape[2] % k.shape[2]:
         raise ValueError(f"{op}: k {k.shape} does not match q {q.shape} (batch, head_dim, nh % nkv == 0)")
+
+
+def check_inputs(q, k, v, mask: AttentionMask, sinks=None, chain_k=None, chain_v=None, op: str = "attention"):
+    """Shape checks with errors that name the tensor and what was expected."""
+    check_qkv(q, k, v, op)
+    b, t, nh, hd = q.shape
     bm = mask.q_pos.shape[0]
     if mask.q_pos.ndim != 2 or mask.q_pos.shape[1] != t or bm not in (1, b):
         raise ValueError(f"{op}: mask.q_pos must be [{b} or 1, {t}], found {tuple(mask.q_pos.shape)}")
