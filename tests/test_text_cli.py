@@ -63,18 +63,32 @@ def test_chat_streamed_with_a_stop_string(dirs, gen):
 
 
 def test_file(dirs, gen, tmp_path):
-    target, head = dirs
+    target, _ = dirs
     rows = [{"prompt": "The quick brown fox", "id": 1}, {"messages": CHAT}, {"prompt": "def add(a, b):"}]
     f = tmp_path / "prompts.jsonl"
     f.write_text("\n".join([json.dumps(rows[0]), "", json.dumps(rows[1]), json.dumps(rows[2])]) + "\n")
-    r = run_cli("--target", target, "--head", head, "--file", f, "--max-new-tokens", NEW, "--dtype", "float32",
-                "--k", 3, "--batch-size", 2)
+    r = run_cli("--target", target, "--file", f, "--max-new-tokens", NEW, "--dtype", "float32")
     assert r.returncode == 0, r.stderr
-    want = gen.generate(["The quick brown fox", CHAT], max_new_tokens=NEW, k=3)
-    want += [gen.generate("def add(a, b):", max_new_tokens=NEW, k=3)]
+    want = gen.generate(["The quick brown fox", CHAT, "def add(a, b):"], max_new_tokens=NEW, drafting="none")
     assert r.stdout == "".join(f"=== prompt {i} ===\n{o.text}\n" for i, o in enumerate(want, 1))
     assert [int(m) for m in re.findall(r"^\[prompt (\d)\] ", r.stderr, re.M)] == [1, 2, 3]
     assert len(STATS.findall(r.stderr)) == 3 and "total: 3 prompts" in r.stderr
+
+
+def test_file_in_batches_streamed(dirs, gen, tmp_path, capsys, monkeypatch):
+    """--batch-size 2 over three prompts, streamed: blocks in file order, numbered across batches."""
+    target, head = dirs
+    prompts = ["The quick brown fox", "def add(a, b):", "Name three prime numbers:"]
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    monkeypatch.setattr(cli, "TextGenerator", functools.partial(T.TextGenerator, compiler_options=FAST,
+                                                                chunk_seconds=1e-6))
+    rc, out, err = _main(capsys, "--target", target, "--head", head, "--file", f, "--max-new-tokens", NEW, "--k", 3,
+                         "--dtype", "float32", "--batch-size", 2, "--stream")
+    assert rc == 0, err
+    want = gen.generate(prompts[:2], max_new_tokens=NEW, k=3) + [gen.generate(prompts[2], max_new_tokens=NEW, k=3)]
+    assert out == "".join(f"=== prompt {i} ===\n{o.text}\n" for i, o in enumerate(want, 1))
+    assert [int(m) for m in re.findall(r"^\[prompt (\d)\] ", err, re.M)] == [1, 2, 3] and "total: 3 prompts" in err
 
 
 def test_bad_input_exits_2_with_one_line(tmp_path):
