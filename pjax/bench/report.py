@@ -57,7 +57,8 @@ def _dataset_section(name: str, rows: list[dict], plots: list[str]) -> list[str]
     sim = " (simulated acceptance)" if any(r["simulated"] for r in rows) else ""
     counts = sorted({r["num_prompts"] for r in rows})
     lines = [f"## {name}{sim}", "",
-             f"{'/'.join(map(str, counts))} prompts from {first['dataset_source']}; token ids: {first['prompts']}.", ""]
+             f"{'/'.join(map(str, counts))} prompts from {first['dataset_source']}"
+             + (f"; token ids: {first['prompts']}." if first["prompts"] else "."), ""]
     none, best = _speedups(rows)
     lines += ["| drafting | K | concurrency | prompts | output tok/s | vs none | vs best sequential | TPOT median ms "
               "| TPOT p99 ms | TTFT median ms | acceptance length | acceptance per position | exact |",
@@ -70,7 +71,7 @@ def _dataset_section(name: str, rows: list[dict], plots: list[str]) -> list[str]
         if r["exact_matches"] is not None:
             exact = f"{r['exact_matches']}/{r['num_prompts']}"
             if r["mismatches"]:
-                exact += f" ({r['near_tie_mismatches']} near-tie)"
+                exact += f" ({r['mismatches']} differ: {r['near_tie_mismatches']} near-tie)"
         else:
             exact = "ref" if r["drafting"] == "none" else "-"
         lines.append(f"| {r['drafting']} | {r['k'] or '-'} | {c} | {r['num_prompts']} | {_f(otps)} | "
