@@ -4,10 +4,13 @@ and ending the row on the device), streaming deltas concatenate to the returned 
 import json
 import shutil
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 import pjax
 import pjax.text as T
+from pjax.config import LayerSpec, ModelConfig, RopeSpec
 from tests.engine_utils import FAST
 from tests.text_utils import BOS, CHAT, END, EOS, build
 
@@ -218,7 +221,13 @@ def test_bad_input(gen):
         g("a", max_new_tokens=0)
     with pytest.raises(ValueError, match=r"top_p=1.5 must be <= 1"):
         g("a", max_new_tokens=4, top_p=1.5)
+    with pytest.raises(TypeError, match="target must be a pjax Target"):
+        T.TextGenerator("/models/x", gen.drafter, gen.tokenizer)
     with pytest.raises(TypeError, match="tokenizer must be a pjax.text.Tokenizer"):
         T.TextGenerator(gen.target, gen.drafter, "tok")
     with pytest.raises(T.TokenizerError, match="no such directory"):
         T.load("/no/such/model")
+    cfg = ModelConfig("llama", 300, 32, 64, 4, (LayerSpec(8, 2, RopeSpec(theta=1e4)),), rms_norm_eps=1e-5)
+    small = pjax.init_target(cfg, jax.random.key(0), jnp.float32)
+    with pytest.warns(UserWarning, match="the tokenizer has 320 tokens but the target's vocabulary is 300"):
+        T.TextGenerator(small, None, gen.tokenizer)

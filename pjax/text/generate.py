@@ -17,6 +17,7 @@ from pjax.decode.inputs import _is_int
 from pjax.decode.state import DRAFTING_MODES
 from pjax.dtypes import parse_dtype
 from pjax.models.drafter import Drafter, no_parallel_reason
+from pjax.models.target import Target
 from pjax.text.detokenize import OutputText, check_stop_strings
 from pjax.text.tokenizer import Tokenizer, load_tokenizer
 
@@ -168,13 +169,15 @@ class TextGenerator:
     def __init__(self, target, drafter, tokenizer: Tokenizer, *, implementation: str = "auto",
                  compiler_options: Optional[dict] = None, chunk_seconds: float = 0.25, cache_dtype=None,
                  allow_tf32: bool = False):
+        if not isinstance(target, Target):
+            raise TypeError(f"target must be a pjax Target (pjax.load_target(dir)), got {type(target).__name__}")
         if not isinstance(tokenizer, Tokenizer):
             raise TypeError(f"tokenizer must be a pjax.text.Tokenizer (pjax.text.load_tokenizer(dir)), got "
                             f"{type(tokenizer).__name__}")
         if drafter is not None and not isinstance(drafter, Drafter):
             raise TypeError(f"drafter must be a pjax Drafter or None, got {type(drafter).__name__}")
-        vocab = getattr(getattr(target, "config", None), "vocab_size", None)
-        if vocab is not None and tokenizer.vocab_size > vocab:
+        vocab = target.config.vocab_size
+        if tokenizer.vocab_size > vocab:
             warnings.warn(f"the tokenizer has {tokenizer.vocab_size} tokens but the target's vocabulary is {vocab}: "
                           "prompts holding the extra tokens will be refused", stacklevel=2)
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
