@@ -10,6 +10,20 @@ weights of that geometry: time large shapes with --simulate-acceptance). Heads: 
 `random:N` (N layers shaped for the target). Datasets: mt-bench, spec-bench, humaneval, or a .jsonl file with
 "prompt" or "messages" per line. Outputs in --out: bench.json, requests.jsonl, bench.md, PNG plots.
 
+Timing large shapes with random weights (acceptance is then ~0, so it is simulated):
+
+    python -m pjax bench --target random:llama3.1-8b --head random:4 --sequential-head random:1 \\
+        --simulate-acceptance 0.75,0.67,0.64,0.64,0.64,0.64,0.64,0.64,0.64,0.64,0.64 --k 3,7,11 \\
+        --concurrency 1,8,64 --num-prompts 4,16,64 --prompt-len 128 --max-new-tokens 256 --out DIR
+
+These rates are conditional (draft i accepted given drafts 1..i-1 were): those of a trained P-EAGLE head
+(RedHatAI/Qwen3-8B-speculator.peagle at K = 7: 74.9/49.9/31.9/20.4/13.1/8.5/5.5 % per position, i.e. 0.75, 0.67,
+then ~0.64 each), continued at 0.64 up to K = 11. Both modes get the same rates, so the table isolates the cost
+of drafting (one pass of a 4-layer P-EAGLE head against K passes of a 1-layer EAGLE-3 head); trained EAGLE-3 heads
+accept less at large K, so the simulated P-EAGLE-over-EAGLE-3 speedups are conservative. Configurations run in the
+order of --concurrency (none first, then sequential and parallel per K): with --time-budget the ones cut are the
+last.
+
 Exit status: 0 done; 2 bad input (one line `error: ...` naming the flag or file; nothing written to --out);
 130 interrupted (nothing written); an unexpected failure prints its traceback (status 1).
 """
