@@ -278,6 +278,30 @@ def test_stop_token_text_left_out(pair):
         assert out.text == ("ok then<|eos|>" if include else "ok then")
 
 
+def test_decode_stream_restarts_after_an_invalid_prefix(pair, monkeypatch):
+    """tokenizers' DecodeStream fails with "Invalid prefix encountered" when a decoder rewrites earlier text: the
+    output restarts its stream from the failing token and goes on."""
+    import pjax.text.detokenize as D
+    tok, _ = pair
+    real, made = D.DecodeStream, []
+
+    class Flaky:
+        def __init__(self, **kw):
+            self.inner, self.fail = real(**kw), not made
+            made.append(self)
+
+        def step(self, backend, token):
+            if self.fail and token == ids[2]:
+                raise Exception("Invalid prefix encountered while decoding")
+            return self.inner.step(backend, token)
+    monkeypatch.setattr(D, "DecodeStream", Flaky)
+    ids = tok.encode("alpha beta gamma", add_special_tokens=False)
+    out = OutputText(tok, [BOS])
+    for t in ids:
+        out.add(t)
+    assert len(made) == 2 and out.text == "alpha beta gamma"
+
+
 def test_stop_string_checks():
     assert check_stop_strings(None) == () and check_stop_strings("a") == ("a",)
     assert check_stop_strings(["a", "b", "a"]) == ("a", "b")
