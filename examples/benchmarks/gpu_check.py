@@ -254,6 +254,8 @@ def check_targets(quick):
     total = prefill + sum(extends)
     for name in AVAILABLE:
         model_cls, cfg_cls, kw = FAMILIES[name]
+        if name == "gpt_oss" and not _reads_swiglu_limit():
+            kw = dict(kw, swiglu_limit=7.0)  # this transformers hard-codes the clamp at 7.0 and ignores the config's
         torch.manual_seed(0)
         model = randomize(model_cls(cfg_cls(**kw)).float().eval(), std=0.2)
         ids = np.random.default_rng(1).integers(0, kw["vocab_size"], (1, total))
@@ -279,6 +281,15 @@ def check_targets(quick):
                    f"prefill {prefill}, extend {extends[0]}, decode {extends[1]} (f32)", abs_err=worst_abs,
                    rel_err=worst, bound=f"rel<={PARITY_BOUND}", ok=worst <= PARITY_BOUND,
                    ran="; ".join(sorted(ran)))
+
+
+def _reads_swiglu_limit() -> bool:
+    """transformers < 5.18 builds GPT-OSS experts with a fixed limit 7.0 / alpha 1.702 whatever the config says
+    (5.18 reads config.swiglu_limit / swiglu_alpha, as pjax does)."""
+    import inspect
+
+    from transformers.models.gpt_oss import modeling_gpt_oss
+    return "config.swiglu_limit" in inspect.getsource(modeling_gpt_oss)
 
 
 # ---------------------------------------------------------------- 3. P-EAGLE drafter vs float64
