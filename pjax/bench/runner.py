@@ -194,6 +194,17 @@ def _exactness_reason(s: BenchSettings, drafting: str, have_reference: bool) -> 
     return None
 
 
+def _request_lines(ps: PromptSet, drafting: str, k: int, c: int, requests, cats, results) -> list[dict]:
+    """requests.jsonl lines of one configuration."""
+    return [{"dataset": ps.dataset.name, "drafting": drafting, "k": k, "concurrency": c, "prompt_id": req.id,
+             "category": cat, "prompt_tokens": len(req.tokens), "output_tokens": res.output_tokens,
+             "ttft_ms": 1e3 * res.ttft_s, "tpot_ms": None if res.tpot_s is None else 1e3 * res.tpot_s,
+             "e2el_ms": 1e3 * res.e2e_s, "rounds": res.rounds, "num_drafts": res.num_drafts,
+             "num_accepted_tokens": res.num_accepted_tokens,
+             "acceptance_length": 1 + res.num_accepted_tokens / res.num_drafts if res.num_drafts else None,
+             "stop_reason": res.stop_reason} for req, cat, res in zip(requests, cats, results)]
+
+
 def run_bench(backend: Backend, sets: Sequence[PromptSet], settings: BenchSettings, *, meta: dict,
               next_logits: Optional[Callable[[list[int]], np.ndarray]] = None, compute_dtype=None,
               progress: bool = True, t_start: Optional[float] = None,
@@ -206,13 +217,13 @@ def run_bench(backend: Backend, sets: Sequence[PromptSet], settings: BenchSettin
     s = settings.validate()
     t_start = time.perf_counter() if t_start is None else t_start
     configs = _configurations(sets, s)
-    total = sum(len(_requests_for(ps, s, c)[0]) for ps, _, _, c in configs)
     bar = None
     if progress:
         from tqdm.auto import tqdm
-        bar = tqdm(total=total, desc="bench", unit="req", dynamic_ncols=True)
+        bar = tqdm(total=sum(len(_requests_for(ps, s, c)[0]) for ps, _, _, c in configs), desc="bench", unit="req",
+                   dynamic_ncols=True)
     rows, details, skipped = [], [], []
-    references: dict[tuple[str, int], list[list[int]]] = {}
+    references: dict[tuple[int, int], list[list[int]]] = {}  # (prompt set, concurrency) -> none's outputs
     longest_config = 0.0
     try:
         for ps, drafting, k, c in configs:
@@ -232,50 +243,41 @@ def run_bench(backend: Backend, sets: Sequence[PromptSet], settings: BenchSettin
             if bar is not None:
                 bar.set_postfix_str(f"{label}: compiling")
             run_settings = RunSettings(drafting=drafting, k=k, concurrency=c, max_new_tokens=s.max_new_tokens,
-                                       max_positions=_max_positions(ps, s),
-                                       temperature=s.temperature, eos_token_ids=tuple(s.eos_token_ids),
+                                       max_positions=_max_positions(ps, s), temperature=s.temperature,
+                                       eos_token_ids=tuple(s.eos_token_ids),
                                        simulate_acceptance=s.simulated(k) if k else None)
             compile_s = backend.prepare(requests, run_settings)
             if bar is not None:
                 bar.set_postfix_str(label)
             result = backend.run(requests, run_settings, on_progress=bar.update if bar is not None else None)
+
             row = {"dataset": ps.dataset.name, "drafting": drafting, "k": k, "concurrency": c,
                    "max_new_tokens": s.max_new_tokens, "temperature": s.temperature,
                    "simulated": run_settings.simulate_acceptance is not None,
                    "simulate_acceptance": list(run_settings.simulate_acceptance or []) or None,
                    **summarize(result.requests, result.duration_s, k)}
             outputs = [r.tokens for r in result.requests]
+            key = (id(ps), c)
             if drafting == "none":
-                references[(ps.dataset.name, c)] = outputs
-            ref = references.get((ps.dataset.name, c))
-            reason = _exactness_reason(s, drafting, ref is not None)
+                references[key] = outputs
+            reason = _exactness_reason(s, drafting, key in references)
             exact, mismatches = None, []
             if reason is None:
-                exact, mismatches = X.compare_outputs(outputs, ref, [r.tokens for r in requests],
+                exact, mismatches = X.compare_outputs(outputs, references[key], [r.tokens for r in requests],
                                                       [r.id for r in requests], next_logits, compute_dtype)
             row.update(exact_matches=exact, exactness=reason or f"compared with none at concurrency {c}",
-                       mismatches=len(mismatches) if reason is None else None,
-                       near_tie_mismatches=sum(bool(m.near_tie) for m in mismatches) if reason is None else None,
+                       mismatches=None if reason else len(mismatches),
+                       near_tie_mismatches=None if reason else sum(bool(m.near_tie) for m in mismatches),
                        mismatch_details=[m.as_dict() for m in mismatches])
             if any(cats):
                 row["categories"] = by_category(result.requests, cats, k)
-            row.update(compile_s=compile_s, compile_s_during_timing=result.compile_s,
-                       prompts=ps.prompts, dataset_source=ps.dataset.source, scheduling=backend.scheduling, **meta)
+            row.update(compile_s=compile_s, compile_s_during_timing=result.compile_s, prompts=ps.prompts,
+                       dataset_source=ps.dataset.source, scheduling=backend.scheduling, **meta)
             rows.append(row)
-            for req, res, cat in zip(requests, result.requests, cats):
-                details.append({"dataset": ps.dataset.name, "drafting": drafting, "k": k, "concurrency": c,
-                                "prompt_id": req.id, "category": cat, "prompt_tokens": len(req.tokens),
-                                "output_tokens": res.output_tokens, "ttft_ms": 1e3 * res.ttft_s,
-                                "tpot_ms": None if res.tpot_s is None else 1e3 * res.tpot_s,
-                                "e2el_ms": 1e3 * res.e2e_s, "rounds": res.rounds, "num_drafts": res.num_drafts,
-                                "num_accepted_tokens": res.num_accepted_tokens,
-                                "acceptance_length": (1 + res.num_accepted_tokens / res.num_drafts
-                                                      if res.num_drafts else None),
-                                "stop_reason": res.stop_reason})
+            details += _request_lines(ps, drafting, k, c, requests, cats, result.requests)
             longest_config = max(longest_config, time.perf_counter() - t_config)
-            otps = row["output_tokens_per_s"]
-            log(f"{label}: {otps:.1f} output tok/s" + (f", AL {row['mean_acceptance_length']:.2f}"
-                                                         if row["mean_acceptance_length"] else "")
+            log(f"{label}: {row['output_tokens_per_s']:.1f} output tok/s"
+                + (f", AL {row['mean_acceptance_length']:.2f}" if row["mean_acceptance_length"] else "")
                 + (f", exact {exact}/{len(requests)}" if exact is not None else ""))
     finally:
         if bar is not None:
