@@ -1,9 +1,11 @@
 """The `pjax` command: one entry point whose subcommands live with the code they run.
 
+    python -m pjax generate ...  text from a prompt, a chat or a jsonl file (`pjax.text.cli`)
+    python -m pjax bench ...     throughput, latency, acceptance and exactness on datasets (`pjax.bench.cli`)
     python -m pjax convert ...   checkpoints: inspect, pjax-native copies, head export (`pjax.checkpoint.cli`)
 
 Exit codes, every subcommand: 0 success, 1 the run failed, 2 bad usage or bad input (argparse errors, files or
-arguments that do not fit, each named in a one-line message).
+arguments that do not fit, each named in a one-line message), 130 interrupted (Ctrl-C).
 """
 from __future__ import annotations
 
@@ -12,9 +14,9 @@ import sys
 
 # subcommand -> (module with `main(argv, prog) -> int`, one-line help)
 COMMANDS = {
-    "convert": ("pjax.checkpoint.cli", "inspect / validate checkpoints, write pjax-native copies, re-export heads"),
-    "bench": ("pjax.bench.cli", "benchmark speculative decoding: throughput, latency, acceptance, exactness"),
     "generate": ("pjax.text.cli", "generate text from a prompt, a chat or a jsonl file"),
+    "bench": ("pjax.bench.cli", "benchmark speculative decoding: throughput, latency, acceptance, exactness"),
+    "convert": ("pjax.checkpoint.cli", "inspect / validate checkpoints, write pjax-native copies, re-export heads"),
 }
 
 

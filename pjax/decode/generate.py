@@ -21,7 +21,7 @@ import numpy as np
 from pjax.decode import inputs as I
 from pjax.decode.state import (DRAFT_SAMPLING, DRAFTING_MODES, STOP_HOST, STOP_INTERRUPTED, STOP_NAMES, EngineSpec,
                                Sampling)
-from pjax.decode.step import decode_loop, prefill, spec_round
+from pjax.decode.step import decode_chunk, prefill, spec_round
 from pjax.dtypes import parse_dtype
 from pjax.kernels import IMPLEMENTATIONS
 from pjax.models.drafter import Drafter, consistent_drafter, no_parallel_reason
@@ -64,7 +64,7 @@ def _jitted(name: str, donate: bool, options: tuple = ()):
     opts = dict(options) or None
     if name == "prefill":
         return jax.jit(prefill, static_argnames=("spec", "capacity", "cache_dtype"), compiler_options=opts)
-    fn = {"loop": decode_loop, "round": spec_round}[name]
+    fn = {"chunk": decode_chunk, "round": spec_round}[name]
     return jax.jit(fn, static_argnames=("spec",), donate_argnames=("state",) if donate else (),
                    compiler_options=opts)
 
@@ -136,11 +136,11 @@ def make_spec(target, drafter, *, max_new_tokens: int, num_speculative_tokens: i
         raise ValueError(f"draft_sampling={draft_sampling!r}: expected one of {DRAFT_SAMPLING}")
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation={implementation!r}: expected one of {IMPLEMENTATIONS}")
-    if not I._is_int(max_new_tokens) or max_new_tokens < 1:
+    if not I.is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1 (got {max_new_tokens!r})")
     aux, mask_id, k = (), 0, 0
     if drafting != "none":
-        if not I._is_int(num_speculative_tokens) or num_speculative_tokens < 1:
+        if not I.is_int(num_speculative_tokens) or num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be an integer >= 1 for drafting={drafting!r} "
                              f"(got {num_speculative_tokens!r})")
         k = int(num_speculative_tokens)
@@ -185,7 +185,7 @@ class Generation:
                             f"{type(target).__name__}")
         if loop not in ("device", "host"):
             raise ValueError(f"loop={loop!r}: expected 'device' or 'host'")
-        if chunk_seconds is not None and (not I._is_real(chunk_seconds) or chunk_seconds <= 0):
+        if chunk_seconds is not None and (not I.is_real(chunk_seconds) or chunk_seconds <= 0):
             raise ValueError(f"chunk_seconds must be a positive number or None (one device call), got "
                              f"{chunk_seconds!r}")
         rows = I.check_prompts(prompts, target.config.vocab_size)
@@ -212,7 +212,7 @@ class Generation:
         if cache_capacity is None:
             capacity = I.bucket_capacity(need)
         else:
-            if not I._is_int(cache_capacity) or cache_capacity < 1:
+            if not I.is_int(cache_capacity) or cache_capacity < 1:
                 raise ValueError(f"cache_capacity must be a positive integer, got {cache_capacity!r}")
             capacity = int(cache_capacity)
             if longest > capacity:
@@ -268,7 +268,7 @@ class Generation:
         self._prefill_s = time.perf_counter() - t0
         self._t_first = time.perf_counter() - t_start - self._compile_s  # time to first token (compile excluded)
         loop_args = (target, drafter, self._state, sampling, jnp.int32(1))
-        self._loop, c = _compiled("loop", loop_args, dict(spec=spec), self._options, self._precision)
+        self._loop, c = _compiled("chunk", loop_args, dict(spec=spec), self._options, self._precision)
         self._compile_s += c
         self._decode_s = 0.0
         self._first_pending = True
@@ -290,12 +290,24 @@ class Generation:
     def done(self) -> bool:
         return bool(self._host["done"].all())
 
+    def _bound(self):
+        return jnp.int32(self.spec.max_new_tokens if self._rounds_per_chunk is None else self._rounds_per_chunk)
+
+    def _dispatch(self, state):
+        return self._loop(self._target, self._drafter, state, self._sampling, self._bound())
+
+    def _adapt(self, rounds: int, seconds: float):
+        """Size the next chunks to about chunk_seconds of device time."""
+        if self._chunk_seconds is not None and self._rounds_per_chunk is not None and rounds:
+            per_round = seconds / rounds
+            self._rounds_per_chunk = int(min(4096, max(1, self._chunk_seconds / max(per_round, 1e-6))))
+
     def _run_chunk(self):
-        """One device chunk of rounds (all remaining rounds when chunk_seconds is None), then a host snapshot."""
-        bound = self.spec.max_new_tokens if self._rounds_per_chunk is None else self._rounds_per_chunk
+        """One device chunk of rounds (all remaining rounds when chunk_seconds is None), then a host snapshot (the
+        streaming path: every chunk's tokens are read before the next chunk starts)."""
         t0 = time.perf_counter()
         try:
-            new_state, rounds = self._loop(self._target, self._drafter, self._state, self._sampling, jnp.int32(bound))
+            new_state, rounds = self._dispatch(self._state)[:2]
             rounds = int(rounds)  # waits for the chunk
         except KeyboardInterrupt:
             self._interrupt()
@@ -304,13 +316,45 @@ class Generation:
         self._decode_s += dt
         self._rounds += rounds
         self._chunks += 1
-        if self._chunk_seconds is not None and self._rounds_per_chunk is not None and rounds:
-            per_round = dt / rounds
-            self._rounds_per_chunk = int(min(4096, max(1, self._chunk_seconds / max(per_round, 1e-6))))
+        self._adapt(rounds, dt)
         try:
             self._snapshot()
         except KeyboardInterrupt:
             self._interrupt()
+
+    def _run_to_end(self):
+        """Every remaining round, one chunk always queued behind the running one, so the device never waits for the
+        host between chunks; the host reads only two scalars per chunk (rows still running, tokens emitted)."""
+        t0 = last = time.perf_counter()
+        cur = nxt = None
+        try:
+            cur = self._dispatch(self._state)
+            while True:
+                nxt = self._dispatch(cur[0])  # takes over (donates) cur's state
+                running, rounds, emitted = int(cur[2]), int(cur[1]), int(cur[3])  # waits for cur
+                now = time.perf_counter()
+                self._rounds += rounds
+                self._chunks += 1
+                self._adapt(rounds, now - last)
+                last = now
+                if self._bar is not None:
+                    self._bar.n = emitted
+                    self._bar.refresh()
+                if running == 0:
+                    break
+                cur, nxt = nxt, None
+        except KeyboardInterrupt:
+            live = nxt if nxt is not None else cur  # the newest dispatched chunk holds the live state
+            if live is not None:  # wait for it (at most a chunk), then stop there
+                self._state = live[0]
+                jax.block_until_ready(self._state)
+            self._decode_s += time.perf_counter() - t0
+            self._snapshot()
+            self._interrupt()
+        self._state = nxt[0]  # all rows had stopped: nxt ran no round
+        self._rounds += int(nxt[1])
+        self._decode_s += time.perf_counter() - t0
+        self._snapshot()
 
     def _interrupt(self):
         """Ctrl-C: end unfinished rows as "interrupted" and raise with what the last host snapshot holds."""
@@ -346,7 +390,7 @@ class Generation:
         if not 0 <= row < self.n:
             raise IndexError(f"row {row} outside [0, {self.n})")
         if keep is not None:
-            if not I._is_int(keep) or keep < 0:
+            if not I.is_int(keep) or keep < 0:
                 raise ValueError(f"keep must be an integer >= 0, got {keep!r}")
             self._keep[row] = min(int(keep), self._keep.get(row, int(keep)))
             self._host["num_out"][row] = min(self._host["num_out"][row], keep)
@@ -358,8 +402,8 @@ class Generation:
 
     def result(self) -> GenerateResult:
         """Run to completion (if not yet) and return the outputs and statistics."""
-        while not self.done and not self._closed:
-            self._run_chunk()
+        if not self.done and not self._closed:
+            self._run_to_end()
         res = self._result()
         self.close()
         return res

@@ -13,7 +13,8 @@ from typing import Optional
 
 import numpy as np
 
-__all__ = ["bucket_batch", "bucket_capacity", "bucket_length", "check_prompts", "per_row", "stop_table"]
+__all__ = ["bucket_batch", "bucket_capacity", "bucket_length", "check_prompts", "is_int", "is_real", "per_row",
+           "stop_table"]
 
 SEED_LIMIT = 1 << 32
 MIN_PROMPT_BUCKET = 16
@@ -43,24 +44,24 @@ def bucket_capacity(n: int) -> int:
     return -(-n // CAPACITY_STEP) * CAPACITY_STEP
 
 
-def _is_int(v) -> bool:
+def is_int(v) -> bool:
     return isinstance(v, (numbers.Integral, np.integer)) and not isinstance(v, (bool, np.bool_))
 
 
-def _is_real(v) -> bool:
+def is_real(v) -> bool:
     return isinstance(v, (numbers.Real, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
 
 
 def check_prompts(prompts, vocab: int) -> list[np.ndarray]:
     """prompts: a non-empty list of 1-D integer token-id sequences in [0, vocab) -> int32 arrays."""
     if isinstance(prompts, (str, bytes)):
-        raise TypeError("prompts must be a list of token-id lists; for text use pjax.text (generate_text)")
+        raise TypeError("prompts must be a list of token-id lists; for text use pjax.text (load / TextGenerator)")
     if isinstance(prompts, np.ndarray) or not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompts must be a non-empty list of token-id lists")
     out = []
     for i, p in enumerate(prompts):
         if isinstance(p, (str, bytes)):
-            raise TypeError(f"prompts[{i}] is text; prompts must be token ids (for text use pjax.text)")
+            raise TypeError(f"prompts[{i}] is text; prompts must be token ids (for text use pjax.text: load / TextGenerator)")
         p = np.asarray(p)
         if p.ndim != 1 or p.size == 0:
             raise ValueError(f"prompts[{i}] must be a non-empty 1-D list of token ids (got shape {p.shape})")
@@ -90,10 +91,10 @@ def per_row(value, n: int, name: str, *, kind: str, default, low=None, high=None
         if v is None:
             v = default
         if kind == "int":
-            if not _is_int(v):
+            if not is_int(v):
                 raise TypeError(f"{where}={v!r} must be an integer")
-        elif not _is_real(v) or not np.isfinite(float(v)):
-            raise (TypeError if not _is_real(v) else ValueError)(f"{where}={v!r} must be a finite number")
+        elif not is_real(v) or not np.isfinite(float(v)):
+            raise (TypeError if not is_real(v) else ValueError)(f"{where}={v!r} must be a finite number")
         if low is not None and (v < low or (low_open and v == low)):
             raise ValueError(f"{where}={v!r} must be {'>' if low_open else '>='} {low}")
         if high is not None and (v > high or (high_open and v == high)):
@@ -108,7 +109,7 @@ def stop_table(eos_token_id, n: int, vocab: int, width: Optional[int] = None) ->
     stop ids rarely compiles a new program."""
     if eos_token_id is None:
         rows = [[] for _ in range(n)]
-    elif _is_int(eos_token_id):
+    elif is_int(eos_token_id):
         rows = [[int(eos_token_id)]] * n
     elif isinstance(eos_token_id, (list, tuple, np.ndarray)):
         items = list(eos_token_id)
@@ -126,7 +127,7 @@ def stop_table(eos_token_id, n: int, vocab: int, width: Optional[int] = None) ->
         raise TypeError(f"eos_token_id={eos_token_id!r} must be an id, a list of ids, or one list per prompt")
     for i, row in enumerate(rows):
         for t in row:
-            if not _is_int(t):
+            if not is_int(t):
                 raise TypeError(f"eos_token_id (prompt {i}): {t!r} is not an integer token id")
             if not 0 <= t < vocab:
                 raise ValueError(f"eos_token_id (prompt {i}): {t} outside the vocabulary [0, {vocab})")

@@ -223,6 +223,13 @@ def decode_loop(target, drafter, state: DecodeState, sampling: Sampling, max_rou
     return jax.lax.while_loop(cond, body, (state, jnp.int32(0)))
 
 
+def decode_chunk(target, drafter, state: DecodeState, sampling: Sampling, max_rounds, *, spec: EngineSpec):
+    """`decode_loop` for the host's chunked loop: (state, rounds i32, running rows i32, emitted tokens i32). The two
+    counts are fresh scalars, readable while the next chunk (which takes over the donated state) already runs."""
+    state, rounds = decode_loop(target, drafter, state, sampling, max_rounds, spec=spec)
+    return state, rounds, jnp.sum((~state.done).astype(jnp.int32)), jnp.sum(state.num_out)
+
+
 def prefill_single(target, drafter, prompt, length, sampling: Sampling, *, spec: EngineSpec, capacity: int,
                    cache_dtype=None) -> DecodeState:
     """`prefill` for one sequence: prompt [Lp] (right-padded), length [] i32, scalar sampling fields.

@@ -13,7 +13,7 @@ from typing import Any, Iterator, Optional, Sequence, Union
 
 from pjax.checkpoint import load_drafter, load_target
 from pjax.decode import Generation, GenerationInterrupted
-from pjax.decode.inputs import _is_int
+from pjax.decode.inputs import is_int
 from pjax.decode.state import DRAFTING_MODES
 from pjax.dtypes import parse_dtype
 from pjax.models.drafter import Drafter, no_parallel_reason
@@ -192,7 +192,7 @@ class TextGenerator:
     def _prompts(self, prompts, chat, template_kwargs) -> tuple[list[list[int]], bool]:
         """-> (prompt ids per request, whether one request was given)."""
         def one(p, where):
-            if isinstance(p, (list, tuple)) and p and all(_is_int(t) for t in p):
+            if isinstance(p, (list, tuple)) and p and all(is_int(t) for t in p):
                 if chat:
                     raise ValueError(f"{where}: chat=True needs text or messages, not token ids")
                 return [int(t) for t in p]
@@ -227,7 +227,7 @@ class TextGenerator:
             depths = self.drafter.config.num_depths
             if drafting == "parallel" and depths is not None:
                 k = min(k, depths)
-        elif not _is_int(k) or k < 1:
+        elif not is_int(k) or k < 1:
             raise ValueError(f"k must be an integer >= 1 (draft tokens per round), got {k!r}")
         return drafting, int(k)
 
@@ -289,17 +289,17 @@ def _is_chat(p) -> bool:
 
 
 def _is_ids(p) -> bool:
-    return isinstance(p, (list, tuple)) and bool(p) and all(_is_int(t) for t in p)
+    return isinstance(p, (list, tuple)) and bool(p) and all(is_int(t) for t in p)
 
 
 def _check_ids(ids, vocab: int) -> list[int]:
     if ids is None:
         return []
-    items = [ids] if _is_int(ids) else ids
+    items = [ids] if is_int(ids) else ids
     if not isinstance(items, (list, tuple)):
         raise TypeError(f"stop_token_ids must be a list of token ids, got {type(ids).__name__}")
     for t in items:
-        if not _is_int(t):
+        if not is_int(t):
             raise TypeError(f"stop_token_ids: {t!r} is not an integer token id")
         if not 0 <= t < vocab:
             raise ValueError(f"stop_token_ids: {t} outside the target's vocabulary [0, {vocab})")
