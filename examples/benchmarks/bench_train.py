@@ -1,24 +1,24 @@
-"""P-EAGLE training throughput and peak memory: a 4-layer head on an 8B-shaped (Llama-3.1-8B) target at
-2K / 8K / 16K tokens per row, single pass vs sequence partitioning (spec D.5).
+"""Training throughput and peak memory, in one command (H200: about 7 minutes):
 
-    PYTHONPATH=. python3 examples/benchmarks/bench_train.py            # GPU: 8B-shaped target, 4-layer head
-    PYTHONPATH=. python3 examples/benchmarks/bench_train.py --tiny     # CPU smoke test (tiny shapes)
-    PYTHONPATH=. python3 examples/benchmarks/bench_train.py --lengths 16384 --segments 1 4
+    PYTHONPATH=. python3 examples/benchmarks/bench_train.py --out bench_train.json
+    PYTHONPATH=. python3 examples/benchmarks/bench_train.py --tiny                      # CPU smoke test
+    PYTHONPATH=. python3 examples/benchmarks/bench_train.py --lengths 2048 16384 --segments 1 4   # head sweep only
 
-Each (row length, segments) configuration runs in its own process (so peak memory is per
-configuration and an out-of-memory error only loses that row). One step = the full jitted train step:
-frozen target forward over the packed row (bf16, features online), EAGLE shift, COD sampling
-(K = --num-depths, r 0.7 / 0.2, --max-anchors), drafter forward/backward (bf16 compute over float32
-master weights, --draft-vocab draft vocabulary), AdamW update. Random weights and synthetic rows
-(3 documents per row, 75% of tokens supervised). tokens/s = row tokens per step / median step time.
-Prints a markdown table; writes JSON to $OUT/bench_train.json when $OUT is set.
+1. Target LM step (`pjax.train.target_lm.make_lm_step`, what `train_target_lm` runs): a 445M Llama-shaped target
+   (24 layers, hidden 1024, 16 query / 8 KV heads of 64, MLP 4096, vocabulary 32768), 16 rows x 2,048 tokens, one
+   document per row; bf16 compute over float32 master weights and AdamW state, cross-entropy over token chunks of
+   the vocabulary. Attention three ways: "auto" (cuDNN: single-document rows are its padding-causal layout),
+   "pallas" (the Pallas flash kernel, what packed documents run) and "xla" (the jnp reference in query chunks).
+   tokens/s; MFU = 6 x params x tokens/s / 989e12 (H200 bf16 dense peak; params include the embeddings); peak
+   memory = `jax.devices()[0].memory_stats()["peak_bytes_in_use"]`.
+2. P-EAGLE head training with online features (`pjax.train.step.make_train_step`): a frozen 8B-shaped target
+   (Llama-3.1-8B, random bf16 weights) computes its features inside the step over one 16,384-token row (3 documents),
+   then a 4-layer head (32K draft vocabulary, K = 8 depths, COD ratios 0.7 / 0.2, no anchor cap) trains on the COD
+   layout in a single pass (no sequence partitioning), bf16 over float32 masters, AdamW. tokens/s, peak memory.
 
-Partitioning with static shapes: segment s runs the depth-0 prefix [0, end_s) plus a block per depth
-sized for the worst case (one element per anchor of its range), one segment at a time (a loop over a
-switch), so peak activation memory is the largest segment's. With K = 8 and no anchor cap a single
-pass holds ~3.4 x L elements, the last of 4 segments ~2.6 x L, of 8 segments ~2.2 x L (CPU compile
-of a small config, L = 2048: peak temporaries 482 / 378 / 292 MiB for 1 / 4 / 8 segments). Compile
-time grows with the number of segments (one program per segment).
+Each configuration runs in its own process (peak memory per configuration; an out-of-memory error loses only that
+row; a configuration past --timeout seconds is reported as such). Random weights and synthetic tokens. Prints a
+table; writes the results as JSON to --out.
 """
 from __future__ import annotations
 
@@ -33,30 +33,39 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-SHAPES = {  # (target layers, H, I, heads, kv heads, head dim, vocab), head layers, draft vocab
+PEAK_FLOPS = 989e12  # H200 (and H100 SXM) bf16 dense tensor-core peak
+LM_SHAPES = {  # (layers, H, I, heads, kv heads, head dim, vocab), rows, tokens per row
+    "445m": ((24, 1024, 4096, 16, 8, 64, 32768), 16, 2048),
+    "tiny": ((2, 64, 128, 4, 2, 16, 260), 2, 128),
+}
+HEAD_SHAPES = {  # target (layers, H, I, heads, kv heads, head dim, vocab), head layers, draft vocab
     "llama3.1-8b": ((32, 4096, 14336, 32, 8, 128, 128256), 4, 32000),
     "tiny": ((4, 64, 128, 4, 2, 16, 260), 2, 200),
 }
+LM_IMPLEMENTATIONS = ("auto", "pallas", "xla")
 
 
 def _args(argv=None):
-    p = argparse.ArgumentParser(description="P-EAGLE training benchmark")
+    p = argparse.ArgumentParser(description="pjax training benchmark")
     p.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny shapes, short rows")
-    p.add_argument("--lengths", type=int, nargs="*", default=None, help="tokens per row")
-    p.add_argument("--segments", type=int, nargs="*", default=None, help="partition counts (1 = single pass)")
-    p.add_argument("--rows", type=int, default=1, help="rows per step (one per device)")
+    p.add_argument("--out", default=None, help="write the results as JSON to this path")
+    p.add_argument("--lm", nargs="*", default=None, choices=LM_IMPLEMENTATIONS,
+                   help="target LM attention implementations (default: all three; none with --lengths)")
+    p.add_argument("--lengths", type=int, nargs="*", default=None, help="head training: tokens per row")
+    p.add_argument("--segments", type=int, nargs="*", default=None, help="head training: partition counts")
+    p.add_argument("--rows", type=int, default=1, help="head training: rows per step (one per device)")
     p.add_argument("--steps", type=int, default=None, help="timed steps")
-    p.add_argument("--split-target", action="store_true", help="target weights split over the devices (shard_target)")
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--remat", action="store_true", help="target LM: rematerialise each decoder layer")
+    p.add_argument("--split-target", action="store_true", help="head training: target split over the devices")
     p.add_argument("--num-depths", type=int, default=8)
     p.add_argument("--max-anchors", type=int, default=0, help="0 = unlimited (paper / Automodel); 512 = speculators")
-    p.add_argument("--attn-chunk", type=int, default=None, help="drafter attention query chunk")
-    p.add_argument("--target-chunk", type=int, default=None, help="target attention query chunk")
-    p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # "length,segments": run one config in-process
+    p.add_argument("--timeout", type=int, default=300, help="seconds per configuration")
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # run one configuration in-process
     return p.parse_args(argv)
 
 
-def _cfg(layers, h, inter, heads, kv, hd, vocab):
+def _model_config(layers, h, inter, heads, kv, hd, vocab):
     from pjax.config import LayerSpec, ModelConfig, RopeSpec
     rope = RopeSpec(kind="llama3", theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                     original_max_position_embeddings=8192)
@@ -64,114 +73,181 @@ def _cfg(layers, h, inter, heads, kv, hd, vocab):
                        layers=tuple(LayerSpec(hd, kv, rope) for _ in range(layers)), rms_norm_eps=1e-5)
 
 
-def synthetic_batch(rows, length, vocab, seed=0):
+def _timed(step_fn, n_warmup, n_steps):
+    """(compile + first step seconds, [step seconds]) of step_fn() -> something to block on."""
+    import jax
+    t0 = time.perf_counter()
+    jax.block_until_ready(step_fn())
+    first = time.perf_counter() - t0
+    for _ in range(n_warmup):
+        jax.block_until_ready(step_fn())
+    times = []
+    for _ in range(n_steps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(step_fn())
+        times.append(time.perf_counter() - t0)
+    return first, times
+
+
+def _memory():
+    import jax
+    stats = jax.local_devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use", 0) / 2**30 if stats else None
+
+
+def synthetic_batch(rows, length, vocab, seed=0, documents=3):
+    """Random tokens; `documents` per row (cut at random points) with a little padding at the end, 75% supervised."""
     import numpy as np
     rng = np.random.default_rng(seed)
     toks = rng.integers(0, vocab, (rows, length)).astype(np.int32)
-    cuts = np.sort(rng.integers(length // 8, length, (rows, 2)), axis=1)
-    idx = np.arange(length)[None]
-    doc = (idx >= cuts[:, :1]).astype(np.int32) + (idx >= cuts[:, 1:]).astype(np.int32)
-    doc[:, -max(1, length // 64):] = -1  # a little padding at the end
+    cuts = np.sort(rng.integers(length // 8, length, (rows, documents - 1)), axis=1)
+    doc = (np.arange(length)[None, :, None] >= cuts[:, None, :]).sum(-1).astype(np.int32)
+    doc[:, -max(1, length // 64):] = -1
     lm = ((rng.random((rows, length)) < 0.75) & (doc >= 0)).astype(np.int32)
     return dict(tokens=toks, loss_mask=lm, document_ids=doc)
 
 
-def run_one(a, length, segments):
+def run_lm(a, implementation):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pjax.models.target import Target, init_target
+    from pjax.train.target_lm import causal_lengths, make_lm_step
+    shape = "tiny" if a.tiny else "445m"
+    tshape, rows, length = LM_SHAPES[shape]
+    cfg = _model_config(*tshape)
+    target = init_target(cfg, jax.random.key(0), jnp.float32)  # float32 masters
+    n_params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(target.params)))
+    init, step = make_lm_step(lr=1e-4, steps=1000, warmup=10, compute_dtype=None if a.tiny else "bfloat16",
+                              remat=a.remat, implementation=implementation)
+    state = dict(params=target.params, opt=init(target.params))
+    shell = Target(cfg, target.graphdef, None)
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (rows, length)), jnp.int32)
+    doc = np.zeros((rows, length), np.int32)  # one document per row
+    lengths = jnp.asarray(causal_lengths(doc))
+    doc = jnp.asarray(doc)
+    del target
+
+    def one():
+        state["params"], state["opt"], loss = step(state["params"], state["opt"], shell, tokens, doc, lengths)
+        return loss
+
+    first, times = _timed(one, a.warmup, a.steps or (3 if a.tiny else 5))
+    med = statistics.median(times)
+    tps = rows * length / med
+    return dict(kind="lm", implementation=implementation, params=n_params, rows=rows, length=length, step_s=med,
+                tokens_per_s=tps, mfu=6 * n_params * tps / PEAK_FLOPS, compile_s=first, peak_gib=_memory(),
+                loss=float(one()), remat=a.remat, device=str(jax.devices()[0].device_kind), shape=shape)
+
+
+def run_head(a, length, segments):
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from pjax.models.drafter import Drafter
     from pjax.models.target import init_target
-    from pjax.train import (CodConfig, OptimConfig, TrainConfig, drafter_config_for_target, init_drafter_for_target,
-                            make_mesh)
+    from pjax.train import CodConfig, OptimConfig, TrainConfig, drafter_config_for_target, init_drafter_for_target
     from pjax.train.state import init_train_state
-    from pjax.train.step import make_train_step
-    from pjax.train.step import replicate, shard_batch, shard_target
+    from pjax.train.step import make_mesh, make_train_step, replicate, shard_batch, shard_target
     shape = "tiny" if a.tiny else "llama3.1-8b"
-    tshape, head_layers, vd = SHAPES[shape]
-    tcfg = _cfg(*tshape)
-    dtype = jnp.float32 if a.tiny else jnp.bfloat16
-    target = init_target(tcfg, jax.random.key(0), dtype)
-    n = tcfg.num_layers
-    aux = tcfg.default_aux_layer_ids() if n >= 8 else (1, 2, 3)  # (2, 16, 29) for the 8B shape
+    tshape, head_layers, vd = HEAD_SHAPES[shape]
+    tcfg = _model_config(*tshape)
+    target = init_target(tcfg, jax.random.key(0), jnp.float32 if a.tiny else jnp.bfloat16)
+    aux = tcfg.default_aux_layer_ids() if tcfg.num_layers >= 8 else (1, 2, 3)
     dcfg = drafter_config_for_target(tcfg, num_layers=head_layers, draft_vocab_size=vd, mask_token_id=tshape[-1] - 1,
                                      aux_layer_ids=aux, num_depths=a.num_depths)
     drafter = init_drafter_for_target(target, dcfg, jax.random.key(1))
     cfg = TrainConfig(total_seq_len=length, batch_rows=a.rows, total_steps=1000,
                       cod=CodConfig(num_depths=a.num_depths, max_anchors=a.max_anchors or None),
                       num_segments=segments, optim=OptimConfig(lr=1e-4, warmup_steps=10),
-                      compute_dtype=None if a.tiny else "bfloat16",
-                      attn_chunk=a.attn_chunk or (None if a.tiny else 1024),
-                      target_chunk=a.target_chunk or (None if a.tiny else 2048))
+                      compute_dtype=None if a.tiny else "bfloat16")
     mesh = make_mesh(jax.devices()[:a.rows]) if a.rows <= jax.device_count() else make_mesh()
     step = make_train_step(cfg, mesh)
-    state = replicate(init_train_state(drafter, cfg), mesh)
+    state = dict(s=replicate(init_train_state(drafter, cfg), mesh))
     shell = replicate(Drafter(drafter.config, drafter.graphdef, None, drafter.d2t), mesh)
-    target = shard_target(target, mesh) if a.split_target else replicate(target, mesh)  # the unplaced copy is freed
-    batches = [shard_batch(synthetic_batch(a.rows, length, tcfg.vocab_size, seed=i), mesh) for i in range(4)]
-    t0 = time.perf_counter()
-    state, m = step(state, shell, target, batches[0])
-    jax.block_until_ready(m)
-    compile_s = time.perf_counter() - t0
-    for i in range(a.warmup):
-        state, m = step(state, shell, target, batches[(i + 1) % 4])
-    jax.block_until_ready(m)
-    times = []
-    for i in range(a.steps or (3 if a.tiny else 5)):
-        t0 = time.perf_counter()
-        state, m = step(state, shell, target, batches[i % 4])
-        jax.block_until_ready(m)
-        times.append(time.perf_counter() - t0)
+    target = shard_target(target, mesh) if a.split_target else replicate(target, mesh)
+    batches = [shard_batch(synthetic_batch(a.rows, length, tcfg.vocab_size, seed=i), mesh) for i in range(2)]
+    it = iter(range(10**9))
+
+    def one():
+        state["s"], m = step(state["s"], shell, target, batches[next(it) % 2])
+        state["m"] = m
+        return m
+
+    first, times = _timed(one, a.warmup, a.steps or (3 if a.tiny else 2))
     med = statistics.median(times)
-    stats = jax.local_devices()[0].memory_stats() or {}  # device 0 (it also held the target before placement)
-    tokens = a.rows * length
-    return dict(length=length, segments=segments, rows=a.rows, step_s=med, step_s_min=min(times),
-                tokens_per_s=tokens / med, compile_s=compile_s, loss=float(m["loss"]),
-                elements=int(np.sum(jax.device_get(m["total"]))),
-                peak_gib=stats.get("peak_bytes_in_use", 0) / 2**30 if stats else None,
-                live_gib=stats.get("bytes_in_use", 0) / 2**30 if stats else None, split_target=a.split_target,
+    m = state["m"]
+    return dict(kind="head", length=length, segments=segments, rows=a.rows, step_s=med,
+                tokens_per_s=a.rows * length / med, compile_s=first, peak_gib=_memory(), loss=float(m["loss"]),
+                elements=int(np.sum(jax.device_get(m["total"]))), split_target=a.split_target,
                 device=str(jax.devices()[0].device_kind), shape=shape)
+
+
+def _configs(a):
+    sweep = a.lengths is not None or a.segments is not None
+    lm = a.lm if a.lm is not None else ([] if sweep else list(LM_IMPLEMENTATIONS))
+    lengths = a.lengths or ([256] if a.tiny else [16384])
+    segments = a.segments or [1]
+    return [f"lm,{impl}" for impl in lm] + [f"head,{n},{s}" for n in lengths for s in segments]
+
+
+def _run_one(a, spec):
+    kind, *rest = spec.split(",")
+    return run_lm(a, rest[0]) if kind == "lm" else run_head(a, int(rest[0]), int(rest[1]))
+
+
+def _label(r):
+    if r["kind"] == "lm":
+        return f"target LM 16x2048, attention {r['implementation']}" if r.get("shape") != "tiny" else \
+            f"target LM (tiny), attention {r['implementation']}"
+    return f"head training, {r['length']} tokens/row, {r['segments']} segment(s)"
 
 
 def main(argv=None):
     a = _args(argv)
     if a.one:
-        length, segments = (int(x) for x in a.one.split(","))
-        print("RESULT " + json.dumps(run_one(a, length, segments)), flush=True)
+        print("RESULT " + json.dumps(_run_one(a, a.one)), flush=True)
         return
-    lengths = a.lengths or ([128, 256] if a.tiny else [2048, 8192, 16384])
-    segments = a.segments or ([1, 2] if a.tiny else [1, 4])
     passthrough = [x for x in (argv if argv is not None else sys.argv[1:])]
     results = []
-    for length in lengths:
-        for seg in segments:
-            cmd = [sys.executable, __file__, *passthrough, "--one", f"{length},{seg}"]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+    for spec in _configs(a):
+        cmd = [sys.executable, __file__, *passthrough, "--one", spec]
+        kind, *rest = spec.split(",")
+        base = dict(kind=kind, implementation=rest[0]) if kind == "lm" else dict(kind=kind, length=int(rest[0]),
+                                                                                 segments=int(rest[1]))
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
             line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
             if proc.returncode or not line:
-                err = (proc.stderr.strip().splitlines() or ["?"])[-1][:160]
-                results.append(dict(length=length, segments=seg, error=err))
-                print(f"length {length} segments {seg}: FAILED ({err})", flush=True)
+                err = (proc.stderr.strip().splitlines() or ["?"])[-1][:200]
+                results.append(dict(base, error=err))
             else:
                 results.append(json.loads(line[0][7:]))
-                r = results[-1]
-                mem = "n/a" if r["peak_gib"] is None else f"peak {r['peak_gib']:.2f} GiB, live {r['live_gib']:.2f} GiB"
-                print(f"length {length} segments {seg}: {r['tokens_per_s']:.0f} tok/s, step {r['step_s']*1e3:.1f} ms, "
-                      f"{mem}", flush=True)
-    print("\n| tokens/row | segments | supervised COD elements | step (ms) | tokens/s | peak memory (GiB) | compile (s) |")
-    print("|---|---|---|---|---|---|---|")
+        except subprocess.TimeoutExpired:
+            results.append(dict(base, error=f"timed out after {a.timeout} s"))
+        r = results[-1]
+        print(f"{spec}: " + (f"FAILED ({r['error']})" if "error" in r else
+                             f"{r['tokens_per_s']:.0f} tok/s, step {r['step_s'] * 1e3:.1f} ms, peak {r['peak_gib']}"),
+              flush=True)
+    print("\n| configuration | step (ms) | tokens/s | MFU | peak memory (GiB) | compile + first step (s) |")
+    print("|---|---|---|---|---|---|")
     for r in results:
         if "error" in r:
-            print(f"| {r['length']} | {r['segments']} | - | - | - | failed: {r['error']} | - |")
-        else:
-            peak = "n/a" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
-            print(f"| {r['length']} | {r['segments']} | {r['elements']} | {r['step_s']*1e3:.1f} | "
-                  f"{r['tokens_per_s']:.0f} | {peak} | {r['compile_s']:.0f} |")
-    out = os.environ.get("OUT")
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "bench_train.json").write_text(json.dumps(results, indent=1))
+            print(f"| {r['kind']} {r.get('implementation', r.get('length'))} | failed: {r['error']} | | | | |")
+            continue
+        mfu = f"{100 * r['mfu']:.1f}%" if "mfu" in r else "-"
+        peak = "n/a" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
+        print(f"| {_label(r)} | {r['step_s'] * 1e3:.1f} | {r['tokens_per_s']:.0f} | {mfu} | {peak} | "
+              f"{r['compile_s']:.0f} |")
+    if a.out:
+        out = Path(a.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(results, indent=1))
+        os.replace(tmp, out)
     return results
 
 

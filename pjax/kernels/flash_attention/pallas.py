@@ -212,7 +212,7 @@ def _forward(q, k, v, lo, hi, *, scale, tiles, cfg, interpret):
                              precision=dot_precision(q.dtype), interpret=interpret)
     outs = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, nh, tp), jnp.float32)]
     return _call(kern, (b, nh, tp // bq), [q, k, v, lo, hi, first, end], outs, "pjax_flash_attention_fwd",
-                 cfg.warps, cfg.stages, interpret)
+                 cfg.num_warps(hdp), cfg.stages, interpret)
 
 
 def _backward(q, k, v, lo, hi, o, lse, do, dlse, *, scale, tiles, cfg, interpret):
@@ -228,14 +228,14 @@ def _backward(q, k, v, lo, hi, o, lse, do, dlse, *, scale, tiles, cfg, interpret
     first, end = block_tables(lo, hi, bq, bk, sp // bk)
     (dq,) = _call(functools.partial(_dq_kernel, bq=bq, bk=bk, **common), (b, nh, tp // bq),
                   [q, k, v, do, lse2, delta, lo, hi, first, end], [jax.ShapeDtypeStruct(q.shape, q.dtype)],
-                  "pjax_flash_attention_dq", cfg.bwd_warps, cfg.bwd_stages, interpret)
+                  "pjax_flash_attention_dq", cfg.num_warps(hdp), cfg.bwd_stages, interpret)
     bq, bk = tiles["dkv_q"], tiles["dkv_k"]
     nk = sp // bk
     tl, count = query_tile_lists(*block_tables(lo, hi, bq, bk, nk), nk)
     dk, dv = _call(functools.partial(_dkv_kernel, bq=bq, bk=bk, **common), (b, nkv, nk),
                    [q, k, v, do, lse2, delta, lo, hi, tl, count],
                    [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-                   "pjax_flash_attention_dkv", cfg.bwd_warps, cfg.bwd_stages, interpret)
+                   "pjax_flash_attention_dkv", cfg.num_warps(hdp), cfg.bwd_stages, interpret)
     return dq, dk, dv
 
 

@@ -4,8 +4,9 @@ passes, the drafter's training layouts) computes its weights here or, in a fused
 
 Numerics: float32 scores; a masked score is MASK_VALUE (finite), so a query with no visible key gets uniform
 weights over every key instead of NaN; sinks (one logit per head, GPT-OSS) join the softmax denominator only.
-Memory: queries are processed in chunks of at most DEFAULT_CHUNK_ELEMENTS float32 scores (batch x heads x chunk x
-keys), each rematerialised in the backward pass, so no [T, S] score tensor of all heads is ever whole.
+Memory: queries are processed in chunks of at most DEFAULT_CHUNK_ELEMENTS elements of float32 scores (batch x heads x
+chunk x keys) and gathered chain keys, each chunk rematerialised in the backward pass, so no [T, S] score tensor of
+all heads is ever whole.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ __all__ = ["DEFAULT_CHUNK_ELEMENTS", "MASK_VALUE", "attention", "chain_partial",
            "masked_softmax", "merge_partials"]
 
 MASK_VALUE = -1e30  # finite: a query with no visible key gets uniform weights instead of NaN
-DEFAULT_CHUNK_ELEMENTS = 1 << 28  # float32 scores of one query chunk (batch x heads x chunk x keys): 1 GiB
+DEFAULT_CHUNK_ELEMENTS = 1 << 28  # scores (float32) and gathered chain keys of one query chunk: about 1 GiB
 
 
 def masked_softmax(parts, sinks=None):
@@ -139,7 +140,8 @@ def _partial(q, k, v, lo, hi, mask: AttentionMask, chain_k, chain_v, *, scale, s
         lse = jnp.moveaxis(jnp.moveaxis(lse[..., 0], 3, 1).reshape(b, c, nh), 1, 0)
         return out, lse
 
-    c = chunk_size(t, b * nh * ((s if context else 0) + e), DEFAULT_CHUNK_ELEMENTS, mask.chunk)
+    per_query = b * (nh * ((s if context else 0) + e) + 2 * e * nkv * hd)  # scores + gathered chain keys / values
+    c = chunk_size(t, per_query, DEFAULT_CHUNK_ELEMENTS, mask.chunk)
     out, lse = chunked_map(block, xs, c)
     return jnp.moveaxis(out, 0, 1), jnp.moveaxis(lse, 0, 1)
 
