@@ -1,0 +1,782 @@
+"""Build a trained pair from scratch on one GPU: a code language model (Llama architecture) trained on the Python
+sources installed on the machine, and a P-EAGLE head and an EAGLE-3 head trained against it on the same data with
+the same budget; exported as a Hugging Face target and two speculators-format heads, with benchmark prompts drawn
+from files no model has seen.
+
+    python examples/code_pair.py --out out/code_pair --max-minutes 8    # repeat until it prints "pair complete"
+    python examples/code_pair.py --out /tmp/tiny_pair --tiny              # the same path on a CPU in ~2 minutes
+    python examples/code_pair.py --out out/code_pair --stage peagle --peagle-depths 12 --force
+
+Stages, each resumable (a re-run skips finished stages, and continues a training stage from its last orbax
+checkpoint):
+    corpus     standard library + installed packages (`pjax.train.corpus`): manifest, held-out split by file,
+               benchmark prompts (held-out functions: signature + docstring -> body)
+    tokenizer  byte-level BPE on the training split (`pjax.train.bpe`), Hugging Face layout
+    tokens     every file encoded once: BOS + tokens + EOS
+    target     next-token training (`pjax.train.target_lm`) for `target_tokens` tokens; held-out loss
+    peagle     P-EAGLE head (COD sampling, `peagle_depths` trained depths) on the training rows
+    eagle3     EAGLE-3 head (training-time test) on the same rows, same steps, rows per step and row length
+    export     DIR/pair: target/ (Hugging Face), peagle/ and eagle3/ (speculators), prompts.jsonl, pair.json
+    check      greedy decoding of a few benchmark prompts: plain vs each head (acceptance length, equality)
+
+Head data: rows of the corpus' training split, with the target's own next-token distributions as the loss targets
+(computed online in each step). The target was trained on these rows, so they are its distribution's home ground;
+published heads train on target-regenerated responses (spec D.6) because a chat model's answers differ from the
+human-written data it was tuned on, which matters less for a base model on its own pre-training text (what
+remains: greedy continuations repeat more than the corpus does).
+
+Output rule: DIR is created with a pjax marker; an existing directory that is not a build of this recipe is refused.
+A stage built with other settings (or whose inputs were rebuilt) is refused unless --force, which rebuilds it.
+--max-minutes stops the run cleanly (training stages checkpoint first) once that much time has passed, with exit
+status 75: run the same command again to continue.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import fcntl
+import functools
+import hashlib
+import json
+import math
+import os
+import shutil
+import sys
+import time
+import typing
+from pathlib import Path
+from typing import Callable, Optional
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from pjax.train.corpus import DEFAULT_PACKAGES  # noqa: E402
+
+# ============================================================================================ the recipe settings
+# One block: every field is also a flag (--target-layers 24, --peagle-max-anchors none, --no-remat ...).
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    # corpus
+    packages: tuple[str, ...] = tuple(p.name for p in DEFAULT_PACKAGES)
+    include_tests: bool = False
+    held_out_fraction: float = 0.03
+    max_files: Optional[int] = None
+    max_file_bytes: int = 1_000_000
+    prompts: int = 200
+    min_prompts: int = 100
+    # tokenizer
+    vocab_size: int = 32768
+    tokenizer_sample_bytes: int = 64_000_000
+    # target (Llama: 24 x 1024, 16 heads, 4 KV heads, SwiGLU 2816, untied head: 0.34 B parameters)
+    target_layers: int = 24
+    target_hidden: int = 1024
+    target_heads: int = 16
+    target_kv_heads: int = 4
+    target_intermediate: int = 2816
+    rope_theta: float = 10000.0
+    target_seq_len: int = 2048
+    target_batch_rows: int = 16
+    target_tokens: int = 60_000_000
+    target_lr: float = 6e-4
+    target_warmup: int = 100
+    target_weight_decay: float = 0.1
+    eval_rows: int = 64
+    # heads: the same rows (seed), steps, rows per step and row length for both
+    head_seq_len: int = 2048
+    head_batch_rows: int = 8
+    head_steps: int = 1000
+    head_weight_decay: float = 0.01
+    head_warmup: Optional[int] = None  # None: 1% of the steps (speculators)
+    aux_layer_ids: Optional[tuple[int, ...]] = None  # None: the target's default (2, L//2, L-3)
+    draft_vocab_size: Optional[int] = None  # None: the target's vocabulary
+    # P-EAGLE head
+    peagle_layers: int = 4
+    peagle_depths: int = 8
+    peagle_down_sample_ratio: float = 0.7
+    peagle_down_sample_ratio_min: float = 0.2
+    peagle_max_anchors: Optional[int] = 512
+    peagle_segments: int = 1
+    peagle_lr: float = 6e-4
+    # EAGLE-3 head
+    eagle3_layers: int = 1
+    eagle3_ttt_steps: int = 3
+    eagle3_lr: float = 6e-4
+    # precision, export, check
+    compute_dtype: Optional[str] = "bfloat16"
+    remat: bool = False
+    export_dtype: str = "bfloat16"
+    check_prompts: int = 16
+    check_new_tokens: int = 128
+    seed: int = 0
+
+
+FULL = Recipe()
+TINY = dataclasses.replace(
+    FULL, packages=("stdlib",), max_files=160, held_out_fraction=0.1, max_file_bytes=40_000, prompts=8, min_prompts=2,
+    vocab_size=1024, tokenizer_sample_bytes=2_000_000, target_layers=4, target_hidden=64, target_heads=4,
+    target_kv_heads=2, target_intermediate=176, target_seq_len=256, target_batch_rows=4, target_tokens=60 * 4 * 256,
+    target_lr=3e-3, target_warmup=10, eval_rows=8, head_seq_len=256, head_batch_rows=4, head_steps=40,
+    peagle_layers=2, peagle_depths=8, peagle_max_anchors=None, peagle_lr=3e-3, eagle3_lr=3e-3, compute_dtype=None,
+    export_dtype="float32", check_prompts=2, check_new_tokens=16)
+
+STAGES = ("corpus", "tokenizer", "tokens", "target", "peagle", "eagle3", "export", "check")
+UPSTREAM = {"corpus": (), "tokenizer": ("corpus",), "tokens": ("tokenizer",), "target": ("tokens",),
+            "peagle": ("target",), "eagle3": ("target",), "export": ("peagle", "eagle3"), "check": ("export",)}
+SETTINGS = {
+    "corpus": ("packages", "include_tests", "held_out_fraction", "max_files", "max_file_bytes", "prompts",
+               "min_prompts"),
+    "tokenizer": ("vocab_size", "tokenizer_sample_bytes"),
+    "tokens": (),
+    "target": ("target_layers", "target_hidden", "target_heads", "target_kv_heads", "target_intermediate",
+               "rope_theta", "target_seq_len", "target_batch_rows", "target_tokens", "target_lr", "target_warmup",
+               "target_weight_decay", "eval_rows", "compute_dtype", "remat", "seed"),
+    "peagle": ("head_seq_len", "head_batch_rows", "head_steps", "head_weight_decay", "head_warmup", "aux_layer_ids",
+               "draft_vocab_size", "peagle_layers", "peagle_depths", "peagle_down_sample_ratio",
+               "peagle_down_sample_ratio_min", "peagle_max_anchors", "peagle_segments", "peagle_lr",
+               "compute_dtype", "seed"),
+    "eagle3": ("head_seq_len", "head_batch_rows", "head_steps", "head_weight_decay", "head_warmup", "aux_layer_ids",
+               "draft_vocab_size", "eagle3_layers", "eagle3_ttt_steps", "eagle3_lr", "compute_dtype", "seed"),
+    "export": ("export_dtype",),
+    "check": ("check_prompts", "check_new_tokens"),
+}
+BUILD_KIND = "code-pair-build"
+PAIR_KIND = "code-pair"
+EXIT_INCOMPLETE = 75
+
+
+class RecipeError(RuntimeError):
+    """The build cannot go on as asked; the message says why and what to do."""
+
+
+class Incomplete(Exception):
+    """The time limit stopped the build; the same command continues it."""
+
+
+# ============================================================================================ build directory
+@dataclasses.dataclass
+class Build:
+    """A build directory and how this run treats it."""
+    out: Path
+    recipe: Recipe
+    force: bool = False
+    progress: bool = True
+    deadline: Optional[float] = None  # time.time() after which no step or stage starts
+    save_seconds: float = 240.0  # training checkpoints at least this often
+    implementation: str = "auto"
+    log: Callable[[str], None] = print
+    should_stop: Optional[Callable[[], bool]] = None  # checked after every training step, besides the deadline
+    _keys: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    def dir(self, stage: str) -> Path:
+        return self.out / stage
+
+    def settings(self, stage: str) -> dict:
+        return {k: _jsonable(getattr(self.recipe, k)) for k in SETTINGS[stage]}
+
+    def key(self, stage: str) -> str:
+        """Fingerprint of a stage: its settings and the fingerprints of its inputs."""
+        if stage not in self._keys:
+            ident = dict(stage=stage, settings=self.settings(stage), upstream=[self.key(u) for u in _inputs(stage)])
+            self._keys[stage] = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+        return self._keys[stage]
+
+    def marker(self, stage: str) -> Optional[dict]:
+        try:
+            return json.loads((self.dir(stage) / "stage.json").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def done(self, stage: str) -> bool:
+        m = self.marker(stage)
+        return m is not None and m.get("key") == self.key(stage)
+
+    def stop_now(self) -> bool:
+        return (self.deadline is not None and time.time() >= self.deadline) or bool(self.should_stop and
+                                                                                   self.should_stop())
+
+    def bar(self, total, desc, initial=0, unit="it"):
+        if not self.progress:
+            return None
+        from tqdm.auto import tqdm
+        return tqdm(total=total, initial=initial, desc=desc, unit=unit, dynamic_ncols=True)
+
+
+def _jsonable(v):
+    return list(v) if isinstance(v, tuple) else v
+
+
+def _inputs(stage: str) -> tuple[str, ...]:
+    """Every stage a stage reads (its upstream closure)."""
+    out = []
+    for u in UPSTREAM[stage]:
+        for x in _inputs(u) + (u,):
+            if x not in out:
+                out.append(x)
+    return tuple(out)
+
+
+def _differences(b: Build, stage: str, marker: dict) -> str:
+    old = marker.get("settings", {})
+    diff = [f"{k}: {old.get(k)!r} -> {v!r}" for k, v in b.settings(stage).items() if old.get(k) != v]
+    changed = [u for u in _inputs(stage) if marker.get("inputs", {}).get(u) != b.key(u)]
+    if changed:
+        diff.append(f"rebuilt inputs: {', '.join(changed)}")
+    return "; ".join(diff) or "unknown settings"
+
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(obj, indent=1, default=_jsonable) + "\n")
+    os.replace(tmp, path)
+
+
+def open_build(out, *, force: bool) -> Path:
+    """Create DIR (absent or empty) with the build marker, or accept an existing build of this recipe."""
+    from pjax.checkpoint.files import OUTPUT_FORMAT, OUTPUT_MARKER, OUTPUT_VERSION, output_kind, prepare_output
+    out = Path(os.path.abspath(out))
+    if output_kind(out) == BUILD_KIND:
+        return out
+    prepare_output(out, force=force, kind=BUILD_KIND)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_json(out / OUTPUT_MARKER, {"format": OUTPUT_FORMAT, "version": OUTPUT_VERSION, "kind": BUILD_KIND,
+                                      "written_at": _now()})
+    return out
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+@contextlib.contextmanager
+def _locked(out: Path):
+    with open(out / ".lock", "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RecipeError(f"{out}: another build is running in this directory") from None
+        yield
+
+
+# ============================================================================================ stages
+def stage_corpus(b: Build, work: Path) -> dict:
+    from pjax.train.corpus import CorpusPackage, benchmark_prompts, collect_corpus, read_texts, write_prompts
+    r = b.recipe
+    known = {p.name: p for p in DEFAULT_PACKAGES}
+    unknown = [n for n in r.packages if n not in known]
+    if unknown:
+        raise RecipeError(f"--packages: {unknown} are not in the recipe's licence table "
+                          f"(pjax.train.corpus.DEFAULT_PACKAGES: {sorted(known)})")
+    pkgs: list[CorpusPackage] = [known[n] for n in r.packages]
+    m = collect_corpus(work, pkgs, held_out_fraction=r.held_out_fraction, include_tests=r.include_tests,
+                       max_file_bytes=r.max_file_bytes, max_files=r.max_files, progress=b.progress)
+    prompts = benchmark_prompts(read_texts(work / "held_out.jsonl"), read_texts(work / "train.jsonl"),
+                                max_prompts=r.prompts)
+    if len(prompts) < r.min_prompts:
+        raise RecipeError(f"the held-out files yield {len(prompts)} benchmark prompts, fewer than --min-prompts "
+                          f"{r.min_prompts}: raise --held-out-fraction or add packages")
+    write_prompts(prompts, work / "prompts.jsonl")
+    absent = [p["name"] for p in m["packages"] if not p["installed"]]
+    b.log(f"corpus: {m['train']['files']} training files ({m['train']['bytes'] / 1e6:.1f} MB), "
+          f"{m['held_out']['files']} held out ({m['held_out']['fraction_of_files']:.1%}), {len(prompts)} prompts; "
+          f"sha256 {m['sha256'][:16]}; not installed: {absent or 'none'}")
+    return dict(sha256=m["sha256"], train=m["train"], held_out=m["held_out"], prompts=len(prompts), absent=absent)
+
+
+def _sample(b: Build):
+    """Training texts for the tokenizer: files in sha256-of-name order up to tokenizer_sample_bytes."""
+    from pjax.train.corpus import read_texts
+    texts = sorted(read_texts(b.dir("corpus") / "train.jsonl"), key=lambda t: hashlib.sha256(t[0].encode()).digest())
+    out, total = [], 0
+    for _, text in texts:
+        if total >= b.recipe.tokenizer_sample_bytes:
+            break
+        out.append(text)
+        total += len(text.encode("utf-8"))
+    return out, total
+
+
+def stage_tokenizer(b: Build, work: Path) -> dict:
+    from pjax.train.bpe import train_bpe_tokenizer, write_tokenizer_files
+    texts, nbytes = _sample(b)
+    t0 = time.time()
+    tok = train_bpe_tokenizer(texts, b.recipe.vocab_size, length=len(texts), progress=b.progress)
+    write_tokenizer_files(tok, work, model_max_length=b.recipe.target_seq_len)
+    b.log(f"tokenizer: {tok.get_vocab_size()} ids from {len(texts)} files ({nbytes / 1e6:.1f} MB) in "
+          f"{time.time() - t0:.0f} s")
+    return dict(vocab_size=tok.get_vocab_size(), sample_files=len(texts), sample_bytes=nbytes)
+
+
+def load_tokenizer(b: Build):
+    from tokenizers import Tokenizer
+    return Tokenizer.from_file(str(b.dir("tokenizer") / "tokenizer.json"))
+
+
+def special_ids(b: Build) -> dict:
+    from pjax.train.bpe import SPECIAL_TOKENS
+    tok = load_tokenizer(b)
+    return {k: tok.token_to_id(v) for k, v in SPECIAL_TOKENS.items()}
+
+
+def stage_tokens(b: Build, work: Path) -> dict:
+    from pjax.train.corpus import read_texts
+    tok, ids = load_tokenizer(b), special_ids(b)
+    dtype = np.uint16 if tok.get_vocab_size() <= 1 << 16 else np.uint32
+    out = {}
+    for split in ("train", "held_out"):
+        files = list(read_texts(b.dir("corpus") / f"{split}.jsonl"))
+        bar = b.bar(len(files), f"tokenize {split}", unit="file")
+        chunks, lengths = [], []
+        for i in range(0, len(files), 256):
+            for enc in tok.encode_batch([t for _, t in files[i:i + 256]], add_special_tokens=False):
+                chunks.append(np.asarray([ids["bos_token"]] + enc.ids + [ids["eos_token"]], dtype))
+                lengths.append(len(chunks[-1]))
+            if bar is not None:
+                bar.update(min(256, len(files) - i))
+        if bar is not None:
+            bar.close()
+        np.save(work / f"{split}.npy", np.concatenate(chunks))
+        np.save(work / f"{split}_offsets.npy", np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+        out[split] = dict(files=len(files), tokens=int(sum(lengths)))
+    b.log(f"tokens: {out['train']['tokens'] / 1e6:.2f} M training tokens in {out['train']['files']} files, "
+          f"{out['held_out']['tokens'] / 1e6:.2f} M held out")
+    return out
+
+
+def documents(b: Build, split: str):
+    """The split's files as `Document`s (BOS not supervised)."""
+    from pjax.train.data import Document
+    toks = np.load(b.dir("tokens") / f"{split}.npy")
+    offs = np.load(b.dir("tokens") / f"{split}_offsets.npy")
+    docs = []
+    for a, e in zip(offs[:-1], offs[1:]):
+        mask = np.ones(e - a, np.int32)
+        mask[0] = 0
+        docs.append(Document(toks[a:e], mask))
+    return docs
+
+
+def target_hf_config(b: Build) -> dict:
+    from pjax.checkpoint.hf_export import hf_config
+    from pjax.config import LayerSpec, ModelConfig, RopeSpec
+    r, ids = b.recipe, special_ids(b)
+    if r.target_hidden % r.target_heads:
+        raise RecipeError(f"--target-hidden {r.target_hidden} is not a multiple of --target-heads {r.target_heads}")
+    spec = LayerSpec(head_dim=r.target_hidden // r.target_heads, num_kv_heads=r.target_kv_heads,
+                     rope=RopeSpec(theta=r.rope_theta))
+    cfg = ModelConfig("llama", load_tokenizer(b).get_vocab_size(), r.target_hidden, r.target_intermediate,
+                      r.target_heads, (spec,) * r.target_layers, rms_norm_eps=1e-5).validate()
+    return hf_config(cfg, dtype="float32", bos_token_id=ids["bos_token"], eos_token_id=ids["eos_token"],
+                     pad_token_id=ids["pad_token"], max_position_embeddings=r.target_seq_len)
+
+
+def init_code_target(cfg, seed: int):
+    """Normal(0, 0.02) weights, the residual-branch outputs (o_proj, down_proj) scaled by 1/sqrt(2 L) so the
+    residual stream's variance does not grow with depth at initialisation."""
+    from pjax.models.target import Target, init_target
+    t = init_target(cfg, jax.random.key(seed), jnp.float32, scale=0.02)
+    scale = 1.0 / math.sqrt(2 * cfg.num_layers)
+
+    def fix(path, x):
+        names = [str(getattr(k, "key", k)) for k in path]
+        return x * scale if ("o_proj" in names or "down_proj" in names) else x
+    return Target(t.config, t.graphdef, jax.tree_util.tree_map_with_path(fix, t.params))
+
+
+def _eval_loss(b: Build, target, docs) -> dict:
+    """Mean next-token loss of the target over up to eval_rows packed rows of `docs`."""
+    from pjax.train.data import pack_documents, stack_rows
+    from pjax.train.target_lm import lm_loss
+    r = b.recipe
+    rows = pack_documents(docs, r.target_seq_len)[:r.eval_rows]
+    fn = jax.jit(functools.partial(lm_loss, compute_dtype=r.compute_dtype, implementation=b.implementation))
+    total, count = 0.0, 0
+    for i in range(0, len(rows), r.target_batch_rows):
+        batch = stack_rows(rows[i:i + r.target_batch_rows])
+        doc = batch["document_ids"]
+        n = int(np.sum((doc[:, 1:] == doc[:, :-1]) & (doc[:, 1:] != -1)))
+        total += float(fn(target.params, target, jnp.asarray(batch["tokens"]), jnp.asarray(doc))) * n
+        count += n
+    loss = total / max(count, 1)
+    return dict(loss=loss, perplexity=math.exp(loss), tokens=count)
+
+
+def stage_target(b: Build, work: Path) -> dict:
+    from pjax.checkpoint import save_native_target
+    from pjax.models.families import config_from_hf
+    from pjax.train import Checkpointer, RowStream, TrainState
+    from pjax.train.target_lm import causal_lengths, make_lm_step
+    r = b.recipe
+    hf = target_hf_config(b)
+    target = init_code_target(config_from_hf(hf), r.seed)
+    per_step = r.target_batch_rows * r.target_seq_len
+    steps = -(-r.target_tokens // per_step)
+    init, step = make_lm_step(lr=r.target_lr, steps=steps, warmup=r.target_warmup, weight_decay=r.target_weight_decay,
+                              compute_dtype=r.compute_dtype, remat=r.remat, implementation=b.implementation)
+    stream = RowStream(documents(b, "train"), r.target_seq_len, r.target_batch_rows, seed=r.seed)
+    state = TrainState(jnp.zeros((), jnp.int32), target.params, init(target.params),
+                       jax.random.key_data(jax.random.key(r.seed)), jnp.zeros((), jnp.int32))
+    ckpt = Checkpointer(work / "ckpt", max_to_keep=1)
+    history_path = work / "history.json"
+    history = []
+    if ckpt.latest_step() is not None:
+        state = ckpt.restore(state)
+        history = json.loads(history_path.read_text()) if history_path.exists() else []
+    start = int(state.step)
+    n_params = sum(x.size for x in jax.tree.leaves(target.params))
+    b.log(f"target: {n_params / 1e6:.1f} M parameters, {steps} steps x {per_step} tokens = "
+          f"{steps * per_step / 1e6:.1f} M tokens ({steps * per_step / max(stream.batches_per_epoch * per_step, 1):.2f}"
+          f" epochs){f', resuming at step {start}' if start else ''}")
+    params, opt_state, shell = state.params, state.opt_state, type(target)(target.config, target.graphdef, None)
+    bar = b.bar(steps, "train target", initial=start, unit="step")
+    losses, t_log, t_save, log_every = [], None, time.time(), max(1, min(50, steps // 20))
+    i = start
+    for i in range(start, steps):
+        batch = stream.batch(i)
+        lengths = causal_lengths(batch["document_ids"])
+        params, opt_state, loss = step(params, opt_state, shell, jnp.asarray(batch["tokens"]),
+                                       jnp.asarray(batch["document_ids"]),
+                                       None if lengths is None else jnp.asarray(lengths))
+        losses.append(loss)
+        done = i + 1
+        if t_log is None:  # the first step compiles: time from its end
+            jax.block_until_ready(loss)
+            t_log, n_log = time.time(), done
+        if done % log_every == 0 or done == steps:
+            value = float(np.mean(jax.device_get(losses)))
+            now = time.time()
+            rate = (done - n_log) * per_step / max(now - t_log, 1e-9) if done > n_log else float("nan")
+            history.append(dict(step=done, loss=value, tokens_per_s=rate))
+            eta = (steps - done) * per_step / rate if rate == rate and rate > 0 else float("nan")
+            if bar is not None:
+                bar.set_postfix_str(f"loss {value:.3f} {rate / 1e3:.0f}k tok/s")
+            else:
+                b.log(f"target step {done}/{steps} loss {value:.4f} {rate:.0f} tok/s ETA {eta / 60:.1f} min")
+            losses, t_log, n_log = [], now, done
+        if bar is not None:
+            bar.update(1)
+        stopping = b.stop_now() and done < steps
+        if done < steps and (stopping or time.time() - t_save >= b.save_seconds):
+            ckpt.save(TrainState(jnp.asarray(done, jnp.int32), params, opt_state, state.rng,
+                                 jnp.asarray(done, jnp.int32)))
+            _write_json(history_path, history)
+            t_save = time.time()
+        if stopping:
+            if bar is not None:
+                bar.close()
+            ckpt.close()
+            raise Incomplete(f"target: stopped at step {done}/{steps} (checkpoint saved)")
+    if bar is not None:
+        bar.close()
+    ckpt.close()
+    trained = type(target)(target.config, target.graphdef, params)
+    held = _eval_loss(b, trained, documents(b, "held_out"))
+    b.log(f"target: held-out loss {held['loss']:.4f} (perplexity {held['perplexity']:.2f}) over "
+          f"{held['tokens']} tokens")
+    save_native_target(trained, hf, work / "model")
+    shutil.rmtree(work / "ckpt", ignore_errors=True)
+    return dict(parameters=int(n_params), steps=steps, tokens=steps * per_step, history=history, held_out=held)
+
+
+def load_code_target(b: Build, dtype=jnp.float32):
+    from pjax.checkpoint import load_target
+    return load_target(b.dir("target") / "model", dtype=dtype)
+
+
+def _head_config(b: Build, objective: str, target):
+    from pjax.train import (CodConfig, OptimConfig, TrainConfig, build_vocab_mapping, drafter_config_for_target,
+                            token_frequencies)
+    r, peagle = b.recipe, objective == "peagle"
+    v = target.config.vocab_size
+    vd = r.draft_vocab_size or v
+    d2t = build_vocab_mapping(token_frequencies(documents(b, "train"), v), vd, v)[0] if vd < v else None
+    dcfg = drafter_config_for_target(
+        target.config, num_layers=r.peagle_layers if peagle else r.eagle3_layers, draft_vocab_size=vd,
+        mask_token_id=special_ids(b)["mask_token"], aux_layer_ids=r.aux_layer_ids, model_kind=objective,
+        num_depths=r.peagle_depths if peagle else None)
+    cfg = TrainConfig(
+        objective=objective, total_seq_len=r.head_seq_len, batch_rows=r.head_batch_rows, total_steps=r.head_steps,
+        cod=CodConfig(num_depths=r.peagle_depths, down_sample_ratio=r.peagle_down_sample_ratio,
+                      down_sample_ratio_min=r.peagle_down_sample_ratio_min, max_anchors=r.peagle_max_anchors),
+        ttt_steps=r.eagle3_ttt_steps, num_segments=r.peagle_segments if peagle else 1,
+        optim=OptimConfig(lr=r.peagle_lr if peagle else r.eagle3_lr, warmup_steps=r.head_warmup,
+                          weight_decay=r.head_weight_decay, train_embeddings=peagle),
+        compute_dtype=r.compute_dtype, seed=r.seed, implementation=b.implementation)
+    return dcfg, d2t, cfg
+
+
+def _train_head(b: Build, work: Path, objective: str) -> dict:
+    from pjax.checkpoint import save_drafter
+    from pjax.train import Checkpointer, RowStream, init_drafter_for_target, make_mesh, train_drafter
+    from pjax.train.loop import format_metrics
+    from pjax.train.state import drafter_from_state, init_train_state
+    from pjax.train.step import replicate
+    r = b.recipe
+    target32 = load_code_target(b)
+    dcfg, d2t, cfg = _head_config(b, objective, target32)
+    drafter = init_drafter_for_target(target32, dcfg, jax.random.key(r.seed + (2 if objective == "peagle" else 3)),
+                                      d2t=d2t)
+    target = target32 if r.compute_dtype is None else target32.astype(r.compute_dtype)
+    stream = RowStream(documents(b, "train"), r.head_seq_len, r.head_batch_rows, seed=r.seed + 1)
+    mesh = make_mesh(jax.devices()[:1])
+    state = replicate(init_train_state(drafter, cfg), mesh)
+    ckpt = Checkpointer(work / "ckpt", max_to_keep=1)
+    history_path = work / "history.json"
+    history = []
+    if ckpt.latest_step() is not None:
+        state = ckpt.restore(state)
+        history = json.loads(history_path.read_text()) if history_path.exists() else []
+    start = int(jax.device_get(state.step))
+    tokens = r.head_steps * r.head_batch_rows * r.head_seq_len
+    b.log(f"{objective}: {dcfg.layer.num_layers} layer(s), aux layers {dcfg.aux_layer_ids}, "
+          f"{'depths ' + str(r.peagle_depths) if objective == 'peagle' else 'ttt steps ' + str(r.eagle3_ttt_steps)}, "
+          f"{r.head_steps} steps ({tokens / 1e6:.1f} M tokens){f', resuming at step {start}' if start else ''}")
+    log_every = max(1, min(25, r.head_steps // 20))  # also the steps between time checks
+    bar = b.bar(r.head_steps, f"train {objective}", initial=start, unit="step")
+    t_save, done = time.time(), start
+    while done < r.head_steps:
+        stop = min(r.head_steps, done + log_every)
+        res = train_drafter(target, drafter, stream, cfg, steps=stop, mesh=mesh, state=state, progress=False,
+                            log_every=log_every)
+        state, history = res.state, history + res.history
+        if bar is not None:
+            bar.update(stop - done)
+            if res.history:
+                bar.set_postfix_str(format_metrics(res.history[-1]).split(" ", 2)[2])
+        elif res.history:
+            b.log(f"{objective} {format_metrics(res.history[-1])}")
+        done = stop
+        stopping = b.stop_now() and done < r.head_steps
+        if done < r.head_steps and (stopping or time.time() - t_save >= b.save_seconds):
+            ckpt.save(state)
+            _write_json(history_path, history)
+            t_save = time.time()
+        if stopping:
+            if bar is not None:
+                bar.close()
+            ckpt.close()
+            raise Incomplete(f"{objective}: stopped at step {done}/{r.head_steps} (checkpoint saved)")
+    if bar is not None:
+        bar.close()
+    ckpt.close()
+    save_drafter(drafter_from_state(drafter, state), work / "head", dtype="float32")
+    shutil.rmtree(work / "ckpt", ignore_errors=True)
+    last = history[-1] if history else {}
+    return dict(steps=r.head_steps, tokens=tokens, layers=dcfg.layer.num_layers, aux_layer_ids=dcfg.aux_layer_ids,
+                final=last, history=history)
+
+
+def stage_peagle(b: Build, work: Path) -> dict:
+    return _train_head(b, work, "peagle")
+
+
+def stage_eagle3(b: Build, work: Path) -> dict:
+    return _train_head(b, work, "eagle3")
+
+
+def stage_export(b: Build, work: Path) -> dict:
+    """DIR/pair, written beside its place and renamed in (its previous copy replaced as a whole)."""
+    from pjax.checkpoint import load_drafter, save_drafter
+    from pjax.checkpoint.files import write_output_dir
+    from pjax.checkpoint.hf_export import save_hf_target
+    r = b.recipe
+    final = b.out / "pair"
+    target = load_code_target(b)
+    summary = dict(recipe=dataclasses.asdict(r), written_at=_now(),
+                   stages={s: (b.marker(s) or {}).get("summary") for s in ("corpus", "tokenizer", "tokens")},
+                   target={k: v for k, v in b.marker("target")["summary"].items() if k != "history"},
+                   heads={h: {k: v for k, v in b.marker(h)["summary"].items() if k != "history"}
+                          for h in ("peagle", "eagle3")})
+    with write_output_dir(final, force=True, kind=PAIR_KIND, metadata={"recipe": "examples/code_pair.py"}) as tmp:
+        save_hf_target(target, tmp / "target", dtype=r.export_dtype, tokenizer_dir=b.dir("tokenizer"),
+                       max_position_embeddings=r.target_seq_len)
+        for head in ("peagle", "eagle3"):
+            save_drafter(load_drafter(b.dir(head) / "head", dtype=jnp.float32), tmp / head, dtype=r.export_dtype,
+                         verifier_name_or_path=str(final / "target"))
+        shutil.copyfile(b.dir("corpus") / "prompts.jsonl", tmp / "prompts.jsonl")
+        shutil.copyfile(b.dir("corpus") / "manifest.json", tmp / "corpus_manifest.json")
+        _write_json(tmp / "pair.json", summary)
+    b.log(f"export: {final} (target/, peagle/, eagle3/, prompts.jsonl, corpus_manifest.json, pair.json)")
+    return dict(pair=str(final))
+
+
+def stage_check(b: Build, work: Path) -> dict:
+    import pjax
+    r = b.recipe
+    pair = b.out / "pair"
+    target = pjax.load_target(pair / "target", dtype=jnp.dtype(r.export_dtype))
+    tok = load_tokenizer(b)
+    rows = [json.loads(line) for line in (pair / "prompts.jsonl").read_text().splitlines()]
+    fits = [ids for ids in (tok.encode(row["prompt"]).ids for row in rows)
+            if len(ids) + r.check_new_tokens <= r.target_seq_len]  # within the trained context
+    prompts = fits[:r.check_prompts]
+    if not prompts:
+        raise RecipeError(f"no benchmark prompt fits {r.check_new_tokens} new tokens within the trained context of "
+                          f"{r.target_seq_len}: lower --check-new-tokens")
+    kw = dict(max_new_tokens=r.check_new_tokens, implementation=b.implementation)
+    plain = pjax.generate(target, None, prompts, drafting="none", **kw)
+    out = dict(prompts=len(prompts), new_tokens=r.check_new_tokens, dtype=r.export_dtype,
+               plain_tokens_per_s=plain.stats["output_tokens_per_s"])
+    for head, drafting, k in (("peagle", "parallel", r.peagle_depths), ("eagle3", "sequential", r.eagle3_ttt_steps)):
+        drafter = pjax.load_drafter(pair / head, dtype=jnp.dtype(r.export_dtype), target=target)
+        res = pjax.generate(target, drafter, prompts, drafting=drafting, num_speculative_tokens=k, **kw)
+        same = sum(a == p for a, p in zip(res.tokens, plain.tokens))
+        out[head] = dict(k=k, mean_acceptance_length=res.stats["mean_acceptance_length"],
+                         acceptance_rates=res.stats["acceptance_rates"], identical_to_plain=same == len(prompts),
+                         identical_rows=same, tokens_per_s=res.stats["output_tokens_per_s"])
+        b.log(f"check {head}: K={k} mean acceptance length {res.stats['mean_acceptance_length']:.3f}, per-position "
+              f"{[round(x, 3) for x in res.stats['acceptance_rates']]}; {same}/{len(prompts)} rows identical to "
+              f"plain greedy decoding ({r.export_dtype})")
+    return out
+
+
+RUN = {"corpus": stage_corpus, "tokenizer": stage_tokenizer, "tokens": stage_tokens, "target": stage_target,
+       "peagle": stage_peagle, "eagle3": stage_eagle3, "export": stage_export, "check": stage_check}
+TRAINING = ("target", "peagle", "eagle3")
+
+
+def run_stage(b: Build, stage: str) -> str:
+    """Run one stage unless it is done; returns "done" (skipped) or "built"."""
+    missing = [u for u in _inputs(stage) if not b.done(u)]
+    if missing:
+        raise RecipeError(f"stage {stage} needs {', '.join(missing)} first (run without --stage, or --stage "
+                          f"{missing[0]})")
+    if b.done(stage):
+        return "done"
+    d = b.dir(stage)
+    old = b.marker(stage)
+    progress_file = d / "progress.json"
+    started = json.loads(progress_file.read_text()) if progress_file.exists() else None
+    stale = old if old is not None else (started if started and started.get("key") != b.key(stage) else None)
+    if stale is not None:
+        if not b.force:
+            raise RecipeError(f"stage {stage} in {b.out} was {'built' if old else 'started'} with other settings "
+                              f"({_differences(b, stage, stale)}); pass --force to rebuild it")
+        shutil.rmtree(d)
+    if b.stop_now():
+        raise Incomplete(f"time limit reached before stage {stage}")
+    ident = dict(key=b.key(stage), settings=b.settings(stage), inputs={u: b.key(u) for u in _inputs(stage)})
+    t0 = time.time()
+    if stage in TRAINING:
+        d.mkdir(exist_ok=True)
+        _write_json(progress_file, ident)
+        summary = RUN[stage](b, d)
+        work = d
+    else:
+        work = b.out / f".{stage}.tmp"
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir()
+        summary = RUN[stage](b, work)
+    _write_json(work / "stage.json", dict(stage=stage, **ident, summary=summary, seconds=round(time.time() - t0, 1),
+                                          finished_at=_now()))
+    if work != d:
+        os.rename(work, d)
+    return "built"
+
+
+def build(out, recipe: Recipe = FULL, *, stages=STAGES, force: bool = False, progress: bool = True,
+          max_minutes: Optional[float] = None, save_minutes: float = 4.0, implementation: str = "auto",
+          log: Callable[[str], None] = print,
+          should_stop: Optional[Callable[[], bool]] = None) -> dict:
+    """Run `stages` (in recipe order) of the build at `out`; returns {stage: "done" | "built"}. Raises Incomplete
+    when the time limit (or `should_stop`) stopped it (the same call continues), RecipeError when it cannot go on."""
+    out = open_build(out, force=force)
+    deadline = None if max_minutes is None else time.time() + 60 * max_minutes
+    b = Build(out, recipe, force=force, progress=progress, deadline=deadline, save_seconds=60 * save_minutes,
+              implementation=implementation, log=log, should_stop=should_stop)
+    result = {}
+    with _locked(out):
+        for stage in [s for s in STAGES if s in stages]:
+            t0 = time.time()
+            result[stage] = run_stage(b, stage)
+            if result[stage] == "built":
+                log(f"stage {stage}: built in {time.time() - t0:.0f} s")
+    return result
+
+
+# ============================================================================================ command line
+def _flag_type(tp):
+    """(argparse type, nargs) for a Recipe field's annotation."""
+    args = typing.get_args(tp)
+    optional = type(None) in args
+    inner = next((a for a in args if a is not type(None)), tp) if optional else tp
+    if typing.get_origin(inner) is tuple:
+        elem = typing.get_args(inner)[0]
+        return elem, "+"
+    if inner is bool:
+        return bool, None
+
+    def parse(text, inner=inner):
+        if optional and text.lower() == "none":
+            return None
+        return inner(float(text)) if inner is int and ("e" in text.lower() or "_" in text) else inner(text)
+    parse.__name__ = getattr(inner, "__name__", "value")
+    return parse, None
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", required=True, help="build directory (created; a re-run continues it)")
+    p.add_argument("--tiny", action="store_true", help="tiny corpus, tokenizer, target and heads (CPU, minutes)")
+    p.add_argument("--stage", choices=STAGES + ("heads",), help="run only this stage (its inputs must be built)")
+    p.add_argument("--force", action="store_true", help="rebuild stages whose settings or inputs changed")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="stop cleanly after this many minutes (exit status 75; run again to continue)")
+    p.add_argument("--save-minutes", type=float, default=4.0, help="training checkpoints at least this often")
+    p.add_argument("--implementation", choices=("auto", "xla", "pallas"), default="auto", help="the kernel switch")
+    p.add_argument("--no-progress", action="store_true", help="log lines instead of progress bars")
+    p.add_argument("--no-compilation-cache", action="store_true",
+                   help="do not keep compiled programs in DIR/.jax_cache between runs")
+    p.add_argument("--deterministic", action="store_true",
+                   help="GPU: deterministic XLA reductions (same bits run to run, somewhat slower)")
+    group = p.add_argument_group("recipe (defaults: the full build; --tiny changes some)")
+    hints = typing.get_type_hints(Recipe)
+    for f in dataclasses.fields(Recipe):
+        flag = "--" + f.name.replace("_", "-")
+        kind, nargs = _flag_type(hints[f.name])
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=f"(full: {f.default})")
+        else:
+            group.add_argument(flag, type=kind, nargs=nargs, default=None, metavar=f.name.split("_")[-1].upper(),
+                               help=f"(full: {f.default})")
+    return p.parse_args(argv)
+
+
+def recipe_from_args(a) -> Recipe:
+    base = TINY if a.tiny else FULL
+    given = {f.name: getattr(a, f.name) for f in dataclasses.fields(Recipe) if getattr(a, f.name) is not None}
+    return dataclasses.replace(base, **{k: tuple(v) if isinstance(v, list) else v for k, v in given.items()})
+
+
+def main(argv=None) -> dict:
+    a = parse_args(argv)
+    if a.deterministic:
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_deterministic_ops=true").strip()
+    recipe = recipe_from_args(a)
+    if not a.no_compilation_cache:
+        cache = Path(os.path.abspath(a.out)) / ".jax_cache"
+        jax.config.update("jax_compilation_cache_dir", str(cache))
+    stages = STAGES if a.stage is None else (("peagle", "eagle3") if a.stage == "heads" else (a.stage,))
+    t0 = time.time()
+    try:
+        result = build(a.out, recipe, stages=stages, force=a.force, progress=not a.no_progress,
+                       max_minutes=a.max_minutes, save_minutes=a.save_minutes, implementation=a.implementation)
+    except Incomplete as e:
+        print(f"{e}; {time.time() - t0:.0f} s this run. Run the same command again to continue.", flush=True)
+        sys.exit(EXIT_INCOMPLETE)
+    except RecipeError as e:
+        raise SystemExit(f"error: {e}") from None
+    pair = Path(os.path.abspath(a.out)) / "pair"
+    if a.stage is None:
+        print(f"pair complete: {pair} ({time.time() - t0:.0f} s this run; stages {result})", flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""examples/code_pair.py --tiny end to end on CPU: the pair it exports loads in transformers (target, same float32
+logits) and speculators (heads, same logits); greedy speculative decoding through pjax.generate equals plain
+decoding; a re-run does nothing; a training stage stopped mid-way and resumed gives the same weights bit for bit;
+changed settings are refused without --force."""
+import dataclasses
+import importlib.util
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers as tf
+
+import speculators.models.eagle3.core as ecore
+import speculators.models.peagle.core as pcore
+from speculators.models.eagle3 import Eagle3DraftModel
+from speculators.models.peagle import PEagleDraftModel
+
+import pjax
+from pjax.train import draft_logits
+from tests.hf_utils import rel_err
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_recipe():
+    spec = importlib.util.spec_from_file_location("code_pair", ROOT / "examples" / "code_pair.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses resolve the module's annotations through sys.modules
+    spec.loader.exec_module(mod)
+    return mod
+
+
+cp = load_recipe()
+
+
+@pytest.fixture(scope="module")
+def build_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny") / "build"
+    result = cp.build(out, cp.TINY, progress=False, log=lambda s: None)
+    assert result == {s: "built" for s in cp.STAGES}
+    return out
+
+
+def test_outputs(build_dir):
+    manifest = json.loads((build_dir / "pair" / "corpus_manifest.json").read_text())
+    held = {f["path"] for f in manifest["files"] if f["split"] == "held_out"}
+    trained = {json.loads(line)["path"] for line in (build_dir / "corpus" / "train.jsonl").open()}
+    assert held and trained and not held & trained
+    assert manifest["held_out"]["fraction_of_files"] >= 0.02 and len(manifest["sha256"]) == 64
+    prompts = [json.loads(line) for line in (build_dir / "pair" / "prompts.jsonl").open()]
+    assert len(prompts) >= cp.TINY.min_prompts
+    assert all(p["source"] in held and p["prompt"].endswith("\n") and p["reference"].strip() for p in prompts)
+    pair = json.loads((build_dir / "pair" / "pair.json").read_text())
+    assert pair["heads"]["peagle"]["steps"] == pair["heads"]["eagle3"]["steps"] == cp.TINY.head_steps
+    assert pair["heads"]["peagle"]["tokens"] == pair["heads"]["eagle3"]["tokens"]
+    assert pair["target"]["tokens"] >= cp.TINY.target_tokens
+
+
+def test_target_matches_transformers(build_dir):
+    path = build_dir / "pair" / "target"
+    prompt = json.loads((build_dir / "pair" / "prompts.jsonl").open().readline())["prompt"]
+    tok = tf.AutoTokenizer.from_pretrained(path)
+    ids = tok(prompt)["input_ids"]
+    assert ids[0] == tok.bos_token_id and tok.decode(ids, skip_special_tokens=True) == prompt
+    assert tok.mask_token_id is not None and tok.apply_chat_template([{"role": "user", "content": "x"}],
+                                                                     tokenize=False).startswith(tok.bos_token)
+    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = model(torch.as_tensor([ids[:200]])).logits.numpy()
+    got = np.asarray(pjax.models.target_logits(pjax.load_target(path, dtype=jnp.float32), np.asarray([ids[:200]])))
+    assert rel_err(got, ref) <= 1e-4, rel_err(got, ref)
+
+
+def speculators_logits(model, monkeypatch, hs, ids, anchor, depth):
+    """Logits of a speculators head's training forward over a fixed (anchor, depth) layout (its sampler and metric
+    replaced), as tests/test_drafter_parity.py reads them."""
+    cap, s = {}, ids.shape[1]
+    doc, last = torch.zeros(1, s, dtype=torch.long), torch.zeros(1, s, model.config.transformer_layer_config.hidden_size)
+    if isinstance(model, PEagleDraftModel):
+        monkeypatch.setattr(pcore, "generate_cod_sample_indices", lambda **kw: (anchor, depth))
+        monkeypatch.setattr(pcore, "compute_metrics", lambda **kw: (cap.update(kw), (torch.tensor(0.0), {}))[1])
+        with torch.no_grad():
+            model(hidden_states=hs, input_ids=ids, document_ids=doc, verifier_last_hidden_states=last,
+                  num_depths=int(depth.max()) + 1)
+    else:
+        monkeypatch.setattr(ecore, "compute_metrics",
+                            lambda logits, *a, **k: (cap.update(logits=logits), (torch.tensor(0.0), {}))[1])
+        with torch.no_grad():
+            model(hidden_states=hs, input_ids=ids, document_ids=doc, position_ids=torch.arange(s)[None],
+                  loss_mask=torch.ones(1, s), verifier_last_hidden_states=last, ttt_steps=1)
+    return cap["logits"][0].float().numpy()
+
+
+@pytest.mark.parametrize("head", ["peagle", "eagle3"])
+def test_heads_match_speculators(build_dir, head, monkeypatch):
+    path = build_dir / "pair" / head
+    drafter = pjax.load_drafter(path, dtype=jnp.float32)
+    model = (PEagleDraftModel if head == "peagle" else Eagle3DraftModel).from_pretrained(str(path)).float().eval()
+    cfg = drafter.config
+    s = 20
+    g = torch.Generator().manual_seed(0)
+    hs = torch.randn(1, s, cfg.num_aux * cfg.target_hidden_size, generator=g)
+    ids = torch.randint(0, cfg.vocab_size, (1, s), generator=g)
+    if head == "peagle":
+        assert model.mask_token_id == cfg.mask_token_id
+        torch.manual_seed(0)
+        loss_mask = torch.ones(1, s)
+        loss_mask[0, :2] = 0
+        anchor, depth = pcore.generate_cod_sample_indices(seq_length=s, loss_mask=loss_mask, num_depths=4)
+        assert int(depth.max()) >= 2
+    else:
+        anchor, depth = torch.arange(s), torch.zeros(s, dtype=torch.long)
+    ref = speculators_logits(model, monkeypatch, hs, ids, anchor, depth)
+    got = np.asarray(draft_logits(drafter, hs.numpy(), ids.numpy(), np.zeros((1, s), np.int32), anchor.numpy(),
+                                  depth.numpy()))
+    assert got.shape == ref.shape and rel_err(got, ref) <= 1e-4, rel_err(got, ref)
+
+
+def test_speculative_equals_plain(build_dir):
+    """The check stage decoded benchmark prompts through pjax.generate: plain, P-EAGLE (parallel) and EAGLE-3
+    (sequential) greedy decoding of the float32 tiny pair."""
+    check = json.loads((build_dir / "check" / "stage.json").read_text())["summary"]
+    assert check["prompts"] >= 1 and check["dtype"] == "float32"
+    for head in ("peagle", "eagle3"):
+        assert check[head]["identical_to_plain"], check[head]
+        assert 1.0 <= check[head]["mean_acceptance_length"] <= check[head]["k"] + 1
+
+
+def test_rerun_does_nothing(build_dir):
+    before = {s: (build_dir / s / "stage.json").stat().st_mtime_ns for s in cp.STAGES}
+    assert cp.build(build_dir, cp.TINY, progress=False, log=lambda s: None) == {s: "done" for s in cp.STAGES}
+    assert before == {s: (build_dir / s / "stage.json").stat().st_mtime_ns for s in cp.STAGES}
+
+
+def _copy_stages(src: Path, dst: Path, stages):
+    dst.mkdir()
+    shutil.copy(src / "pjax_output.json", dst)
+    for s in stages:
+        shutil.copytree(src / s, dst / s)
+
+
+class StopAfter:
+    def __init__(self, n):
+        self.n = n
+
+    def __call__(self):
+        self.n -= 1
+        return self.n < 0
+
+
+@pytest.mark.parametrize("stage", ["target", "peagle"])
+def test_stopped_training_resumes_exactly(build_dir, tmp_path, stage):
+    upstream = cp._inputs(stage)
+    out = tmp_path / "build"
+    _copy_stages(build_dir, out, upstream)
+    with pytest.raises(cp.Incomplete, match="checkpoint saved"):
+        cp.build(out, cp.TINY, stages=(stage,), progress=False, log=lambda s: None, should_stop=StopAfter(3))
+    assert (out / stage / "ckpt").is_dir() and not (out / stage / "stage.json").exists()
+    assert cp.build(out, cp.TINY, stages=(stage,), progress=False, log=lambda s: None) == {stage: "built"}
+    if stage == "target":
+        a, b = (pjax.load_target(d / "target" / "model", dtype=jnp.float32) for d in (out, build_dir))
+    else:
+        a, b = (pjax.load_drafter(d / "peagle" / "head", dtype=jnp.float32) for d in (out, build_dir))
+    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    first = json.loads((build_dir / stage / "stage.json").read_text())["summary"]["history"]
+    again = json.loads((out / stage / "stage.json").read_text())["summary"]["history"]
+    assert [h["loss"] for h in first] == [h["loss"] for h in again]
+
+
+def test_changed_settings_are_refused(build_dir, tmp_path):
+    with pytest.raises(cp.RecipeError, match=r"eagle3_ttt_steps: 3 -> 2.*--force"):
+        cp.build(build_dir, dataclasses.replace(cp.TINY, eagle3_ttt_steps=2), stages=("eagle3",), progress=False)
+    with pytest.raises(cp.RecipeError, match="needs corpus, tokenizer, tokens, target first"):
+        cp.build(tmp_path / "empty", cp.TINY, stages=("peagle",), progress=False)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("x")
+    with pytest.raises(pjax.checkpoint.OutputError, match="not a pjax output"):
+        cp.build(mine, cp.TINY, progress=False)
+
+
+def test_flags():
+    a = cp.parse_args(["--out", "x", "--tiny", "--peagle-depths", "12", "--peagle-max-anchors", "none",
+                       "--aux-layer-ids", "1", "2", "3", "--no-remat", "--target-tokens", "5e7"])
+    r = cp.recipe_from_args(a)
+    assert r == dataclasses.replace(cp.TINY, peagle_depths=12, peagle_max_anchors=None, aux_layer_ids=(1, 2, 3),
+                                    remat=False, target_tokens=50_000_000)
+    assert cp.recipe_from_args(cp.parse_args(["--out", "x"])) == cp.FULL
