@@ -34,6 +34,7 @@ def _args(argv=None, objective="peagle"):
     p.add_argument("--data", nargs="*", default=None, help="training files (.jsonl or text)")
     p.add_argument("--init-head", help="start from this head (speculators or vLLM-native checkpoint)")
     p.add_argument("--out", default="runs/tiny_head", help="export directory (speculators format)")
+    p.add_argument("--force", action="store_true", help="replace --out when it holds a head pjax wrote before")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--target-steps", type=int, default=400, help="tiny job: target training steps")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per packed row")
@@ -100,7 +101,7 @@ def tiny_job(argv=None, objective="peagle") -> dict:
                    seed=a.seed, checkpoint_dir=a.checkpoint_dir, progress=not a.no_progress,
                    log_every=a.log_every, log_fn=_log if a.no_progress else None)
     report = dict(train_seconds=round(time.time() - t0, 1), target_history=run.target_history,
-                  head_history=run.head_history, export=str(save_drafter(run.drafter, a.out)))
+                  head_history=run.head_history, export=str(save_drafter(run.drafter, a.out, overwrite=a.force)))
     if not a.no_generate:
         k = a.num_depths if a.objective == "peagle" else a.ttt_steps
         stats = acceptance_report(run.target, run.drafter, run.docs, k=k, objective=a.objective)
@@ -170,7 +171,8 @@ def target_job(argv=None, objective="peagle"):
                         checkpoint_dir=a.checkpoint_dir, save_every=a.save_every, log_every=a.log_every,
                         progress=not a.no_progress, log_fn=_log if a.no_progress else None,
                         split_target=a.split_target)
-    out = save_drafter(res.drafter, a.out, verifier_name_or_path=a.target)
+    out = save_drafter(res.drafter, a.out, verifier_name_or_path=a.target, overwrite=a.force,
+                       sources=[a.target] + ([a.init_head] if a.init_head else []))
     print(f"exported {out}")
     return dict(history=res.history, export=str(out))
 
