@@ -105,8 +105,9 @@ class BatchBackend:
     `bucket_capacity(settings.max_positions)` positions, so programs depend on the batch's rows and prompt-length
     bucket only and `prepare` can compile each of them with a short generation.
     """
-    scheduling = ("static batches: concurrency c = c requests decoded as one ragged batch; the next c start when "
-                  "all of them finish (no continuous batching)")
+    scheduling = ("static batches: concurrency c = c requests decoded as one ragged batch (one "
+                  "pjax.decode.Generation, its default device loop in bounded chunks); the next c start when all of "
+                  "them finish (no continuous batching)")
 
     def __init__(self, target, drafters: Mapping[str, object], *, implementation: str = "auto", cache_dtype=None):
         self.target, self.drafters = target, dict(drafters)
