@@ -191,7 +191,9 @@ def _configs(a):
     lm = a.lm if a.lm is not None else ([] if sweep else list(LM_IMPLEMENTATIONS))
     lengths = a.lengths or ([256] if a.tiny else [16384])
     segments = a.segments or [1]
-    return [f"lm,{impl}" for impl in lm] + [f"head,{n},{s}" for n in lengths for s in segments]
+    heads = [f"head,{n},{s}" for n in lengths for s in segments]
+    fused = [f"lm,{impl}" for impl in lm if impl != "xla"]
+    return fused + heads + [f"lm,{impl}" for impl in lm if impl == "xla"]  # the slow reference last
 
 
 def _run_one(a, spec):

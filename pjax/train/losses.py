@@ -233,7 +233,8 @@ def draft_logits(drafter: Drafter, hidden_states, input_ids, document_ids, ancho
     traced = isinstance(depth, jax.core.Tracer)
     if reason:
         if traced or np.any(np.asarray(depth) != 0):
-            raise ValueError(reason + "; draft_logits got depth >= 1 elements" + (" (or traced depths)" if traced else ""))
+            raise ValueError(reason + "; draft_logits got depth >= 1 elements"
+                             + (" (or traced depths)" if traced else ""))
     s = np.shape(input_ids)[-1]
     _check_prefix(anchor_pos, depth, s)
     k = _num_depths(depth, drafter.config.num_depths if traced else None)

@@ -162,8 +162,9 @@ def train_target_lm(target: Target, stream: RowStream, steps: int, *, lr: float 
     for i in range(steps):
         b = stream.batch(i)
         lengths = causal_lengths(b["document_ids"])
+        lengths = None if lengths is None else jnp.asarray(lengths)
         params, opt_state, loss = step(params, opt_state, shell, jnp.asarray(b["tokens"]),
-                                       jnp.asarray(b["document_ids"]), None if lengths is None else jnp.asarray(lengths))
+                                       jnp.asarray(b["document_ids"]), lengths)
         losses.append(loss)
         if (i + 1) % log_every == 0 or i + 1 == steps:
             val = float(np.mean(jax.device_get(losses)))

@@ -38,8 +38,9 @@ def attention(q, k, v, mask: AttentionMask, *, scale: float, window: Optional[in
     """Grouped-query attention under a mask description (`pjax.kernels.flash_attention.mask`), differentiable.
 
     q [B, T, nh, hd]; k, v [B, S, nkv, hd] (the context keys); chain_k, chain_v [B, M, nkv, hd] (the keys the mask's
-    chain part points into); window: the layer's sliding window or None; sinks [nh] or None (GPT-OSS). Returns [B, T, nh, hd] in q's dtype. The kernels take the
-    context keys; chain keys (at most a few per query) and sinks are merged in through the kernel's log-sum-exp.
+    chain part points into); window: the layer's sliding window or None; sinks [nh] or None (GPT-OSS). Returns
+    [B, T, nh, hd] in q's dtype. The kernels take the context keys; chain keys (a few per query) and sinks are merged
+    in through the kernel's log-sum-exp.
     """
     reference.check_inputs(q, k, v, mask, sinks, chain_k, chain_v, op=OP)
     impl = choose(q, k, mask, sinks, implementation)

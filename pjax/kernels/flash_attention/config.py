@@ -1,7 +1,8 @@
 """Tiles of the flash-attention training kernels (Triton via Pallas). The starting points are the usual FlashAttention-2
 Triton settings for Hopper (forward: 128 query rows x 64 keys, 3 stages; backward: the dK/dV kernel holds 128 keys
 and streams 32-row query tiles, the dQ kernel holds 128 query rows and streams 32-key tiles; 4 warps up to head dim
-64, 8 above); they are not yet tuned on the H200 (examples/benchmarks/bench_train.py compares the kernel with cuDNN and the reference)."""
+64, 8 above); they are not yet tuned on the H200 (examples/benchmarks/bench_train.py compares the kernel with cuDNN
+and the reference)."""
 from __future__ import annotations
 
 import dataclasses

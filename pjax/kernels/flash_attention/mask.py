@@ -28,8 +28,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-__all__ = ["AttentionMask", "bounds_visible", "causal_mask", "document_mask", "document_starts", "position_mask", "query_bounds",
-           "visible"]
+__all__ = ["AttentionMask", "bounds_visible", "causal_mask", "document_mask", "document_starts", "position_mask",
+           "query_bounds", "visible"]
 
 NO_BOUND = jnp.iinfo(jnp.int32).min // 2  # "no lower bound" (halved: q_pos - window stays representable)
 

@@ -1,10 +1,11 @@
 """Pallas (Triton) FlashAttention-2 for training: forward and backward kernels, differentiable through a custom VJP
 whose backward is blockwise too (scores are recomputed per tile; no [T, S] tensor exists in either pass).
 
-Why: the jnp reference materialises a [chunk, S] float32 score tile of every head and, in the backward pass,
-recomputes it chunk by chunk through XLA; these kernels keep each [rows, keys] tile in registers and read Q, K, V
-(and dO) a few times per pass: forward reads K/V once per query tile, the dQ kernel once more, the dK/dV kernel
-reads Q/dO once per key tile. Bytes moved per pass ~ (T/bq) * S * nkv-heads-worth of K/V + T * nh * hd.
+Why: the jnp reference writes a [chunk, S] float32 score tile of every head to memory and reads it back several
+times (mask, softmax, PV, and again in the backward pass); these kernels keep each [rows, keys] tile on chip.
+Bytes moved: the forward reads each query head's visible K/V tiles once per query tile (T / block_q passes over
+them) and writes o and the log-sum-exp once; the dQ kernel reads them once more; the dK/dV kernel reads Q, dO, the
+log-sum-exp and delta once per key tile and writes dK, dV once. Nothing of size T x S is written.
 
 The mask: each query i sees the keys at indices lo[i] <= j <= hi[i] (`pjax.kernels.flash_attention.mask.
 query_bounds`: document starts, causal limit, sliding window), so a program walks only the key tiles its queries
