@@ -73,7 +73,7 @@ class Recipe:
     min_prompts: int = 100
     # tokenizer
     vocab_size: int = 32768
-    tokenizer_sample_bytes: int = 64_000_000
+    tokenizer_sample_bytes: int = 32_000_000
     # target (Llama: 24 x 1024, 16 heads, 4 KV heads, SwiGLU 2816, untied head: 0.34 B parameters)
     target_layers: int = 24
     target_hidden: int = 1024
@@ -84,6 +84,7 @@ class Recipe:
     target_seq_len: int = 2048
     target_batch_rows: int = 16
     target_tokens: int = 60_000_000
+    target_minutes: Optional[float] = None  # fewer steps when the measured rate would take longer than this
     target_lr: float = 6e-4
     target_warmup: int = 100
     target_weight_decay: float = 0.1
@@ -135,7 +136,8 @@ SETTINGS = {
     "tokenizer": ("vocab_size", "tokenizer_sample_bytes"),
     "tokens": (),
     "target": ("target_layers", "target_hidden", "target_heads", "target_kv_heads", "target_intermediate",
-               "rope_theta", "target_seq_len", "target_batch_rows", "target_tokens", "target_lr", "target_warmup",
+               "rope_theta", "target_seq_len", "target_batch_rows", "target_tokens", "target_minutes", "target_lr",
+               "target_warmup",
                "target_weight_decay", "eval_rows", "compute_dtype", "remat", "seed"),
     "peagle": ("head_seq_len", "head_batch_rows", "head_steps", "head_weight_decay", "head_warmup", "aux_layer_ids",
                "draft_vocab_size", "peagle_layers", "peagle_depths", "peagle_down_sample_ratio",
@@ -407,18 +409,43 @@ def _eval_loss(b: Build, target, docs) -> dict:
     return dict(loss=loss, perplexity=math.exp(loss), tokens=count)
 
 
+def _target_steps(b: Build, work: Path, per_step: int, rate: Optional[float]) -> int:
+    """The target's step count: target_tokens / tokens per step, or fewer when target_minutes at the measured rate
+    (tokens/s) allows fewer. Decided once (plan.json), so a resumed run keeps it."""
+    r, plan = b.recipe, work / "plan.json"
+    if plan.exists():
+        return json.loads(plan.read_text())["steps"]
+    most = -(-r.target_tokens // per_step)
+    if r.target_minutes is None or rate is None:
+        return most
+    steps = max(r.target_warmup + 1, min(most, int(r.target_minutes * 60 * rate / per_step)))
+    _write_json(plan, dict(steps=steps, measured_tokens_per_s=rate, target_minutes=r.target_minutes,
+                           target_tokens=r.target_tokens))
+    return steps
+
+
 def stage_target(b: Build, work: Path) -> dict:
+    """Next-token training (`pjax.train.target_lm.make_lm_step`, the step `train_target_lm` runs) with orbax
+    checkpoints; with target_minutes, the step count is fixed at the end of the warmup from the measured rate (the
+    warmup's learning rates do not depend on it)."""
     from pjax.checkpoint import save_native_target
     from pjax.models.families import config_from_hf
     from pjax.train import Checkpointer, RowStream, TrainState
     from pjax.train.target_lm import causal_lengths, make_lm_step
     r = b.recipe
+    if r.target_minutes is not None and r.target_warmup < 10:
+        raise RecipeError(f"--target-minutes measures the rate during the warmup: --target-warmup must be >= 10, "
+                          f"got {r.target_warmup}")
     hf = target_hf_config(b)
     target = init_code_target(config_from_hf(hf), r.seed)
     per_step = r.target_batch_rows * r.target_seq_len
-    steps = -(-r.target_tokens // per_step)
-    init, step = make_lm_step(lr=r.target_lr, steps=steps, warmup=r.target_warmup, weight_decay=r.target_weight_decay,
-                              compute_dtype=r.compute_dtype, remat=r.remat, implementation=b.implementation)
+    steps = _target_steps(b, work, per_step, None)
+    decided = (work / "plan.json").exists() or r.target_minutes is None
+
+    def make_step(n):
+        return make_lm_step(lr=r.target_lr, steps=n, warmup=r.target_warmup, weight_decay=r.target_weight_decay,
+                            compute_dtype=r.compute_dtype, remat=r.remat, implementation=b.implementation)
+    init, step = make_step(steps)
     stream = RowStream(documents(b, "train"), r.target_seq_len, r.target_batch_rows, seed=r.seed)
     state = TrainState(jnp.zeros((), jnp.int32), target.params, init(target.params),
                        jax.random.key_data(jax.random.key(r.seed)), jnp.zeros((), jnp.int32))
@@ -430,24 +457,41 @@ def stage_target(b: Build, work: Path) -> dict:
         history = json.loads(history_path.read_text()) if history_path.exists() else []
     start = int(state.step)
     n_params = sum(x.size for x in jax.tree.leaves(target.params))
-    b.log(f"target: {n_params / 1e6:.1f} M parameters, {steps} steps x {per_step} tokens = "
-          f"{steps * per_step / 1e6:.1f} M tokens ({steps * per_step / max(stream.batches_per_epoch * per_step, 1):.2f}"
-          f" epochs){f', resuming at step {start}' if start else ''}")
+    epoch_tokens = stream.batches_per_epoch * per_step
+    b.log(f"target: {n_params / 1e6:.1f} M parameters; {'' if decided else 'at most '}{steps} steps x {per_step} "
+          f"tokens = {steps * per_step / 1e6:.1f} M tokens ({steps * per_step / epoch_tokens:.2f} epochs of "
+          f"{epoch_tokens / 1e6:.1f} M){'' if decided else f'; fixed after the warmup for {r.target_minutes} min'}"
+          f"{f'; resuming at step {start}' if start else ''}")
     params, opt_state, shell = state.params, state.opt_state, type(target)(target.config, target.graphdef, None)
     bar = b.bar(steps, "train target", initial=start, unit="step")
-    losses, t_log, t_save, log_every = [], None, time.time(), max(1, min(50, steps // 20))
-    i = start
-    for i in range(start, steps):
-        batch = stream.batch(i)
+    losses, t_save, log_every = [], time.time(), max(1, min(50, steps // 20))
+    t_first = n_first = t_log = n_log = None
+    done = start
+    while done < steps:
+        batch = stream.batch(done)
         lengths = causal_lengths(batch["document_ids"])
         params, opt_state, loss = step(params, opt_state, shell, jnp.asarray(batch["tokens"]),
                                        jnp.asarray(batch["document_ids"]),
                                        None if lengths is None else jnp.asarray(lengths))
         losses.append(loss)
-        done = i + 1
-        if t_log is None:  # the first step compiles: time from its end
+        done += 1
+        if t_log is None:  # the first step compiles: rates count from its end
             jax.block_until_ready(loss)
-            t_log, n_log = time.time(), done
+            t_first = t_log = time.time()
+            n_first = n_log = done
+        if not decided and done >= min(r.target_warmup, steps) and done - n_first >= 5:
+            jax.block_until_ready(loss)
+            rate = (done - n_first) * per_step / (time.time() - t_first)
+            new = _target_steps(b, work, per_step, rate)
+            decided = True
+            b.log(f"target: {rate:.0f} tokens/s measured; {new} steps ({new * per_step / 1e6:.1f} M tokens) fit "
+                  f"{r.target_minutes} min")
+            if new != steps:
+                steps, step = new, make_step(new)[1]
+                log_every = max(1, min(50, steps // 20))
+                if bar is not None:
+                    bar.total = steps
+                    bar.refresh()
         if done % log_every == 0 or done == steps:
             value = float(np.mean(jax.device_get(losses)))
             now = time.time()
@@ -522,9 +566,9 @@ def _train_head(b: Build, work: Path, objective: str) -> dict:
     dcfg, d2t, cfg = _head_config(b, objective, target32)
     drafter = init_drafter_for_target(target32, dcfg, jax.random.key(r.seed + (2 if objective == "peagle" else 3)),
                                       d2t=d2t)
-    target = target32 if r.compute_dtype is None else target32.astype(r.compute_dtype)
-    stream = RowStream(documents(b, "train"), r.head_seq_len, r.head_batch_rows, seed=r.seed + 1)
     mesh = make_mesh(jax.devices()[:1])
+    target = replicate(target32 if r.compute_dtype is None else target32.astype(r.compute_dtype), mesh)
+    stream = RowStream(documents(b, "train"), r.head_seq_len, r.head_batch_rows, seed=r.seed + 1)
     state = replicate(init_train_state(drafter, cfg), mesh)
     ckpt = Checkpointer(work / "ckpt", max_to_keep=1)
     history_path = work / "history.json"

@@ -174,6 +174,17 @@ def test_stopped_training_resumes_exactly(build_dir, tmp_path, stage):
     assert [h["loss"] for h in first] == [h["loss"] for h in again]
 
 
+def test_target_minutes_fixes_the_steps_after_the_warmup(build_dir, tmp_path):
+    out = tmp_path / "build"
+    _copy_stages(build_dir, out, cp._inputs("target"))
+    recipe = dataclasses.replace(cp.TINY, target_minutes=1e-4)  # far less than the full token budget takes
+    cp.build(out, recipe, stages=("target",), progress=False, log=lambda s: None)
+    plan = json.loads((out / "target" / "plan.json").read_text())
+    summary = json.loads((out / "target" / "stage.json").read_text())["summary"]
+    assert plan["steps"] == summary["steps"] == recipe.target_warmup + 1 and plan["measured_tokens_per_s"] > 0
+    assert summary["history"][-1]["step"] == plan["steps"]
+
+
 def test_changed_settings_are_refused(build_dir, tmp_path):
     with pytest.raises(cp.RecipeError, match=r"eagle3_ttt_steps: 3 -> 2.*--force"):
         cp.build(build_dir, dataclasses.replace(cp.TINY, eagle3_ttt_steps=2), stages=("eagle3",), progress=False)
