@@ -3,6 +3,7 @@
     PYTHONPATH=. python examples/benchmarks/bench_generate.py chunks   # the bounded-chunk device loop vs one call
     PYTHONPATH=. python examples/benchmarks/bench_generate.py steps    # ms per round: none / P-EAGLE / EAGLE-3
     PYTHONPATH=. python examples/benchmarks/bench_generate.py steps --xla-sweep   # the same under XLA flag sets
+    PYTHONPATH=. python examples/benchmarks/bench_generate.py profile  # where a generation's device time goes
     ... --tiny                                                          # CPU smoke run (tiny shapes)
 
 chunks: for the 8B shape at batch 1 and 64, output tokens/s of one device call for the whole generation
@@ -11,7 +12,8 @@ seeds and rounds; median over --repeats; the ratio is the chunking's throughput 
 steps: decode time per round of plain decoding, a P-EAGLE round (one drafter pass) and an EAGLE-3 round (K passes)
 at batch 1 on the 445M shape (24 x 1024) and the 8B shape; --xla-sweep re-runs the measurement in subprocesses
 under each XLA_FLAGS set of FLAG_SETS (e.g. XLA command buffers, i.e. CUDA graphs, for the loop body) and prints one
-table. Weights are random bf16; acceptance is then ~0, so every round emits one token and has the same cost as a
+table. profile: one generation per case under the profiler (GPU): kernels per round, kernel-busy vs wall time of the
+device span, and the longest idle gaps (launch-bound steps, chunk boundaries). Weights are random bf16; acceptance is then ~0, so every round emits one token and has the same cost as a
 round with accepted drafts (the same slots are computed). Compilation is excluded (a warm-up generation first).
 Prints markdown; writes JSON to --out (default $OUT/bench_generate.json when $OUT is set).
 """
@@ -124,6 +126,48 @@ def run_steps(args) -> list[dict]:
     return rows
 
 
+def run_profile(args) -> list[dict]:
+    """Per case: one traced generation; kernel count per round, busy / span, the longest gaps between kernels."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import tempfile
+
+    from devtime import _gpu_kernel_events
+    from jax.profiler import ProfileData
+    cases = ([("tiny", "none", 1, None), ("tiny", "parallel", 1, 1e-4)] if args.tiny else
+             [("llama-445m", "none", 1, None), ("llama-445m", "parallel", 1, None), ("llama3.1-8b", "parallel", 1,
+                                                                                       args.chunk_seconds)])
+    rows = []
+    for shape, mode, batch, chunk in cases:
+        target, drafter = models(shape, {"tiny": 1, "llama-445m": 2, "llama3.1-8b": 4}[shape])
+        ps = prompts(batch, args.prompt_len, SHAPES[shape][-1])
+        kw = dict(max_new_tokens=args.new_tokens, num_speculative_tokens=args.k, drafting=mode, chunk_seconds=chunk)
+        pjax.generate(target, drafter if mode != "none" else None, ps, **kw)  # compile + warm
+        with tempfile.TemporaryDirectory() as d:
+            jax.profiler.start_trace(d)
+            try:
+                stats = pjax.generate(target, drafter if mode != "none" else None, ps, **kw).stats
+            finally:
+                jax.profiler.stop_trace()
+            files = sorted(Path(d).rglob("*.xplane.pb"))
+            events = _gpu_kernel_events(ProfileData.from_file(str(files[-1]))) if files else None
+        if not events:
+            print(f"{shape} {mode}: no GPU trace (CPU run)")
+            continue
+        busy = sum(e - s for s, e, _ in events)
+        span = events[-1][1] - events[0][0]
+        gaps = sorted(((events[i + 1][0] - events[i][1], i) for i in range(len(events) - 1)), reverse=True)[:5]
+        row = {"shape": shape, "drafting": mode, "batch": batch, "chunk_seconds": chunk, "rounds": stats["rounds"],
+               "device_chunks": stats["device_chunks"], "kernels": len(events),
+               "kernels_per_round": len(events) / max(stats["rounds"], 1), "busy_ms": busy / 1e6,
+               "span_ms": span / 1e6, "busy_fraction": busy / span,
+               "largest_gaps_us": [round(g / 1e3, 1) for g, _ in gaps]}
+        rows.append(row)
+        print(f"{shape} {mode} b={batch}: {row['kernels_per_round']:.0f} kernels/round, busy {row['busy_ms']:.1f} of "
+              f"{row['span_ms']:.1f} ms ({row['busy_fraction']:.0%}), {row['device_chunks']} chunks, largest gaps "
+              f"{row['largest_gaps_us']} us", flush=True)
+    return rows
+
+
 def sweep(argv: list[str]) -> dict:
     """Re-run `steps` under every XLA flag set, each in a fresh process; one table."""
     out = {}
@@ -150,7 +194,7 @@ def sweep(argv: list[str]) -> dict:
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=("chunks", "steps"))
+    ap.add_argument("what", choices=("chunks", "steps", "profile"))
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
     ap.add_argument("--k", type=int, default=7)
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -164,7 +208,7 @@ def main(argv=None):
     if args.xla_sweep:
         result = {"sweep": sweep(argv)}
     else:
-        result = {args.what: (run_chunks if args.what == "chunks" else run_steps)(args)}
+        result = {args.what: {"chunks": run_chunks, "steps": run_steps, "profile": run_profile}[args.what](args)}
     result["meta"] = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
                       "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": argv}
     out = args.out or (os.path.join(os.environ["OUT"], "bench_generate.json") if os.environ.get("OUT") else None)
