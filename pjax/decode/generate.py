@@ -177,7 +177,7 @@ class Generation:
                  drafting: str = "parallel", temperature=0.0, top_k=None, top_p=None, seed=0, eos_token_id=None,
                  cache_capacity: Optional[int] = None, draft_sampling: str = "argmax",
                  implementation: str = "auto", cache_dtype=None, compiler_options: Optional[dict] = None,
-                 chunk_seconds: Optional[float] = 0.25, progress: bool = False, allow_tf32: bool = False,
+                 chunk_seconds: Optional[float] = 0.5, progress: bool = False, allow_tf32: bool = False,
                  simulate_acceptance: Optional[Sequence[float]] = None, loop: str = "device"):
         t_start = time.perf_counter()
         if not isinstance(target, Target):
@@ -470,7 +470,7 @@ def generate(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_token
              num_speculative_tokens: int = 3, drafting: str = "parallel", temperature=0.0, top_k=None, top_p=None,
              seed: Union[int, Sequence[int]] = 0, eos_token_id=None, cache_capacity: Optional[int] = None,
              draft_sampling: str = "argmax", implementation: str = "auto", cache_dtype=None,
-             compiler_options: Optional[dict] = None, chunk_seconds: Optional[float] = 0.25, progress: bool = False,
+             compiler_options: Optional[dict] = None, chunk_seconds: Optional[float] = 0.5, progress: bool = False,
              allow_tf32: bool = False, simulate_acceptance: Optional[Sequence[float]] = None,
              loop: str = "device") -> GenerateResult:
     """Speculative decoding of a batch of prompts (lists of token ids of any lengths).
@@ -488,7 +488,9 @@ def generate(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_token
       than the cache is an error; a row that fills the cache stops with reason "capacity".
     cache_dtype: KV cache dtype, "bfloat16" / "float16" / "float32" (default: the model's).
     implementation: the kernel switch, "xla" (no Pallas kernel) | "pallas" (every kernel) | "auto".
-    chunk_seconds: device time per chunk of rounds (progress, Ctrl-C, streaming); None = one device call.
+    chunk_seconds: device time per chunk of rounds (progress, Ctrl-C, streaming); None = one device call. Each chunk
+      boundary costs the device ~2.5-3.5 ms (8B shape on an H200), so 0.5 s keeps the cost under 1% and Ctrl-C under
+      about a second.
     progress: a tqdm bar over output tokens. Ctrl-C raises `GenerationInterrupted` (a KeyboardInterrupt) whose
       `.result` holds the output so far.
     allow_tf32: float32 models run full-precision products by default (as PyTorch); True allows TF32 on the GPU.
