@@ -14,16 +14,19 @@ checkpoint):
     tokenizer  byte-level BPE on the training split (`pjax.train.bpe`), Hugging Face layout
     tokens     every file encoded once: BOS + tokens + EOS
     target     next-token training (`pjax.train.target_lm`) for `target_tokens` tokens; held-out loss
+    regen      with --head-data regenerated: training-file prefixes continued by the target (else nothing)
     peagle     P-EAGLE head (COD sampling, `peagle_depths` trained depths) on the training rows
     eagle3     EAGLE-3 head (training-time test) on the same rows, same steps, rows per step and row length
     export     DIR/pair: target/ (Hugging Face), peagle/ and eagle3/ (speculators), prompts.jsonl, pair.json
     check      greedy decoding of a few benchmark prompts: plain vs each head (acceptance length, equality)
 
-Head data: rows of the corpus' training split, with the target's own next-token distributions as the loss targets
-(computed online in each step). The target was trained on these rows, so they are its distribution's home ground;
-published heads train on target-regenerated responses (spec D.6) because a chat model's answers differ from the
-human-written data it was tuned on, which matters less for a base model on its own pre-training text (what
-remains: greedy continuations repeat more than the corpus does).
+Head data (--head-data): "corpus" (default), rows of the corpus' training split, with the target's own next-token
+distributions as the loss targets (computed online in each step): the target was trained on these rows, so they are
+its distribution's home ground, and they cost no generation. Published heads train on target-regenerated responses
+(spec D.6) because a chat model's answers differ from the human-written data it was tuned on; for a base model on its
+own pre-training text the remaining difference is that greedy continuations repeat more than the corpus does, which
+"regenerated" (training-file prefixes continued by the target, loss on the continuations) covers, at the cost of a
+generation stage.
 
 Output rule: DIR is created with a pjax marker; an existing directory that is not a build of this recipe is refused.
 A stage built with other settings (or whose inputs were rebuilt) is refused unless --force, which rebuilds it.
@@ -95,6 +98,12 @@ class Recipe:
     head_steps: int = 1000
     head_weight_decay: float = 0.01
     head_warmup: Optional[int] = None  # None: 1% of the steps (speculators)
+    head_data: str = "corpus"  # "corpus": training rows; "regenerated": training-file prefixes + target continuations
+    regen_prompts: int = 8192
+    regen_prompt_tokens: int = 512  # prefixes of 32..this many tokens (BOS included)
+    regen_new_tokens: int = 512
+    regen_temperature: float = 0.0  # 0: greedy continuations (the benchmark's decoding)
+    regen_batch: int = 256
     aux_layer_ids: Optional[tuple[int, ...]] = None  # None: the target's default (2, L//2, L-3)
     draft_vocab_size: Optional[int] = None  # None: the target's vocabulary
     # P-EAGLE head
@@ -124,12 +133,14 @@ TINY = dataclasses.replace(
     vocab_size=1024, tokenizer_sample_bytes=2_000_000, target_layers=4, target_hidden=64, target_heads=4,
     target_kv_heads=2, target_intermediate=176, target_seq_len=256, target_batch_rows=4, target_tokens=60 * 4 * 256,
     target_lr=3e-3, target_warmup=10, eval_rows=8, head_seq_len=256, head_batch_rows=4, head_steps=40,
+    regen_prompts=24, regen_prompt_tokens=64, regen_new_tokens=24, regen_batch=8,
     peagle_layers=2, peagle_depths=8, peagle_max_anchors=None, peagle_lr=3e-3, eagle3_lr=3e-3, compute_dtype=None,
     export_dtype="float32", check_prompts=2, check_new_tokens=16)
 
-STAGES = ("corpus", "tokenizer", "tokens", "target", "peagle", "eagle3", "export", "check")
+STAGES = ("corpus", "tokenizer", "tokens", "target", "regen", "peagle", "eagle3", "export", "check")
 UPSTREAM = {"corpus": (), "tokenizer": ("corpus",), "tokens": ("tokenizer",), "target": ("tokens",),
-            "peagle": ("target",), "eagle3": ("target",), "export": ("peagle", "eagle3"), "check": ("export",)}
+            "regen": ("target",), "peagle": ("regen",), "eagle3": ("regen",), "export": ("peagle", "eagle3"),
+            "check": ("export",)}
 SETTINGS = {
     "corpus": ("packages", "include_tests", "held_out_fraction", "max_files", "max_file_bytes", "prompts",
                "min_prompts"),
@@ -139,6 +150,8 @@ SETTINGS = {
                "rope_theta", "target_seq_len", "target_batch_rows", "target_tokens", "target_minutes", "target_lr",
                "target_warmup",
                "target_weight_decay", "eval_rows", "compute_dtype", "remat", "seed"),
+    "regen": ("head_data", "regen_prompts", "regen_prompt_tokens", "regen_new_tokens", "regen_temperature",
+              "regen_batch", "compute_dtype", "seed"),
     "peagle": ("head_seq_len", "head_batch_rows", "head_steps", "head_weight_decay", "head_warmup", "aux_layer_ids",
                "draft_vocab_size", "peagle_layers", "peagle_depths", "peagle_down_sample_ratio",
                "peagle_down_sample_ratio_min", "peagle_max_anchors", "peagle_segments", "peagle_lr",
@@ -180,6 +193,8 @@ class Build:
         return self.out / stage
 
     def settings(self, stage: str) -> dict:
+        if stage == "regen" and self.recipe.head_data == "corpus":  # the regen_* settings are then unused
+            return {"head_data": "corpus"}
         return {k: _jsonable(getattr(self.recipe, k)) for k in SETTINGS[stage]}
 
     def key(self, stage: str) -> str:
@@ -398,12 +413,13 @@ def _eval_loss(b: Build, target, docs) -> dict:
     r = b.recipe
     rows = pack_documents(docs, r.target_seq_len)[:r.eval_rows]
     fn = jax.jit(functools.partial(lm_loss, compute_dtype=r.compute_dtype, implementation=b.implementation))
+    shell = type(target)(target.config, target.graphdef, None)
     total, count = 0.0, 0
     for i in range(0, len(rows), r.target_batch_rows):
         batch = stack_rows(rows[i:i + r.target_batch_rows])
         doc = batch["document_ids"]
         n = int(np.sum((doc[:, 1:] == doc[:, :-1]) & (doc[:, 1:] != -1)))
-        total += float(fn(target.params, target, jnp.asarray(batch["tokens"]), jnp.asarray(doc))) * n
+        total += float(fn(target.params, shell, jnp.asarray(batch["tokens"]), jnp.asarray(doc))) * n
         count += n
     loss = total / max(count, 1)
     return dict(loss=loss, perplexity=math.exp(loss), tokens=count)
@@ -533,13 +549,64 @@ def load_code_target(b: Build, dtype=jnp.float32):
     return load_target(b.dir("target") / "model", dtype=dtype)
 
 
-def _head_config(b: Build, objective: str, target):
+def stage_regen(b: Build, work: Path) -> dict:
+    """With head_data "regenerated": prefixes of training files (BOS + 32..regen_prompt_tokens tokens, file and length
+    drawn with the seed) continued by the target (`pjax.generate`, regen_temperature; stops at EOS) -> documents whose
+    continuation is supervised. With "corpus": nothing to do."""
+    import pjax
+    r = b.recipe
+    if r.head_data not in ("corpus", "regenerated"):
+        raise RecipeError(f"--head-data {r.head_data!r}: expected 'corpus' or 'regenerated'")
+    if r.head_data == "corpus":
+        return dict(head_data="corpus")
+    docs = [d for d in documents(b, "train") if len(d.tokens) > 33]
+    rng = np.random.default_rng(r.seed + 4)
+    picks = rng.integers(0, len(docs), r.regen_prompts)
+    lengths = [int(rng.integers(32, min(r.regen_prompt_tokens, len(docs[i].tokens) - 1) + 1)) for i in picks]
+    prompts = [docs[i].tokens[:n].tolist() for i, n in zip(picks, lengths)]
+    target = load_code_target(b, jnp.dtype(r.compute_dtype or "float32"))
+    eos = special_ids(b)["eos_token"]
+    bar = b.bar(len(prompts), "regenerate", unit="prompt")
+    out_tokens, out_mask, t0, new = [], [], time.time(), 0
+    for i in range(0, len(prompts), r.regen_batch):
+        batch = prompts[i:i + r.regen_batch]
+        res = pjax.generate(target, None, batch, max_new_tokens=r.regen_new_tokens, drafting="none",
+                            temperature=r.regen_temperature, seed=[r.seed + i + j for j in range(len(batch))],
+                            eos_token_id=eos, implementation=b.implementation)
+        for p, g in zip(batch, res.tokens):
+            out_tokens.append(np.asarray(p + g, np.int32))
+            out_mask.append(np.concatenate([np.zeros(len(p), np.int8), np.ones(len(g), np.int8)]))
+            new += len(g)
+        if bar is not None:
+            bar.update(len(batch))
+            bar.set_postfix_str(f"{new / (time.time() - t0):.0f} new tok/s")
+    if bar is not None:
+        bar.close()
+    np.save(work / "tokens.npy", np.concatenate(out_tokens))
+    np.save(work / "loss_mask.npy", np.concatenate(out_mask))
+    np.save(work / "offsets.npy", np.concatenate([[0], np.cumsum([len(t) for t in out_tokens])]).astype(np.int64))
+    b.log(f"regen: {len(prompts)} continuations, {new / 1e6:.2f} M new tokens in {time.time() - t0:.0f} s")
+    return dict(head_data="regenerated", prompts=len(prompts), prompt_tokens=int(sum(lengths)), new_tokens=new,
+                seconds=round(time.time() - t0, 1))
+
+
+def head_documents(b: Build):
+    """The heads' training documents: the corpus' training files, or the regenerated continuations."""
+    from pjax.train.data import Document
+    if b.recipe.head_data == "corpus":
+        return documents(b, "train")
+    d = b.dir("regen")
+    toks, mask, offs = np.load(d / "tokens.npy"), np.load(d / "loss_mask.npy"), np.load(d / "offsets.npy")
+    return [Document(toks[a:e], mask[a:e]) for a, e in zip(offs[:-1], offs[1:])]
+
+
+def _head_config(b: Build, objective: str, target, docs):
     from pjax.train import (CodConfig, OptimConfig, TrainConfig, build_vocab_mapping, drafter_config_for_target,
                             token_frequencies)
     r, peagle = b.recipe, objective == "peagle"
     v = target.config.vocab_size
     vd = r.draft_vocab_size or v
-    d2t = build_vocab_mapping(token_frequencies(documents(b, "train"), v), vd, v)[0] if vd < v else None
+    d2t = build_vocab_mapping(token_frequencies(docs, v), vd, v)[0] if vd < v else None
     dcfg = drafter_config_for_target(
         target.config, num_layers=r.peagle_layers if peagle else r.eagle3_layers, draft_vocab_size=vd,
         mask_token_id=special_ids(b)["mask_token"], aux_layer_ids=r.aux_layer_ids, model_kind=objective,
@@ -563,12 +630,13 @@ def _train_head(b: Build, work: Path, objective: str) -> dict:
     from pjax.train.step import replicate
     r = b.recipe
     target32 = load_code_target(b)
-    dcfg, d2t, cfg = _head_config(b, objective, target32)
+    docs = head_documents(b)
+    dcfg, d2t, cfg = _head_config(b, objective, target32, docs)
     drafter = init_drafter_for_target(target32, dcfg, jax.random.key(r.seed + (2 if objective == "peagle" else 3)),
                                       d2t=d2t)
     mesh = make_mesh(jax.devices()[:1])
     target = replicate(target32 if r.compute_dtype is None else target32.astype(r.compute_dtype), mesh)
-    stream = RowStream(documents(b, "train"), r.head_seq_len, r.head_batch_rows, seed=r.seed + 1)
+    stream = RowStream(docs, r.head_seq_len, r.head_batch_rows, seed=r.seed + 1)
     state = replicate(init_train_state(drafter, cfg), mesh)
     ckpt = Checkpointer(work / "ckpt", max_to_keep=1)
     history_path = work / "history.json"
@@ -633,7 +701,7 @@ def stage_export(b: Build, work: Path) -> dict:
     final = b.out / "pair"
     target = load_code_target(b)
     summary = dict(recipe=dataclasses.asdict(r), written_at=_now(),
-                   stages={s: (b.marker(s) or {}).get("summary") for s in ("corpus", "tokenizer", "tokens")},
+                   stages={s: (b.marker(s) or {}).get("summary") for s in ("corpus", "tokenizer", "tokens", "regen")},
                    target={k: v for k, v in b.marker("target")["summary"].items() if k != "history"},
                    heads={h: {k: v for k, v in b.marker(h)["summary"].items() if k != "history"}
                           for h in ("peagle", "eagle3")})
@@ -681,7 +749,7 @@ def stage_check(b: Build, work: Path) -> dict:
 
 
 RUN = {"corpus": stage_corpus, "tokenizer": stage_tokenizer, "tokens": stage_tokens, "target": stage_target,
-       "peagle": stage_peagle, "eagle3": stage_eagle3, "export": stage_export, "check": stage_check}
+       "regen": stage_regen, "peagle": stage_peagle, "eagle3": stage_eagle3, "export": stage_export, "check": stage_check}
 TRAINING = ("target", "peagle", "eagle3")
 
 

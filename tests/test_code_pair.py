@@ -185,10 +185,28 @@ def test_target_minutes_fixes_the_steps_after_the_warmup(build_dir, tmp_path):
     assert summary["history"][-1]["step"] == plan["steps"]
 
 
+def test_regenerated_head_data(build_dir, tmp_path):
+    out = tmp_path / "build"
+    _copy_stages(build_dir, out, cp._inputs("regen"))
+    recipe = dataclasses.replace(cp.TINY, head_data="regenerated", head_steps=4)
+    assert cp.build(out, recipe, stages=("regen", "peagle"), progress=False, log=lambda s: None) == {
+        "regen": "built", "peagle": "built"}
+    summary = json.loads((out / "regen" / "stage.json").read_text())["summary"]
+    assert summary["prompts"] == recipe.regen_prompts and 0 < summary["new_tokens"] <= recipe.regen_prompts * recipe.regen_new_tokens
+    b = cp.Build(out, recipe)
+    docs = cp.head_documents(b)
+    bos = cp.special_ids(b)["bos_token"]
+    assert len(docs) == recipe.regen_prompts and sum(int(d.loss_mask.sum()) for d in docs) == summary["new_tokens"]
+    for d in docs:
+        n = int(np.argmax(d.loss_mask))  # the prompt: BOS + a training file's first n - 1 tokens, unsupervised
+        assert d.tokens[0] == bos and 32 <= n <= recipe.regen_prompt_tokens and d.loss_mask[n:].all()
+    assert pjax.load_drafter(out / "peagle" / "head").config.model_kind == "peagle"
+
+
 def test_changed_settings_are_refused(build_dir, tmp_path):
     with pytest.raises(cp.RecipeError, match=r"eagle3_ttt_steps: 3 -> 2.*--force"):
         cp.build(build_dir, dataclasses.replace(cp.TINY, eagle3_ttt_steps=2), stages=("eagle3",), progress=False)
-    with pytest.raises(cp.RecipeError, match="needs corpus, tokenizer, tokens, target first"):
+    with pytest.raises(cp.RecipeError, match="needs corpus, tokenizer, tokens, target, regen first"):
         cp.build(tmp_path / "empty", cp.TINY, stages=("peagle",), progress=False)
     mine = tmp_path / "mine"
     mine.mkdir()
