@@ -90,7 +90,7 @@ def run_chunks(args) -> list[dict]:
     shape = "tiny" if args.tiny else "llama3.1-8b"
     target, drafter = models(shape, 1 if args.tiny else 4)
     rows = []
-    for batch in ([1, 4] if args.tiny else [1, 64]):
+    for batch in ([1, 4] if args.tiny else [int(b) for b in args.batches.split(",")]):
         ps = prompts(batch, args.prompt_len, SHAPES[shape][-1])
         kw = dict(max_new_tokens=args.new_tokens, num_speculative_tokens=args.k, drafting="parallel",
                   repeats=args.repeats)
@@ -174,8 +174,13 @@ def sweep(argv: list[str]) -> dict:
     for name, flags in FLAG_SETS.items():
         env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + flags).strip())
         with_json = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_generate_{name}.json"
-        cmd = [sys.executable, __file__, "steps", "--out", str(with_json)] + [
-            a for a in argv if a not in ("--xla-sweep", "steps")]
+        rest, skip = [], False
+        for a in argv:  # this run's own arguments minus the sweep flag, the mode and --out
+            if skip or a in ("--xla-sweep", "steps", "--out") or a.startswith("--out="):
+                skip = a == "--out"
+                continue
+            rest.append(a)
+        cmd = [sys.executable, __file__, "steps", "--out", str(with_json)] + rest
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode:
@@ -202,6 +207,7 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--chunk-seconds", type=float, default=0.5)
+    ap.add_argument("--batches", default="1,64", help="chunks: comma-separated batch sizes")
     ap.add_argument("--shapes", default="llama-445m,llama3.1-8b", help="steps: comma-separated shapes of SHAPES")
     ap.add_argument("--xla-sweep", action="store_true", help="steps under each XLA_FLAGS set (subprocesses)")
     ap.add_argument("--out", default=None, help="JSON output path (default $OUT/bench_generate.json)")
