@@ -83,7 +83,8 @@ def timed(target, drafter, ps, *, repeats: int, **kw) -> dict:
     rounds = runs[0]["rounds"]
     return {"output_tokens_per_s": statistics.median(r["output_tokens_per_s"] for r in runs),
             "decode_ms_per_round": statistics.median(1e3 * r["decode_time_s"] / max(r["rounds"], 1) for r in runs),
-            "rounds": rounds, "output_tokens": runs[0]["output_tokens"], "device_chunks": runs[0]["device_chunks"]}
+            "rounds": rounds, "output_tokens": runs[0]["output_tokens"], "device_chunks": runs[0]["device_chunks"],
+            "host_dispatch_ms": statistics.median(1e3 * r["host_dispatch_s"] for r in runs)}
 
 
 def run_chunks(args) -> list[dict]:
@@ -98,12 +99,14 @@ def run_chunks(args) -> list[dict]:
         chunked = timed(target, drafter, ps, chunk_seconds=args.chunk_seconds, **kw)
         rows.append({"shape": shape, "batch": batch, "one_call": one, "chunked": chunked,
                      "chunked_over_one_call": chunked["output_tokens_per_s"] / one["output_tokens_per_s"]})
-    print(f"\n| shape | batch | one call tok/s | chunks ({args.chunk_seconds} s) tok/s | chunks | ratio |")
-    print("|---|---|---|---|---|---|")
+    print(f"\n| shape | batch | one call tok/s | chunks ({args.chunk_seconds} s) tok/s | chunks | ratio | host dispatch ms "
+          "(one call / chunks) |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['shape']} | {r['batch']} | {r['one_call']['output_tokens_per_s']:.1f} | "
               f"{r['chunked']['output_tokens_per_s']:.1f} | {r['chunked']['device_chunks']} | "
-              f"{r['chunked_over_one_call']:.4f} |")
+              f"{r['chunked_over_one_call']:.4f} | {r['one_call']['host_dispatch_ms']:.1f} / "
+              f"{r['chunked']['host_dispatch_ms']:.1f} |")
     return rows
 
 

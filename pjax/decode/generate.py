@@ -248,7 +248,7 @@ class Generation:
         self._precision = _precision(target, drafter, allow_tf32)
         self._chunk_seconds = None if loop == "host" else chunk_seconds
         self._rounds_per_chunk = 1 if loop == "host" else (None if chunk_seconds is None else 4)
-        self._compile_s, self._rounds, self._chunks = 0.0, 0, 0
+        self._compile_s, self._rounds, self._chunks, self._dispatch_s = 0.0, 0, 0, 0.0
         self._sent = np.zeros(n, np.int64)  # tokens already handed out per row (streaming)
         self._keep: dict[int, int] = {}  # host-side cuts of a row's output (finish(keep=...))
         self._closed = False
@@ -294,7 +294,10 @@ class Generation:
         return jnp.int32(self.spec.max_new_tokens if self._rounds_per_chunk is None else self._rounds_per_chunk)
 
     def _dispatch(self, state):
-        return self._loop(self._target, self._drafter, state, self._sampling, self._bound())
+        t0 = time.perf_counter()
+        out = self._loop(self._target, self._drafter, state, self._sampling, self._bound())
+        self._dispatch_s += time.perf_counter() - t0
+        return out
 
     def _adapt(self, rounds: int, seconds: float):
         """Size the next chunks to about chunk_seconds of device time."""
@@ -461,6 +464,7 @@ class Generation:
             "drafting": spec.drafting,
             "aux_layer_ids": list(spec.aux_layer_ids),
             "device_chunks": self._chunks,
+            "host_dispatch_s": self._dispatch_s,
             "simulated_acceptance": spec.simulate_acceptance is not None,
             "warnings": list(self._warnings),
         }
