@@ -15,10 +15,12 @@ checkpoint):
     tokens     every file encoded once: BOS + tokens + EOS
     target     next-token training (`pjax.train.target_lm`) for `target_tokens` tokens; held-out loss
     regen      with --head-data regenerated: training-file prefixes continued by the target (else nothing)
-    peagle     P-EAGLE head (COD sampling, `peagle_depths` trained depths) on the training rows
+    peagle     P-EAGLE head (COD sampling, `peagle_depths` trained depths) on the head data
     eagle3     EAGLE-3 head (training-time test) on the same rows, same steps, rows per step and row length
     export     DIR/pair: target/ (Hugging Face), peagle/ and eagle3/ (speculators), prompts.jsonl, pair.json
     check      greedy decoding of a few benchmark prompts: plain vs each head (acceptance length, equality)
+No feature stage: the heads compute the target's features in each training step (stored, 4 x 1024 values per token
+of the full target would take 8 KB a token, 130 GB for the heads' 16 M tokens).
 
 Head data (--head-data): "corpus" (default), rows of the corpus' training split, with the target's own next-token
 distributions as the loss targets (computed online in each step): the target was trained on these rows, so they are
@@ -148,8 +150,7 @@ SETTINGS = {
     "tokens": (),
     "target": ("target_layers", "target_hidden", "target_heads", "target_kv_heads", "target_intermediate",
                "rope_theta", "target_seq_len", "target_batch_rows", "target_tokens", "target_minutes", "target_lr",
-               "target_warmup",
-               "target_weight_decay", "eval_rows", "compute_dtype", "remat", "seed"),
+               "target_warmup", "target_weight_decay", "eval_rows", "compute_dtype", "remat", "seed"),
     "regen": ("head_data", "regen_prompts", "regen_prompt_tokens", "regen_new_tokens", "regen_temperature",
               "regen_batch", "compute_dtype", "seed"),
     "peagle": ("head_seq_len", "head_batch_rows", "head_steps", "head_weight_decay", "head_warmup", "aux_layer_ids",
@@ -662,7 +663,9 @@ def _train_head(b: Build, work: Path, objective: str) -> dict:
             if res.history:
                 bar.set_postfix_str(format_metrics(res.history[-1]).split(" ", 2)[2])
         elif res.history:
-            b.log(f"{objective} {format_metrics(res.history[-1])}")
+            rate = res.history[-1]["tokens_per_s"]
+            eta = (r.head_steps - stop) * r.head_batch_rows * r.head_seq_len / rate if rate > 0 else float("nan")
+            b.log(f"{objective} {format_metrics(res.history[-1])} ETA {eta / 60:.1f} min")
         done = stop
         stopping = b.stop_now() and done < r.head_steps
         if done < r.head_steps and (stopping or time.time() - t_save >= b.save_seconds):
