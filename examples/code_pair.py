@@ -20,7 +20,7 @@ checkpoint):
     export     DIR/pair: target/ (Hugging Face), peagle/ and eagle3/ (speculators), prompts.jsonl, pair.json
     check      greedy decoding of a few benchmark prompts: plain vs each head (acceptance length, equality)
 No feature stage: the heads compute the target's features in each training step (stored, 4 x 1024 values per token
-of the full target would take 8 KB a token, 130 GB for the heads' 16 M tokens).
+of the full target would take 8 KB a token, 105 GB for the heads' 13 M tokens).
 
 Head data (--head-data): "corpus" (default), rows of the corpus' training split, with the target's own next-token
 distributions as the loss targets (computed online in each step): the target was trained on these rows, so they are
@@ -97,7 +97,7 @@ class Recipe:
     # heads: the same rows (seed), steps, rows per step and row length for both
     head_seq_len: int = 2048
     head_batch_rows: int = 8
-    head_steps: int = 1000
+    head_steps: int = 800
     head_weight_decay: float = 0.01
     head_warmup: Optional[int] = None  # None: 1% of the steps (speculators)
     head_data: str = "corpus"  # "corpus": training rows; "regenerated": training-file prefixes + target continuations
