@@ -7,7 +7,7 @@
     ... --tiny                                                          # CPU smoke run (tiny shapes)
 
 chunks: for the 8B shape at batch 1 and 64, output tokens/s of one device call for the whole generation
-(chunk_seconds=None) and of the default bounded chunks (chunk_seconds=0.5, generate's default: progress, Ctrl-C, streaming), same
+(chunk_seconds=None) and of the default bounded chunks (chunk_seconds=1.0, generate's default: progress, Ctrl-C, streaming), same
 seeds and rounds; median over --repeats; the ratio is the chunking's throughput cost.
 steps: decode time per round of plain decoding, a P-EAGLE round (one drafter pass) and an EAGLE-3 round (K passes)
 at batch 1 on the 445M shape (24 x 1024) and the 8B shape; --xla-sweep re-runs the measurement in subprocesses
@@ -209,7 +209,7 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--chunk-seconds", type=float, default=0.5)
+    ap.add_argument("--chunk-seconds", type=float, default=1.0)
     ap.add_argument("--batches", default="1,64", help="chunks: comma-separated batch sizes")
     ap.add_argument("--shapes", default="llama-445m,llama3.1-8b", help="steps: comma-separated shapes of SHAPES")
     ap.add_argument("--xla-sweep", action="store_true", help="steps under each XLA_FLAGS set (subprocesses)")

@@ -177,7 +177,7 @@ class Generation:
                  drafting: str = "parallel", temperature=0.0, top_k=None, top_p=None, seed=0, eos_token_id=None,
                  cache_capacity: Optional[int] = None, draft_sampling: str = "argmax",
                  implementation: str = "auto", cache_dtype=None, compiler_options: Optional[dict] = None,
-                 chunk_seconds: Optional[float] = 0.5, progress: bool = False, allow_tf32: bool = False,
+                 chunk_seconds: Optional[float] = 1.0, progress: bool = False, allow_tf32: bool = False,
                  simulate_acceptance: Optional[Sequence[float]] = None, loop: str = "device"):
         t_start = time.perf_counter()
         if not isinstance(target, Target):
@@ -247,7 +247,7 @@ class Generation:
         self._options = tuple(sorted((compiler_options or {}).items()))
         self._precision = _precision(target, drafter, allow_tf32)
         self._chunk_seconds = None if loop == "host" else chunk_seconds
-        self._rounds_per_chunk = 1 if loop == "host" else (None if chunk_seconds is None else 4)
+        self._rounds_per_chunk = 1 if loop == "host" else (None if chunk_seconds is None else 8)
         self._compile_s, self._rounds, self._chunks, self._dispatch_s = 0.0, 0, 0, 0.0
         self._sent = np.zeros(n, np.int64)  # tokens already handed out per row (streaming)
         self._keep: dict[int, int] = {}  # host-side cuts of a row's output (finish(keep=...))
@@ -326,15 +326,17 @@ class Generation:
             self._interrupt()
 
     def _run_to_end(self):
-        """Every remaining round, one chunk always queued behind the running one, so the device never waits for the
-        host between chunks; the host reads only two scalars per chunk (rows still running, tokens emitted)."""
+        """Every remaining round in chunks; the host reads two scalars per chunk (rows still running, tokens emitted).
+        The next chunk is dispatched only when this one is done: a chunk takes over (donates) the state, and handing
+        JAX a donated buffer that is still being computed blocks the host until it is ready anyway (measured on the
+        H200), so queueing ahead gains nothing and would leave Ctrl-C no live state to stop at."""
         t0 = last = time.perf_counter()
-        cur = nxt = None
+        snapshot = self._host
         try:
-            cur = self._dispatch(self._state)
             while True:
-                nxt = self._dispatch(cur[0])  # takes over (donates) cur's state
-                running, rounds, emitted = int(cur[2]), int(cur[1]), int(cur[3])  # waits for cur
+                cur = self._dispatch(self._state)
+                self._state = cur[0]
+                running, rounds, emitted = int(cur[2]), int(cur[1]), int(cur[3])  # waits for the chunk
                 now = time.perf_counter()
                 self._rounds += rounds
                 self._chunks += 1
@@ -345,22 +347,18 @@ class Generation:
                     self._bar.refresh()
                 if running == 0:
                     break
-                cur, nxt = nxt, None
         except KeyboardInterrupt:
-            live = nxt if nxt is not None else cur  # the newest dispatched chunk holds the live state
-            if live is not None:  # wait for it (at most a chunk), then stop there
-                self._state = live[0]
-                jax.block_until_ready(self._state)
             self._decode_s += time.perf_counter() - t0
-            self._snapshot()
+            try:
+                self._snapshot()  # the live state: at most the chunk that was running
+            except (KeyboardInterrupt, RuntimeError, ValueError):
+                self._host = snapshot  # a second Ctrl-C, or the state was mid-handover: the last host copy
             self._interrupt()
-        self._state = nxt[0]  # all rows had stopped: nxt ran no round
-        self._rounds += int(nxt[1])
         self._decode_s += time.perf_counter() - t0
         self._snapshot()
 
     def _interrupt(self):
-        """Ctrl-C: end unfinished rows as "interrupted" and raise with what the last host snapshot holds."""
+        """Ctrl-C: end unfinished rows as "interrupted" and raise with what the host snapshot holds."""
         stop = self._host["stop"]
         stop[~self._host["done"]] = STOP_INTERRUPTED
         self._host["done"][:] = True
@@ -474,7 +472,7 @@ def generate(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_token
              num_speculative_tokens: int = 3, drafting: str = "parallel", temperature=0.0, top_k=None, top_p=None,
              seed: Union[int, Sequence[int]] = 0, eos_token_id=None, cache_capacity: Optional[int] = None,
              draft_sampling: str = "argmax", implementation: str = "auto", cache_dtype=None,
-             compiler_options: Optional[dict] = None, chunk_seconds: Optional[float] = 0.5, progress: bool = False,
+             compiler_options: Optional[dict] = None, chunk_seconds: Optional[float] = 1.0, progress: bool = False,
              allow_tf32: bool = False, simulate_acceptance: Optional[Sequence[float]] = None,
              loop: str = "device") -> GenerateResult:
     """Speculative decoding of a batch of prompts (lists of token ids of any lengths).
@@ -493,8 +491,8 @@ def generate(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_token
     cache_dtype: KV cache dtype, "bfloat16" / "float16" / "float32" (default: the model's).
     implementation: the kernel switch, "xla" (no Pallas kernel) | "pallas" (every kernel) | "auto".
     chunk_seconds: device time per chunk of rounds (progress, Ctrl-C, streaming); None = one device call. Each chunk
-      boundary costs the device ~2.5-3.5 ms (8B shape on an H200), so 0.5 s keeps the cost under 1% and Ctrl-C under
-      about a second.
+      boundary costs the device ~3 ms (8B shape on an H200: the host syncs and dispatches the next chunk), so 1 s
+      keeps the cost near 0.3% and Ctrl-C within about a second.
     progress: a tqdm bar over output tokens. Ctrl-C raises `GenerationInterrupted` (a KeyboardInterrupt) whose
       `.result` holds the output so far.
     allow_tf32: float32 models run full-precision products by default (as PyTorch); True allows TF32 on the GPU.
