@@ -157,8 +157,8 @@ class DrafterModel(nnx.Module):
         return self.fc(g)
 
     def __call__(self, tokens, hidden_in, positions, cache=None, *, valid=None, mask=None, implementation: str = "auto"):
-        """tokens, positions [B, T]; hidden_in [B, T, H] (combined); mask None, [B, T, S] bool or a
-        per-layer sequence of those. Returns (normed [B, T, H], prenorm [B, T, H], cache)."""
+        """tokens, positions [B, T]; hidden_in [B, T, H] (combined); mask None, an `AttentionMask` (training layouts)
+        or a per-layer sequence of those. Returns (normed [B, T, H], prenorm [B, T, H], cache)."""
         n = len(self.layers)
         masks = list(mask) if isinstance(mask, (list, tuple)) else [mask] * n
         if len(masks) != n:
@@ -291,8 +291,8 @@ def drafter_forward(drafter: Drafter, tokens, hidden_in, positions, cache=None, 
     output, mask_feature, or for EAGLE-3 sequential steps the previous prenorm output).
     cache: list of LayerKV (init_drafter_cache), index = absolute position; new K/V are written at
     `positions` (rows with valid False write nothing) and queries attend causally by position
-    (per-layer sliding windows honoured). mask: explicit bool [B, T, S] (or one per layer)
-    replacing the positional rule (training layouts).
+    (per-layer sliding windows honoured). mask: an `AttentionMask` (`pjax.kernels.flash_attention.mask`; or one
+    per layer) replacing the positional rule (training layouts); cache may then be a `StepKV` (EAGLE-3 TTT steps).
     implementation: the kernel switch ("xla" | "pallas" | "auto").
     Returns (normed [B, T, H], prenorm [B, T, H], cache).
     """

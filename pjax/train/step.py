@@ -71,7 +71,7 @@ def _peagle_row(dr, target, row, layout, cfg: TrainConfig, owned=None, denom=Non
     loss, correct, weight = row_loss_terms(
         dr, target, row["input_ids"], row["hidden_states"], row["verifier_last_hidden_states"], row["loss_mask"],
         row["document_ids"], layout, num_depths=cfg.cod.num_depths, num_depth0=num_depth0, loss_type=cfg.loss_type,
-        attn_chunk=cfg.attn_chunk, loss_chunk=cfg.loss_chunk)
+        attn_chunk=cfg.attn_chunk, loss_chunk=cfg.loss_chunk, implementation=cfg.implementation)
     w = weight if owned is None else weight * owned.astype(weight.dtype)
     wsum = jnp.sum(weight) if denom is None else denom
     c, t = depth_metrics(correct, w, layout.depth, cfg.cod.num_depths)
@@ -93,7 +93,8 @@ def loss_and_grads(params_t, frozen, shell: Drafter, target: Target, rows: dict,
             loss, m = jax.vmap(lambda r: eagle3_row_loss(
                 dr, target, r["input_ids"], r["hidden_states"], r["verifier_last_hidden_states"], r["loss_mask"],
                 r["document_ids"], ttt_steps=cfg.ttt_steps, ttt_step_loss_decay=cfg.ttt_step_loss_decay,
-                loss_type=cfg.loss_type, attn_chunk=cfg.attn_chunk))(rows)
+                loss_type=cfg.loss_type, attn_chunk=cfg.attn_chunk, loss_chunk=cfg.loss_chunk,
+                implementation=cfg.implementation))(rows)
             return jnp.mean(loss), jax.tree.map(lambda x: jnp.sum(x, 0), m)
         (loss, m), g = jax.value_and_grad(fn, has_aux=True)(params_t)
         return loss, g, m
@@ -225,8 +226,7 @@ def target_leaf_spec(shape: tuple, n: int, min_elements: int = SHARD_MIN_ELEMENT
 def shard_target(target: Target, mesh: jax.sharding.Mesh, min_elements: int = SHARD_MIN_ELEMENTS) -> Target:
     """The frozen target with each large weight split over the mesh's "data" devices (ZeRO-3 style: every device
     stores 1/n of it and XLA gathers the weights inside the jitted step where it needs them). Trades those collectives
-    for stored memory; the step's peak falls by less (H200 x2, 8B target: 46.0 vs 49.6 GiB, docs/benchmarks.md
-    section 4). The step equals the replicated one (tests/test_train_loop.py)."""
+    for stored memory; the step's peak falls by less (H200 x2, 8B target: 46.0 vs 49.6 GiB, docs/performance.md). The step equals the replicated one (tests/test_train_loop.py)."""
     n = mesh.devices.size
     params = jax.tree.map(
         lambda x: jax.device_put(x, NamedSharding(mesh, target_leaf_spec(x.shape, n, min_elements))), target.params)
