@@ -1,9 +1,15 @@
-"""The README main job (examples/train_peagle.py) end to end, shortened: trains, exports a head that
-pjax.load_drafter reads back, and speculative decoding reproduces plain greedy decoding."""
+"""The README main job (examples/train_peagle.py) end to end, shortened: trains a tiny target and a P-EAGLE head,
+exports the head (pjax.load_drafter reads it back), and speculative decoding reproduces plain greedy decoding with an
+acceptance length only a trained head reaches.
+
+Bounds measured 2026-11-24 (CPU, JAX 0.10.2, seed 0): 120 target + 60 head steps give an acceptance length of 2.63 at
+K = 4; the same target with a one-step head gives 1.00. Fewer target steps (30-80) leave a degenerate target that
+repeats one byte, where any head reaches the maximum (5.0), so the target is trained long enough to tell heads apart.
+"""
 import importlib.util
 from pathlib import Path
-import pjax
 
+import pjax
 
 
 def test_main_job_short(tmp_path):
@@ -12,8 +18,10 @@ def test_main_job_short(tmp_path):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     out = tmp_path / "head"
-    report = mod.tiny_job(["--target-steps", "30", "--steps", "30", "--no-progress", "--out", str(out)])
+    report = mod.tiny_job(["--target-steps", "120", "--steps", "60", "--no-progress", "--out", str(out)])
     assert report["identical_to_plain"] is True
-    assert 1.0 <= report["acceptance_length"] <= 5.0
+    assert 2.0 <= report["acceptance_length"] <= 4.0, report["acceptance_length"]
+    acc = report["head_history"][-1]["acc"]
+    assert acc[0] > acc[-1] > 0.2  # deeper positions are harder, and still learned
     head = pjax.load_drafter(out)
     assert head.config.num_aux == 3 and head.config.mask_token_id is not None
