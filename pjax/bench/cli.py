@@ -49,6 +49,7 @@ from pjax.checkpoint.errors import CheckpointError
 from pjax.checkpoint.files import prepare_output
 from pjax.checkpoint.heads import load_drafter
 from pjax.checkpoint.target import load_target
+from pjax.command import run_command
 from pjax.config import ConfigError
 from pjax.decode import make_spec
 from pjax.models.families import config_from_hf
@@ -325,14 +326,8 @@ def run(args, argv) -> int:
 def main(argv=None, prog: str = "python -m pjax bench") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(prog).parse_args(argv)
-    try:
-        return run(args, argv)
-    except (BenchError, CheckpointError, ConfigError) as e:
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted (nothing written)", file=sys.stderr)
-        return 130
+    return run_command(lambda: run(args, argv), user_errors=(BenchError, CheckpointError, ConfigError),
+                       interrupted="interrupted (nothing written)")
 
 
 if __name__ == "__main__":

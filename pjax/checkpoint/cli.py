@@ -26,6 +26,7 @@ from pjax.checkpoint.hf import load_hf_params, read_target_config
 from pjax.checkpoint.native import load_native_target, param_count, read_marker, save_native_target
 from pjax.checkpoint.safetensors import Checkpoint
 from pjax.checkpoint.target import load_target
+from pjax.command import run_command
 from pjax.config import ConfigError
 
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "f32": "float32", "float32": "float32",
@@ -186,22 +187,9 @@ def build_parser(prog: str = "python -m pjax convert") -> argparse.ArgumentParse
     return parser
 
 
-def _one_line(e: BaseException) -> str:
-    if isinstance(e, OSError) and e.strerror:
-        return f"{e.filename}: {e.strerror}" if e.filename else e.strerror
-    return " ".join(str(e).split()) or type(e).__name__
-
-
 def main(argv=None, prog: str = "python -m pjax convert") -> int:
     args = build_parser(prog).parse_args(argv)
-    try:
-        return COMMANDS[args.command][2](args)
-    except (CheckpointError, ConfigError, OSError) as e:
-        print(f"error: {_one_line(e)}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    return run_command(lambda: COMMANDS[args.command][2](args), user_errors=(CheckpointError, ConfigError, OSError))
 
 
 if __name__ == "__main__":

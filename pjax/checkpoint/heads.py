@@ -27,7 +27,7 @@ from pjax.checkpoint.hf import TensorSource
 from pjax.checkpoint.safetensors import Checkpoint, save_file
 from pjax.config import ConfigError, ModelConfig, RopeSpec
 from pjax.models.drafter import Drafter, DrafterConfig, abstract_drafter
-from pjax.models.families import PARSERS, config_from_hf
+from pjax.models.families import PARSERS, config_from_hf, rope_to_hf
 from pjax.models.pairing import check_pair
 
 # Training-only frozen copies that speculators never saves; tolerated if an older writer kept them.
@@ -349,22 +349,10 @@ def load_drafter(path, dtype=jnp.bfloat16, target_config: Optional[ModelConfig] 
 # ----------------------------------------------------------------------------------------- saving
 
 def _rope_parameters(rope: RopeSpec) -> dict:
-    d = {"rope_type": rope.kind, "rope_theta": rope.theta}
-    if rope.kind in ("linear", "llama3", "yarn"):
-        d["factor"] = rope.factor
-    if rope.kind == "llama3":
-        d.update(low_freq_factor=rope.low_freq_factor, high_freq_factor=rope.high_freq_factor,
-                 original_max_position_embeddings=rope.original_max_position_embeddings)
-    if rope.kind == "yarn":
-        d.update(original_max_position_embeddings=rope.original_max_position_embeddings,
-                 beta_fast=rope.beta_fast, beta_slow=rope.beta_slow, truncate=rope.truncate)
-        if rope.attention_factor is not None:
-            d["attention_factor"] = rope.attention_factor
-    if rope.kind not in ("default", "linear", "llama3", "yarn"):
-        raise CheckpointError(f"rope type {rope.kind!r} cannot be written to a drafter config")
-    if rope.partial_rotary_factor != 1.0:
-        d["partial_rotary_factor"] = rope.partial_rotary_factor
-    return d
+    try:
+        return rope_to_hf(rope)
+    except ConfigError as e:
+        raise CheckpointError(f"drafter config: {e}") from None
 
 
 def layer_config_to_hf(cfg: DrafterConfig) -> dict:

@@ -30,7 +30,7 @@ from pjax.checkpoint.files import write_json, write_output_dir
 from pjax.checkpoint.hf import hf_name
 from pjax.checkpoint.safetensors import save_file
 from pjax.config import ConfigError, ModelConfig, RopeSpec
-from pjax.models.families import config_from_hf
+from pjax.models.families import config_from_hf, rope_to_hf
 from pjax.models.target import Target
 
 __all__ = ["EXPORT_KIND", "TOKENIZER_FILE_NAMES", "hf_config", "hf_tensors", "save_hf_target"]
@@ -46,22 +46,10 @@ _PLAIN = dict(norm_fp32_multiply=False, v_norm=False, attn_scale=None, sinks=Fal
 
 
 def _rope_parameters(cfg: ModelConfig) -> dict:
-    rope = cfg.layers[0].rope
-    out = {"rope_type": rope.kind, "rope_theta": rope.theta}
-    if rope.kind not in _ROPE_FIELDS:
-        raise CheckpointError(f"save_hf_target: rope kind {rope.kind!r} cannot be exported (supported: "
-                              f"{sorted(_ROPE_FIELDS)})")
-    if rope.kind in ("linear", "llama3", "yarn"):
-        out["factor"] = rope.factor
-    if rope.kind == "llama3":
-        out.update(low_freq_factor=rope.low_freq_factor, high_freq_factor=rope.high_freq_factor,
-                   original_max_position_embeddings=rope.original_max_position_embeddings)
-    if rope.kind == "yarn":
-        out.update(original_max_position_embeddings=rope.original_max_position_embeddings, beta_fast=rope.beta_fast,
-                   beta_slow=rope.beta_slow, truncate=rope.truncate)
-        if rope.attention_factor is not None:
-            out["attention_factor"] = rope.attention_factor
-    return out
+    try:
+        return rope_to_hf(cfg.layers[0].rope)
+    except ConfigError as e:
+        raise CheckpointError(f"save_hf_target: {e}") from None
 
 
 _ROPE_FIELDS = {"default": ("theta", "partial_rotary_factor"), "linear": ("theta", "partial_rotary_factor", "factor"),

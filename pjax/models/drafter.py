@@ -12,7 +12,6 @@ A aux layers, Ht target hidden size, V target vocab, Vd draft vocab.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Optional
 
 import jax
@@ -23,6 +22,7 @@ from flax import nnx
 from pjax.config import ConfigError, LayerSpec, ModelConfig
 from pjax.models.attention import Attention
 from pjax.models.cache import LayerKV, init_cache
+from pjax.models.casting import astype, matching_module
 from pjax.models.layers import MLP, Linear, RMSNorm
 from pjax.models.transformer import DecoderLayer
 
@@ -200,27 +200,12 @@ class Drafter:
 
     def astype(self, dtype) -> "Drafter":
         """The same head with floating params and the module's compute dtype both `dtype` (see Target.astype)."""
-        from pjax.dtypes import parse_dtype
-        dtype = parse_dtype(dtype, what="Drafter.astype dtype")
-        params = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, self.params)
-        return Drafter(self.config, _graphdef(self.config, dtype), params, self.d2t)
-
-
-@functools.lru_cache(maxsize=32)
-def _graphdef(config: DrafterConfig, dtype):
-    return abstract_drafter(config, dtype).graphdef
+        return astype(self, abstract_drafter, dtype, "Drafter")
 
 
 def consistent_drafter(drafter: "Drafter") -> "Drafter":
-    """`drafter` with a module definition matching its params' dtype (rebuilt if the params were cast alone);
-    ValueError if its floating params mix dtypes."""
-    floats = {x.dtype for x in jax.tree.leaves(drafter.params) if jnp.issubdtype(x.dtype, jnp.floating)}
-    if len(floats) > 1:
-        raise ValueError(f"the drafter's floating params mix dtypes {sorted(str(d) for d in floats)}; cast it whole "
-                         "with drafter.astype(dtype)")
-    dtype = floats.pop() if floats else drafter.dtype
-    gd = _graphdef(drafter.config, jnp.dtype(dtype))
-    return drafter if gd == drafter.graphdef else Drafter(drafter.config, gd, drafter.params, drafter.d2t)
+    """`drafter` with a module definition matching its params' dtype (rebuilt if the params were cast alone)."""
+    return matching_module(drafter, abstract_drafter, "drafter")
 
 
 jax.tree_util.register_dataclass(Drafter, data_fields=["params", "d2t"], meta_fields=["config", "graphdef"])

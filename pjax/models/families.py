@@ -50,6 +50,28 @@ def rope_from_hf(hf: dict, where: str = "config.json") -> RopeSpec:
     return spec
 
 
+def rope_to_hf(rope: RopeSpec) -> dict:
+    """The Hugging Face `rope_parameters` dict of `rope` (the inverse of `rope_from_hf` for the kinds a llama / qwen3
+    config can state); ConfigError for the others (proportional)."""
+    if rope.kind not in ("default", "linear", "llama3", "yarn"):
+        raise ConfigError(f"rope type {rope.kind!r} cannot be written to a llama / qwen3 config (supported: default, "
+                          "linear, llama3, yarn)")
+    d = {"rope_type": rope.kind, "rope_theta": rope.theta}
+    if rope.kind in ("linear", "llama3", "yarn"):
+        d["factor"] = rope.factor
+    if rope.kind == "llama3":
+        d.update(low_freq_factor=rope.low_freq_factor, high_freq_factor=rope.high_freq_factor,
+                 original_max_position_embeddings=rope.original_max_position_embeddings)
+    if rope.kind == "yarn":
+        d.update(original_max_position_embeddings=rope.original_max_position_embeddings, beta_fast=rope.beta_fast,
+                 beta_slow=rope.beta_slow, truncate=rope.truncate)
+        if rope.attention_factor is not None:
+            d["attention_factor"] = rope.attention_factor
+    if rope.partial_rotary_factor != 1.0:
+        d["partial_rotary_factor"] = rope.partial_rotary_factor
+    return d
+
+
 def _head_dim(hf: dict) -> int:
     if hf.get("head_dim"):
         return int(hf["head_dim"])

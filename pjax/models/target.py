@@ -6,7 +6,6 @@ straight into `jax.jit` / `jax.vmap`d functions.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
@@ -15,6 +14,7 @@ import numpy as np
 from flax import nnx
 
 from pjax.config import ModelConfig
+from pjax.models.casting import astype, matching_module
 from pjax.models.transformer import ForwardOutput, Transformer
 
 __all__ = ["Target", "abstract_target", "consistent_target", "forward", "init_target", "logits_from_hidden",
@@ -39,27 +39,12 @@ class Target:
     def astype(self, dtype) -> "Target":
         """The same target with floating params and the module's compute dtype both `dtype` (bfloat16 / float32 /
         float16). Casting only the params (`jax.tree.map(astype)`) would keep a module built for the old dtype."""
-        from pjax.dtypes import parse_dtype
-        dtype = parse_dtype(dtype, what="Target.astype dtype")
-        params = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, self.params)
-        return Target(self.config, _graphdef(self.config, dtype), params)
-
-
-@functools.lru_cache(maxsize=32)
-def _graphdef(config: ModelConfig, dtype):
-    return abstract_target(config, dtype).graphdef
+        return astype(self, abstract_target, dtype, "Target")
 
 
 def consistent_target(target: "Target") -> "Target":
-    """`target` with a module definition matching its params' dtype (rebuilt if the params were cast alone);
-    ValueError if its floating params mix dtypes."""
-    floats = {x.dtype for x in jax.tree.leaves(target.params) if jnp.issubdtype(x.dtype, jnp.floating)}
-    if len(floats) > 1:
-        raise ValueError(f"the target's floating params mix dtypes {sorted(str(d) for d in floats)}; cast it whole "
-                         "with target.astype(dtype)")
-    dtype = floats.pop() if floats else target.dtype
-    gd = _graphdef(target.config, jnp.dtype(dtype))
-    return target if gd == target.graphdef else Target(target.config, gd, target.params)
+    """`target` with a module definition matching its params' dtype (rebuilt if the params were cast alone)."""
+    return matching_module(target, abstract_target, "target")
 
 
 jax.tree_util.register_dataclass(Target, data_fields=["params"], meta_fields=["config", "graphdef"])

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from pjax.checkpoint import load_drafter, load_target
+from pjax.command import run_command
 from pjax.decode.inputs import SEED_LIMIT
 from pjax.dtypes import parse_dtype
 from pjax.text.generate import TextGenerationInterrupted, TextGenerator, TextOutput
@@ -241,14 +242,7 @@ def run(args) -> int:
 
 def main(argv=None, prog: str = "python -m pjax generate") -> int:
     args = build_parser(prog).parse_args(argv)
-    try:
-        return run(args)
-    except InputError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    return run_command(lambda: run(args), user_errors=(InputError,))
 
 
 if __name__ == "__main__":

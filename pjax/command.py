@@ -1,0 +1,30 @@
+"""What every `python -m pjax` subcommand shares: exit codes, and bad input turned into one line instead of a
+traceback."""
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+__all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "one_line", "run_command"]
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+def one_line(e: BaseException) -> str:
+    """The error as one line (an OSError as "path: reason")."""
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.filename}: {e.strerror}" if e.filename else e.strerror
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def run_command(fn: Callable[[], int], *, user_errors: tuple, interrupted: str = "interrupted") -> int:
+    """fn() -> exit code; an exception of `user_errors` (bad flags, files, values) prints `error: <one line>` and
+    gives EXIT_USAGE, Ctrl-C prints `interrupted` and gives EXIT_INTERRUPTED."""
+    try:
+        return fn()
+    except user_errors as e:
+        print(f"error: {one_line(e)}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(interrupted, file=sys.stderr)
+        return EXIT_INTERRUPTED

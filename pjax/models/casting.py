@@ -1,0 +1,44 @@
+"""Casting a model value (a Target or a Drafter: config, graphdef, params) to a dtype: the floating params and the NNX
+module definition (whose layers carry their compute dtype) together, so a cast the JAX way (`jax.tree.map` over the
+params only) can be repaired instead of running a float32 module on bfloat16 weights."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pjax.dtypes import parse_dtype
+
+__all__ = ["astype", "cast_floating", "matching_module"]
+
+
+def cast_floating(params, dtype):
+    """Every floating leaf of `params` cast to `dtype`; integer leaves unchanged."""
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+
+
+@functools.lru_cache(maxsize=64)
+def _graphdef(abstract, config, dtype):
+    return abstract(config, dtype).graphdef
+
+
+def astype(value, abstract, dtype, what: str):
+    """`value` with params and module both in `dtype`; abstract(config, dtype) builds the value's params-free form."""
+    dtype = parse_dtype(dtype, what=f"{what}.astype dtype")
+    return dataclasses.replace(value, graphdef=_graphdef(abstract, value.config, dtype),
+                               params=cast_floating(value.params, dtype))
+
+
+def matching_module(value, abstract, what: str):
+    """`value` with a module definition matching its params' dtype (rebuilt if the params were cast alone);
+    ValueError if its floating params mix dtypes."""
+    floats = {x.dtype for x in jax.tree.leaves(value.params) if jnp.issubdtype(x.dtype, jnp.floating)}
+    if len(floats) > 1:
+        raise ValueError(f"the {what}'s floating params mix dtypes {sorted(str(d) for d in floats)}; cast it whole "
+                         f"with {what}.astype(dtype)")
+    if not floats:
+        return value
+    gd = _graphdef(abstract, value.config, jnp.dtype(floats.pop()))
+    return value if gd == value.graphdef else dataclasses.replace(value, graphdef=gd)
