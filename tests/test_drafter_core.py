@@ -85,6 +85,25 @@ def test_inference_layout_equals_training_layout(drafter):
         start = start + n + 1
 
 
+def test_draft_logits_ignores_padding_slots(drafter):
+    """A cod_sample layout pads each depth block with invalid slots at anchor 0: with `valid` they change nothing
+    (without it they would join the chain of the real anchor-0 element)."""
+    from pjax.train import CodConfig, cod_sample
+    rng = np.random.default_rng(1)
+    s = 16
+    ids, hs = rng.integers(0, V, (1, s)), rng.normal(size=(1, s, A * HT)).astype(np.float32)
+    doc = np.zeros((1, s), np.int32)
+    lm = np.zeros(s, np.int32)
+    lm[[1, 2, 3, 4]] = 1  # few loss positions (the depth blocks are mostly padding), one chain at anchor 0
+    lay = cod_sample(jax.random.key(0), lm, CodConfig(num_depths=K, max_anchors=None))
+    ok = np.asarray(lay.valid)
+    a, d = np.asarray(lay.anchor_pos), np.asarray(lay.depth)
+    assert not ok.all() and ((a == 0) & (d > 0) & ok).any()  # without `valid`, the logits differ by ~2
+    got = np.asarray(draft_logits(drafter, hs, ids, doc, a, d, valid=ok))[ok]
+    want = np.asarray(draft_logits(drafter, hs, ids, doc, a[ok], d[ok]))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_vocab_helpers(drafter):
     d2t = np.asarray(drafter.d2t)
     ids = np.arange(VD) + d2t

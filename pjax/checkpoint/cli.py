@@ -28,14 +28,18 @@ from pjax.checkpoint.safetensors import Checkpoint
 from pjax.checkpoint.target import load_target
 from pjax.command import run_command
 from pjax.config import ConfigError
+from pjax.dtypes import parse_dtype
 
-DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "f32": "float32", "float32": "float32",
-          "f16": "float16", "float16": "float16"}
+def _dtype_flag(value: str):
+    try:
+        return parse_dtype(value, what="--dtype")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _dtype_arg(p, default="bf16", what="parameter dtype of the copy"):
-    p.add_argument("--dtype", default=default, choices=sorted(DTYPES), metavar="{bf16,f32,f16}",
-                   help=f"{what}: bf16 (default), f32, f16")
+    p.add_argument("--dtype", default=default, type=_dtype_flag, metavar="{bf16,f32,f16}",
+                   help=f"{what}: bf16 (default), f32, f16 (or bfloat16, float32, float16)")
 
 
 def _check_args(p, verify: bool = True):
@@ -132,7 +136,7 @@ def _target_args(p):
 
 
 def run_target(args) -> int:
-    dtype = jnp.dtype(DTYPES[args.dtype])
+    dtype = args.dtype
     prepare_output(args.out_dir, force=args.force, kind="target", sources=[args.hf_dir])  # fail before loading
     target = load_target(args.hf_dir, dtype=dtype, verify=not args.no_verify, check_finite=not args.no_finite_check)
     out = save_native_target(target, read_hf_config(args.hf_dir), args.out_dir, overwrite=args.force,
@@ -162,7 +166,7 @@ def run_drafter(args) -> int:
     target = load_target(args.target, dtype=jnp.float32, verify=not args.no_verify, check_finite=check) \
         if args.target else None
     drafter = load_drafter(args.src, dtype=jnp.float32, target=target, check_finite=check)
-    out = save_drafter(drafter, args.out_dir, dtype=DTYPES[args.dtype], verifier_name_or_path=args.verifier,
+    out = save_drafter(drafter, args.out_dir, dtype=args.dtype.name, verifier_name_or_path=args.verifier,
                        overwrite=args.force, sources=sources)
     cfg = drafter.config
     print(f"wrote {out} ({cfg.model_kind}, {cfg.layer.model_type} x{cfg.layer.num_layers}, "

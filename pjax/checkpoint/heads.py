@@ -26,6 +26,7 @@ from pjax.checkpoint.files import NATIVE_MARKER, read_hf_config, write_json, wri
 from pjax.checkpoint.hf import TensorSource
 from pjax.checkpoint.safetensors import Checkpoint, save_file
 from pjax.config import ConfigError, ModelConfig, RopeSpec
+from pjax.dtypes import parse_dtype
 from pjax.models.drafter import Drafter, DrafterConfig, abstract_drafter
 from pjax.models.families import PARSERS, config_from_hf, rope_to_hf
 from pjax.models.pairing import check_pair
@@ -268,6 +269,7 @@ def load_drafter(path, dtype=jnp.bfloat16, target_config: Optional[ModelConfig] 
     requires mask_hidden and a mask token id. check_finite: reject NaN / inf weights (after the cast to
     `dtype`), naming the tensor; one device pass over all of them.
     """
+    dtype = parse_dtype(dtype, what="load_drafter dtype")
     path = Path(path)
     where = str(path / "config.json")
     hf = read_hf_config(path)
@@ -452,11 +454,12 @@ def save_drafter(drafter: Drafter, path, *, dtype="bfloat16", verifier_name_or_p
     written earlier by pjax; any other existing directory (a downloaded head, a model) is refused, as is a
     `path` equal to, inside or containing one of `sources` (`pjax.checkpoint.files.prepare_output`).
     """
-    dtypes = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float16": np.float16}
-    if dtype not in dtypes:
-        raise CheckpointError(f"save_drafter: dtype {dtype!r} is not supported (expected one of {sorted(dtypes)})")
+    try:
+        dtype = parse_dtype(dtype, what="save_drafter dtype").name
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
     hf = drafter_config_to_hf(drafter.config, dtype, verifier_name_or_path)
-    tensors = drafter_tensors(drafter, dtypes[dtype])
+    tensors = drafter_tensors(drafter, np.dtype(dtype))
     with write_output_dir(path, force=overwrite, kind="drafter", sources=sources,
                           metadata={"model_kind": drafter.config.model_kind}) as tmp:
         save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})

@@ -30,6 +30,7 @@ from pjax.checkpoint.files import write_json, write_output_dir
 from pjax.checkpoint.hf import hf_name
 from pjax.checkpoint.safetensors import save_file
 from pjax.config import ConfigError, ModelConfig, RopeSpec
+from pjax.dtypes import parse_dtype
 from pjax.models.families import config_from_hf, rope_to_hf
 from pjax.models.target import Target
 
@@ -65,6 +66,13 @@ def _used(rope: RopeSpec) -> RopeSpec:
     return RopeSpec(kind=rope.kind, **{k: getattr(rope, k) for k in keep})
 
 
+def _dtype_name(dtype) -> str:
+    try:
+        return parse_dtype(dtype, what="save_hf_target dtype").name
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+
+
 def hf_config(cfg: ModelConfig, *, dtype: str = "bfloat16", bos_token_id: Optional[int] = None,
               eos_token_id: Optional[int] = None, pad_token_id: Optional[int] = None,
               max_position_embeddings: Optional[int] = None) -> dict:
@@ -88,8 +96,7 @@ def hf_config(cfg: ModelConfig, *, dtype: str = "bfloat16", bos_token_id: Option
         if (spec.head_dim, spec.num_kv_heads, spec.rope) != (first.head_dim, first.num_kv_heads, first.rope):
             raise CheckpointError(f"{where}: layer {i} differs from layer 0 in head_dim / num_kv_heads / rope; the "
                                   f"{cfg.model_type} config has one geometry for every layer")
-    if dtype not in DTYPES:
-        raise CheckpointError(f"{where}: dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    dtype = _dtype_name(dtype)
     mpe = max_position_embeddings or cfg.max_position_embeddings
     if mpe is None:
         raise CheckpointError(f"{where}: max_position_embeddings is not set in the target's config; pass it")
@@ -206,6 +213,7 @@ def save_hf_target(target: Target, path, *, dtype: str = "bfloat16", tokenizer_d
         if not any(f.name in ("tokenizer.json", "tokenizer.model") for f in tok_files):
             raise CheckpointError(f"{tokenizer_dir}: no tokenizer.json or tokenizer.model to copy")
         ids = {k: v if v is not None else _special_ids(tokenizer_dir).get(k) for k, v in ids.items()}
+    dtype = _dtype_name(dtype)
     hf = hf_config(target.config, dtype=dtype, max_position_embeddings=max_position_embeddings, **ids)
     generation = {"_from_model_config": True, **{k: v for k, v in ids.items() if v is not None}}
     with write_output_dir(path, force=overwrite, kind=EXPORT_KIND, sources=sources,

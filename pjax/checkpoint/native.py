@@ -26,6 +26,7 @@ from pjax.checkpoint import integrity
 from pjax.checkpoint.errors import CheckpointError
 from pjax.checkpoint.files import NATIVE_MARKER, read_hf_config, signals_deferred, write_json, write_output_dir
 from pjax.config import ConfigError
+from pjax.dtypes import parse_dtype
 from pjax.models.families import config_from_hf
 from pjax.models.target import Target, abstract_target
 
@@ -145,6 +146,7 @@ def load_native_target(path, dtype=jnp.bfloat16, *, verify: bool = True, check_f
     Every recorded file must be present with its recorded size. verify: compare each restored tensor's
     checksum with the one written at conversion (one device pass; False skips it). check_finite: reject NaN /
     inf parameters (after the cast), naming the tensor."""
+    dtype = parse_dtype(dtype, what="load_native_target dtype")
     path = Path(path).absolute()
     marker = read_marker(path)
     if marker["version"] < 2 and verify:

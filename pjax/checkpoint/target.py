@@ -10,6 +10,7 @@ from pjax.checkpoint.files import NATIVE_MARKER, read_hf_config
 from pjax.checkpoint.heads import describe_head
 from pjax.checkpoint.hf import load_hf_params, read_target_config
 from pjax.checkpoint.native import load_native_target
+from pjax.dtypes import parse_dtype
 from pjax.models.target import Target
 
 __all__ = ["load_target"]
@@ -17,12 +18,14 @@ __all__ = ["load_target"]
 
 def load_target(path, dtype=jnp.bfloat16, *, verify: bool = True, check_finite: bool = True) -> Target:
     """Load a Hugging Face model directory (config.json + model.safetensors or a sharded index), or a
-    pjax-native directory written by ``python -m pjax convert target``; floating params cast to `dtype`.
+    pjax-native directory written by ``python -m pjax convert target``; floating params cast to `dtype` (bfloat16 /
+    float32 / float16, any spelling `pjax.dtypes.parse_dtype` takes).
 
     verify: compare a native copy's per-tensor checksums (False skips that pass, for speed; file presence
     and sizes are always checked). check_finite: reject NaN / inf weights, naming the tensor (one device
     pass). A drafter head directory is refused with a message saying to use `load_drafter`.
     """
+    dtype = parse_dtype(dtype, what="load_target dtype")
     path = Path(path)
     if (path / NATIVE_MARKER).exists():
         return load_native_target(path, dtype, verify=verify, check_finite=check_finite)

@@ -209,16 +209,17 @@ def peagle_loss(drafter: Drafter, target: Target, input_ids, hidden_states, veri
 
 
 @functools.partial(jax.jit, static_argnames=("num_depths", "slots"))
-def _draft_logits(drafter: Drafter, hidden_states, input_ids, document_ids, anchor_pos, depth, num_depths, slots):
+def _draft_logits(drafter: Drafter, hidden_states, input_ids, document_ids, anchor_pos, depth, valid, num_depths,
+                  slots):
     s = input_ids.shape[-1]
-    layout = layout_from_arrays(anchor_pos, depth)
+    layout = layout_from_arrays(anchor_pos, depth, valid)
     normed = cod_hidden(drafter, input_ids.reshape(s).astype(jnp.int32), hidden_states.reshape(s, -1),
                         document_ids.reshape(s), layout, num_depths=num_depths, chain_slots=slots,
                         require_mask=False)
     return draft_logits_from_hidden(drafter, normed)
 
 
-def draft_logits(drafter: Drafter, hidden_states, input_ids, document_ids, anchor_pos, depth):
+def draft_logits(drafter: Drafter, hidden_states, input_ids, document_ids, anchor_pos, depth, valid=None):
     """Draft-vocab logits float32 [N, Vd] of the N flattened COD elements (training layout).
 
     hidden_states [1, S, A*Ht] (pre-fc target features, shifted as in speculators: index p pairs
@@ -227,6 +228,8 @@ def draft_logits(drafter: Drafter, hidden_states, input_ids, document_ids, ancho
     repeated elements too).
     Element i sits at position anchor+depth; depth 0 takes the real token
     and feature at that position, depth >= 1 the mask token and mask_hidden (same combine path).
+    valid [N] bool or None (all valid): pass a `cod_sample` layout's `valid` — its padding slots sit at anchor 0 and
+    would otherwise join the chain of the real anchor-0 element and change its logits.
     Heads without mask_hidden / mask_token_id accept only all-zero (concrete) depths.
     """
     reason = no_parallel_reason(drafter.config)
@@ -239,6 +242,7 @@ def draft_logits(drafter: Drafter, hidden_states, input_ids, document_ids, ancho
     _check_prefix(anchor_pos, depth, s)
     k = _num_depths(depth, drafter.config.num_depths if traced else None)
     concrete = not (traced or isinstance(anchor_pos, jax.core.Tracer))
-    slots = chain_slots(layout_from_arrays(anchor_pos, depth)) if concrete else None
+    slots = chain_slots(layout_from_arrays(anchor_pos, depth, valid)) if concrete else None
+    valid = jnp.ones(np.shape(anchor_pos), bool) if valid is None else jnp.asarray(valid, bool)
     return _draft_logits(drafter, jnp.asarray(hidden_states), jnp.asarray(input_ids), jnp.asarray(document_ids),
-                         jnp.asarray(anchor_pos), jnp.asarray(depth), k, slots)
+                         jnp.asarray(anchor_pos), jnp.asarray(depth), valid, k, slots)
