@@ -100,7 +100,9 @@ class Recipe:
     head_steps: int = 800
     head_weight_decay: float = 0.01
     head_warmup: Optional[int] = None  # None: 1% of the steps (speculators)
-    head_data: str = "corpus"  # "corpus": training rows; "regenerated": training-file prefixes + target continuations
+    # "regenerated": training-file prefixes continued by the target (what the heads see when decoding: a depth-d label
+    # is a token P-EAGLE cannot see, and at decode time it is the target's own); "corpus": the training rows
+    head_data: str = "regenerated"
     regen_prompts: int = 8192
     regen_prompt_tokens: int = 512  # prefixes of 32..this many tokens (BOS included)
     regen_new_tokens: int = 512
@@ -113,13 +115,13 @@ class Recipe:
     peagle_depths: int = 8
     peagle_down_sample_ratio: float = 0.7
     peagle_down_sample_ratio_min: float = 0.2
-    peagle_max_anchors: Optional[int] = 512
+    peagle_max_anchors: Optional[int] = None  # a 512 cap at 2048 tokens leaves depths 1-7 4x fewer samples
     peagle_segments: int = 1
-    peagle_lr: float = 6e-4
+    peagle_lr: float = 1e-3  # speculators' default
     # EAGLE-3 head
     eagle3_layers: int = 1
     eagle3_ttt_steps: int = 3
-    eagle3_lr: float = 6e-4
+    eagle3_lr: float = 1e-3
     # precision, export, check
     compute_dtype: Optional[str] = "bfloat16"
     remat: bool = False
@@ -136,8 +138,8 @@ TINY = dataclasses.replace(
     target_kv_heads=2, target_intermediate=176, target_seq_len=256, target_batch_rows=4, target_tokens=60 * 4 * 256,
     target_lr=3e-3, target_warmup=10, eval_rows=8, head_seq_len=256, head_batch_rows=4, head_steps=40,
     regen_prompts=24, regen_prompt_tokens=64, regen_new_tokens=24, regen_batch=8,
-    peagle_layers=2, peagle_depths=8, peagle_max_anchors=None, peagle_lr=3e-3, eagle3_lr=3e-3, compute_dtype=None,
-    export_dtype="float32", check_prompts=2, check_new_tokens=16)
+    head_data="corpus", peagle_layers=2, peagle_depths=8, peagle_max_anchors=None, peagle_lr=3e-3, eagle3_lr=3e-3,
+    compute_dtype=None, export_dtype="float32", check_prompts=2, check_new_tokens=16)
 
 STAGES = ("corpus", "tokenizer", "tokens", "target", "regen", "peagle", "eagle3", "export", "check")
 UPSTREAM = {"corpus": (), "tokenizer": ("corpus",), "tokens": ("tokenizer",), "target": ("tokens",),
