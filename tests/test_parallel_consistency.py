@@ -1,0 +1,88 @@
+"""Train / inference consistency of P-EAGLE parallel drafting with a trained head, end to end: in every engine round
+(accepted and rejected drafts alike) the K parallel drafts equal the teacher-forced COD prediction (`draft_logits`,
+anchor = the bonus token's position - 1, depths 0..K-1) on the final greedy sequence, and the training path
+(`cod_hidden` over a `cod_sample` layout, online target features, the EAGLE shift) gives the dense `draft_logits`
+values. Deep drafts that train well therefore draft the same way (the check behind the study of why a first pair's
+deep drafts were rarely accepted: they were under-trained, not mis-drafted)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pjax.decode.generate import make_spec
+from pjax.decode.state import Sampling
+from pjax.decode.step import prefill, spec_round
+from pjax.models.drafter import draft_to_target
+from pjax.models.pairing import check_pair
+from pjax.train import CodConfig, cod_sample, draft_logits, target_features
+from pjax.train.data import eagle_shift
+from pjax.train.losses import cod_hidden
+from pjax.train.recipes import tiny_run
+
+K = 4
+
+
+@pytest.fixture(scope="module")
+def run():
+    return tiny_run(target_steps=150, head_steps=120, batch_rows=4, seq_len=128, num_depths=K, log_every=40,
+                    max_files=6, compiler_options={"xla_backend_optimization_level": 0})
+
+
+def shifted(target, drafter, seq):
+    s = len(seq)
+    toks = jnp.asarray(seq, jnp.int32)[None]
+    doc = jnp.zeros((1, s), jnp.int32)
+    aux, final = target_features(target, toks, doc, check_pair(target.config, drafter.config))
+    return eagle_shift(toks[0], jnp.ones((s,), jnp.int32), doc[0], aux[0], final[0])
+
+
+def test_engine_drafts_equal_teacher_forced_cod(run):
+    target, dr = run.target, run.drafter
+    spec = make_spec(target, dr, max_new_tokens=48, num_speculative_tokens=K, drafting="parallel")
+    samp = Sampling(jnp.zeros(1), jnp.zeros(1, jnp.int32), jnp.ones(1), jnp.zeros(1, jnp.uint32),
+                    jnp.full((1, 1), -1, jnp.int32))
+    fast = {"xla_backend_optimization_level": 0}
+    pre = jax.jit(prefill, static_argnames=("spec", "capacity"), compiler_options=fast)
+    step = jax.jit(spec_round, static_argnames=("spec",), compiler_options=fast)
+    checked, accepted_rounds = 0, 0
+    for doc in run.docs[:3]:
+        prompt = doc.tokens[100:140].tolist()
+        st = pre(target, dr, jnp.asarray([prompt]), jnp.asarray([len(prompt)]), samp, spec=spec, capacity=128)
+        rounds = [(int(st.pos[0]), np.asarray(st.drafts[0]), 0)]
+        while not bool(st.done[0]):
+            before = int(st.accepted[0])
+            st = step(target, dr, st, samp, spec=spec)
+            rounds.append((int(st.pos[0]), np.asarray(st.drafts[0]), int(st.accepted[0]) - before))
+        seq = prompt + np.asarray(st.out[0, :int(st.num_out[0])]).tolist()
+        s = len(seq)
+        sh = shifted(target, dr, seq)
+        a = np.tile(np.arange(s), K)
+        d = np.repeat(np.arange(K), s)
+        pred = np.asarray(draft_to_target(dr, jnp.argmax(draft_logits(
+            dr, sh["hidden_states"][None], sh["input_ids"][None], sh["document_ids"][None], jnp.asarray(a),
+            jnp.asarray(d)), -1))).reshape(K, s).T
+        for i, (pos, drafts, _) in enumerate(rounds[:-1]):
+            if pos + K >= s:
+                break
+            np.testing.assert_array_equal(drafts, pred[pos - 1], err_msg=f"round {i} at position {pos}")
+            checked += 1
+            accepted_rounds += rounds[i + 1][2] > 0
+    assert checked >= 20 and accepted_rounds >= 3, (checked, accepted_rounds)
+
+
+def test_training_path_matches_dense_draft_logits(run):
+    target, dr = run.target, run.drafter
+    seq = np.concatenate([run.docs[0].tokens[:60], run.docs[1].tokens[:68]])
+    docid = np.asarray([0] * 60 + [1] * 68)
+    toks = jnp.asarray(seq, jnp.int32)[None]
+    aux, final = target_features(target, toks, jnp.asarray(docid)[None], check_pair(target.config, dr.config))
+    sh = eagle_shift(toks[0], jnp.ones((128,), jnp.int32), jnp.asarray(docid), aux[0], final[0])
+    lay = cod_sample(jax.random.key(0), sh["loss_mask"], CodConfig(num_depths=K, max_anchors=None), sh["document_ids"])
+    normed = cod_hidden(dr, sh["input_ids"], sh["hidden_states"], sh["document_ids"], lay, num_depths=K)
+    got = np.asarray(dr.module.logits(normed))
+    v = np.asarray(lay.valid)
+    want = np.asarray(draft_logits(dr, sh["hidden_states"][None], sh["input_ids"][None], sh["document_ids"][None],
+                                   np.asarray(lay.anchor_pos), np.asarray(lay.depth), valid=v))[v]
+    ok = (np.asarray(sh["document_ids"])[np.asarray(lay.anchor_pos)[v]] != -1)
+    assert int((np.asarray(lay.depth)[v][ok] >= 2).sum()) > 10
+    np.testing.assert_allclose(got[v][ok], want[ok], atol=1e-4, rtol=1e-4)
