@@ -138,8 +138,9 @@ class ModelConfig:
     aux_layer_ids: tuple[int, ...] = ()
     swiglu_limit: float = 7.0
     swiglu_alpha: float = 1.702
-    max_position_embeddings: Optional[int] = None  # the checkpoint's trained context (informational: warnings)
-    architectures: tuple[str, ...] = ()  # Hugging Face `architectures` of the checkpoint (pairing warnings)
+    # checkpoint metadata for warnings (not geometry: left out of equality and hashing, so it never splits a compile)
+    max_position_embeddings: Optional[int] = dataclasses.field(default=None, compare=False)  # trained context
+    architectures: tuple[str, ...] = dataclasses.field(default=(), compare=False)  # HF `architectures`
 
     @property
     def num_layers(self) -> int:

@@ -314,7 +314,7 @@ def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     cfg = PARSERS[model_type](hf)
     text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else hf
     mpe = text.get("max_position_embeddings") or hf.get("max_position_embeddings")
-    archs = outer.get("architectures") or ()
+    archs = outer.get("architectures") or hf.get("architectures") or ()
     cfg = dataclasses.replace(cfg, max_position_embeddings=int(mpe) if mpe else None,
                               architectures=tuple(str(a) for a in archs) if isinstance(archs, (list, tuple)) else ())
     return cfg.validate()
