@@ -141,7 +141,7 @@ def test_verifier_mismatch_is_reported(models):
     assert any("LlamaForCausalLM" in w for w in res.stats["warnings"])
 
 
-@pytest.mark.parametrize("layers", [3, 4, 5, 6, 7])
+@pytest.mark.parametrize("layers", [4, 7])  # the shallow fallback, and the vLLM default where it fits
 def test_default_aux_ids_fit_shallow_targets(layers):
     """A head without aux ids on a target of 3..7 layers: distinct default ids, said in a warning and the stats."""
     target = tiny_target(layers=layers)
