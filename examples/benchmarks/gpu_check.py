@@ -1,7 +1,7 @@
 """Correctness check of pjax on this device: every kernel with every implementation against its reference, every
 target family against transformers in float32, and a P-EAGLE head against a float64 reference of its forward.
 
-    python examples/benchmarks/gpu_check.py            # GPU: representative shapes (an H200: about 5 minutes)
+    python examples/benchmarks/gpu_check.py            # GPU: representative shapes (an H200: about 3 minutes)
     python examples/benchmarks/gpu_check.py --quick    # tiny shapes: a fast GPU pass, or a CPU run (interpret
                                                        # mode, about 5 minutes on 2 cores)
 

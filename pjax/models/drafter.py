@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from pjax.config import ConfigError, LayerSpec, ModelConfig
+from pjax.dtypes import parse_dtype
 from pjax.models.attention import Attention
 from pjax.models.cache import LayerKV, init_cache
 from pjax.models.casting import astype, matching_module
@@ -222,7 +223,7 @@ def init_drafter(config: DrafterConfig, key, dtype=jnp.float32, scale: float = 0
     """Random drafter: normal(0, scale) matrices, ones for norms, normal(0, 1) mask_hidden (as
     speculators), and a random ascending draft vocabulary when Vd < V. Host-side numpy RNG seeded
     from `key` (compiling threefry for every leaf is slow on CPU)."""
-    abstract = abstract_drafter(config, dtype)
+    abstract = abstract_drafter(config, parse_dtype(dtype, what="init_drafter dtype"))
     leaves, treedef = jax.tree.flatten_with_path(abstract.params)
     seed = np.asarray(jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key)
     rng = np.random.default_rng(seed.astype(np.uint32).ravel().tolist())

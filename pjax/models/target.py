@@ -14,6 +14,7 @@ import numpy as np
 from flax import nnx
 
 from pjax.config import ModelConfig
+from pjax.dtypes import parse_dtype
 from pjax.models.casting import astype, matching_module
 from pjax.models.transformer import ForwardOutput, Transformer
 
@@ -59,7 +60,7 @@ def abstract_target(config: ModelConfig, dtype=jnp.float32) -> Target:
 
 def init_target(config: ModelConfig, key, dtype=jnp.float32, scale: float = 0.02) -> Target:
     """Random target (benchmarks, tests): normal(0, scale) matrices, ones for norms, zeros for biases."""
-    abstract = abstract_target(config.validate(), dtype)
+    abstract = abstract_target(config.validate(), parse_dtype(dtype, what="init_target dtype"))
     leaves, treedef = jax.tree.flatten_with_path(abstract.params)
 
     def kind(path):

@@ -79,7 +79,8 @@ def build_parser(prog: str = "python -m pjax generate") -> argparse.ArgumentPars
                    help="sampling seed in [0, 2**32) (default 0)")
     p.add_argument("--max-new-tokens", type=_number(int, low=1), default=256, metavar="N",
                    help="new tokens per prompt at most (default 256)")
-    p.add_argument("--dtype", type=_dtype, default="bfloat16", help="parameter dtype: bfloat16 (default), float32")
+    p.add_argument("--dtype", type=_dtype, default="bfloat16",
+                   help="parameter dtype: bfloat16 (default), float32, float16 (or bf16, f32, f16)")
     p.add_argument("--stop", nargs="+", action="extend", metavar="STR",
                    help="stop strings: the text ends before the first one (bash: --stop $'\\n\\n' for newlines)")
     p.add_argument("--stream", action="store_true", help="print the text as it is generated")

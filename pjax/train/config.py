@@ -21,7 +21,8 @@ class TrainConfig:
     num_segments: sequence partitioning of each row (spec D.5; peagle only; 1 = single pass).
     compute_dtype: e.g. "bfloat16" to run the drafter in bf16 over float32 master weights.
     attn_chunk / loss_chunk / target_chunk: query / element chunk sizes (None = automatic).
-    implementation: the kernel switch of the target forward ("xla" | "pallas" | "auto", `pjax.kernels`).
+    implementation: the kernel switch of the step: the target forward and the drafter's attention ("xla" |
+      "pallas" | "auto", `pjax.kernels`).
     """
     objective: str = "peagle"
     total_seq_len: int = 2048

@@ -105,7 +105,9 @@ def held_out(name: str, fraction: float) -> bool:
 
 
 def _order_key(name: str) -> bytes:
-    return hashlib.sha256(name.encode("utf-8")).digest()
+    """A deterministic order independent of the split's hash (the split takes the smallest name hashes, so ordering
+    by that same hash would fill a `max_files` subset with held-out files)."""
+    return hashlib.sha256(b"order\0" + name.encode("utf-8")).digest()
 
 
 def package_roots(pkg: CorpusPackage) -> list[Path]:
@@ -197,7 +199,7 @@ def collect_corpus(out_dir, packages: Sequence[CorpusPackage] = DEFAULT_PACKAGES
                    max_files: Optional[int] = None, progress: bool = False) -> dict:
     """Collect the corpus into `out_dir` (created; its three files replaced); returns the manifest.
 
-    max_files: keep only the `max_files` collected files first in sha256-of-name order (a deterministic subset
+    max_files: keep only the `max_files` collected files first in a salted sha256-of-name order (a deterministic subset
     whose split agrees with the full corpus'). progress: a tqdm bar over packages."""
     if not 0 < held_out_fraction < 1:
         raise CorpusError(f"held_out_fraction={held_out_fraction} must be in (0, 1)")
