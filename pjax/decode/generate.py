@@ -327,9 +327,9 @@ class Generation:
 
     def _run_to_end(self):
         """Every remaining round in chunks; the host reads two scalars per chunk (rows still running, tokens emitted).
-        The next chunk is dispatched only when this one is done: a chunk takes over (donates) the state, and handing
-        JAX a donated buffer that is still being computed blocks the host until it is ready anyway (measured on the
-        H200), so queueing ahead gains nothing and would leave Ctrl-C no live state to stop at."""
+        The next chunk is dispatched only when this one is done: on the H200 the call handing the next chunk the
+        (donated) state returned only when the running chunk had ended, so queueing ahead gained nothing, and it would
+        leave Ctrl-C no live state to stop at."""
         t0 = last = time.perf_counter()
         snapshot = self._host
         try:
