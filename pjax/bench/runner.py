@@ -147,7 +147,7 @@ def environment() -> dict:
     try:
         pjax_version = metadata.version("pjax")
     except metadata.PackageNotFoundError:
-        pjax_version = None
+        pjax_version = "source tree, not installed"
     try:
         jaxlib_version = metadata.version("jaxlib")
     except metadata.PackageNotFoundError:
