@@ -22,13 +22,11 @@ checkpoint):
 No feature stage: the heads compute the target's features in each training step (stored, 4 x 1024 values per token
 of the full target would take 8 KB a token, 105 GB for the heads' 13 M tokens).
 
-Head data (--head-data): "corpus" (default), rows of the corpus' training split, with the target's own next-token
-distributions as the loss targets (computed online in each step): the target was trained on these rows, so they are
-its distribution's home ground, and they cost no generation. Published heads train on target-regenerated responses
-(spec D.6) because a chat model's answers differ from the human-written data it was tuned on; for a base model on its
-own pre-training text the remaining difference is that greedy continuations repeat more than the corpus does, which
-"regenerated" (training-file prefixes continued by the target, loss on the continuations) covers, at the cost of a
-generation stage.
+Head data (--head-data): "regenerated" (default), training-file prefixes continued greedily by the target, the loss
+on the continuations: what a head sees when decoding (published heads train on target-regenerated responses, spec
+D.6). "corpus": rows of the corpus' training split with the target's own next-token distributions as the loss targets
+(computed online in each step); it costs no generation stage, but a depth-d label is then a human-written token where
+at decode time it is the target's own.
 
 Output rule: DIR is created with a pjax marker; an existing directory that is not a build of this recipe is refused.
 A stage built with other settings (or whose inputs were rebuilt) is refused unless --force, which rebuilds it.
