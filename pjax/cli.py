@@ -3,6 +3,7 @@
     python -m pjax generate ...  text from a prompt, a chat or a jsonl file (`pjax.text.cli`)
     python -m pjax bench ...     throughput, latency, acceptance and exactness on datasets (`pjax.bench.cli`)
     python -m pjax convert ...   checkpoints: inspect, pjax-native copies, head export (`pjax.checkpoint.cli`)
+    python -m pjax serve ...     an OpenAI-compatible HTTP server over the continuous-batching engine (`pjax.serve.cli`)
 
 Exit codes, every subcommand: 0 success, 1 the run failed, 2 bad usage or bad input (argparse errors, files or
 arguments that do not fit, each named in a one-line message), 130 interrupted (Ctrl-C).
@@ -17,6 +18,7 @@ COMMANDS = {
     "generate": ("pjax.text.cli", "generate text from a prompt, a chat or a jsonl file"),
     "bench": ("pjax.bench.cli", "benchmark speculative decoding: throughput, latency, acceptance, exactness"),
     "convert": ("pjax.checkpoint.cli", "inspect / validate checkpoints, write pjax-native copies, re-export heads"),
+    "serve": ("pjax.serve.cli", "serve a target (and head) over the OpenAI API: completions, chat, streaming"),
 }
 
 

@@ -1,0 +1,246 @@
+"""`python -m pjax serve`: an OpenAI-compatible HTTP server over the continuous-batching engine.
+
+    python -m pjax serve --target DIR [--head DIR] [--tokenizer DIR] [--drafting parallel|sequential|none] [--k K]
+        [--max-slots N] [--max-len N] [--dtype bfloat16|float32] [--host 127.0.0.1] [--port 8000]
+        [--served-model-name NAME] [--rounds-per-step N] [--warmup full|minimal]
+
+Loads the target (and head), builds the engine, compiles its programs (--warmup), then listens; clients speak the
+OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health), e.g. with the `openai` package. Ctrl-C or
+SIGTERM stop accepting connections, give requests in flight up to 5 s to finish, cancel the rest and stop the engine.
+Exit codes: 0 stopped by SIGTERM, 1 the server failed, 2 bad usage or bad input (one line naming the flag, the
+directory or the address), 130 Ctrl-C (SIGINT).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import signal
+import socket
+import sys
+import time
+
+from pjax.command import run_command
+from pjax.dtypes import parse_dtype
+
+__all__ = ["build_parser", "main"]
+
+SHUTDOWN_GRACE_S = 5  # seconds requests in flight get to finish after Ctrl-C / SIGTERM
+DEFAULT_MAX_LEN = 2048
+
+
+class InputError(ValueError):
+    """Bad input to the command (a flag's value, a directory, the address); the message names it."""
+
+
+class _Terminated(BaseException):
+    """SIGTERM: a requested, clean shutdown."""
+
+
+def _positive(text):
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be >= 1")
+    return v
+
+
+def _port(text):
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 0 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"{text} must be in [0, 65535] (0: any free port)")
+    return v
+
+
+def _dtype(text):
+    try:
+        return parse_dtype(text, what="--dtype").name
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--dtype=")) from None
+
+
+def build_parser(prog: str = "python -m pjax serve") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", required=True, metavar="DIR",
+                   help="Hugging Face target directory (config.json, safetensors, tokenizer.json)")
+    p.add_argument("--head", metavar="DIR", help="P-EAGLE / EAGLE-3 head directory (default: no drafting)")
+    p.add_argument("--tokenizer", metavar="DIR", help="tokenizer directory (default: --target)")
+    p.add_argument("--drafting", choices=("parallel", "sequential", "none"),
+                   help="default: the head's kind with --head, else none")
+    p.add_argument("--k", type=_positive, metavar="K",
+                   help="draft tokens per round (default 7 parallel, capped by the head's depth; 3 sequential)")
+    p.add_argument("--max-slots", type=_positive, default=8, metavar="N",
+                   help="requests decoded at once: the device batch (default 8; rounded up to a power of two)")
+    p.add_argument("--max-len", type=_positive, metavar="N",
+                   help=f"positions per request: prompt + new tokens + 2K (default {DEFAULT_MAX_LEN}, or the "
+                        "target's max_position_embeddings when smaller)")
+    p.add_argument("--dtype", type=_dtype, default="bfloat16",
+                   help="parameter dtype: bfloat16 (default), float32, float16 (or bf16, f32, f16)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: all)")
+    p.add_argument("--port", type=_port, default=8000, help="port (default 8000; 0: any free port, logged)")
+    p.add_argument("--served-model-name", metavar="NAME",
+                   help="the model name clients send (default: --target as given)")
+    p.add_argument("--rounds-per-step", type=_positive, default=8, metavar="N",
+                   help="rounds per device chunk (default 8): new requests join, and text streams, between chunks")
+    p.add_argument("--warmup", choices=("full", "minimal"), default="full",
+                   help="full (default): compile every program traffic can need before listening; minimal: the "
+                        "decode program and a one-request short-prompt admission (others compile on first use)")
+    return p
+
+
+def _checked(what: str, fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except (ValueError, TypeError) as e:
+        raise InputError(f"{what}: {e}" if what else str(e)) from e
+
+
+def _drafting(args, drafter) -> tuple[str, int]:
+    """(drafting mode, K) from the flags and the head (as `python -m pjax generate` picks them)."""
+    from pjax.models.drafter import no_parallel_reason
+    from pjax.text.generate import DEFAULT_K
+
+    if drafter is None:
+        return "none", 0
+    drafting = args.drafting or ("sequential" if no_parallel_reason(drafter.config) else "parallel")
+    if drafting == "none":
+        return "none", 0
+    k = args.k
+    if k is None:
+        k = DEFAULT_K[drafting]
+        if drafting == "parallel" and drafter.config.num_depths is not None:
+            k = min(k, drafter.config.num_depths)
+    return drafting, k
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A listening socket (bound now, so a taken port is a one-line error before uvicorn starts)."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise InputError(f"--host {host}: cannot be resolved ({e.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise InputError(f"--host {host} --port {port}: cannot listen there ({e.strerror})") from None
+    sock.listen(2048)
+    return sock
+
+
+def _warm_up(engine, mode: str, longest_prompt: int) -> float:
+    """Compile the decode program and the admission programs (rows bucket x prompt-length bucket); returns the
+    seconds it took."""
+    from pjax.decode.inputs import bucket_batch, bucket_length
+
+    rows = [1] if mode == "minimal" else sorted({bucket_batch(n) for n in range(1, engine.max_slots + 1)})
+    lengths = [1] if mode == "minimal" else sorted({min(bucket_length(n), longest_prompt)
+                                                    for n in range(1, longest_prompt + 1)})
+    return engine.precompile(rows, lengths)
+
+
+def _log(msg: str):
+    print(f"pjax serve: {msg}", file=sys.stderr, flush=True)
+
+
+def run(args) -> int:
+    if args.drafting in ("parallel", "sequential") and args.head is None:
+        raise InputError(f"--drafting {args.drafting} needs --head DIR (or use --drafting none)")
+    if args.k is not None and (args.head is None or args.drafting == "none"):
+        raise InputError("--k needs drafting: give --head DIR (and not --drafting none)")
+    try:
+        importlib.import_module("uvicorn")  # used by _serve: checked before the models load
+        from pjax.serve.async_engine import AsyncEngine
+        from pjax.serve.engine import Engine, EngineConfig
+        from pjax.serve.openai_api import ServedModel, create_app
+    except ImportError as e:
+        raise InputError(f"python -m pjax serve needs the `serve` extra ({e.name} is missing): "
+                         "pip install 'pjax[serve]'") from None
+    from pjax.checkpoint import load_drafter, load_target
+    from pjax.text.tokenizer import load_tokenizer
+
+    t0 = time.perf_counter()
+    tokenizer = (_checked("--target", load_tokenizer, args.target) if args.tokenizer is None
+                 else _checked("--tokenizer", load_tokenizer, args.tokenizer))
+    dtype = parse_dtype(args.dtype)
+    target = _checked("--target", load_target, args.target, dtype=dtype)
+    drafter = None if args.head is None else _checked("--head", load_drafter, args.head, dtype=dtype, target=target)
+    drafting, k = _drafting(args, drafter)
+    mpe = target.config.max_position_embeddings
+    max_len = args.max_len or (min(DEFAULT_MAX_LEN, mpe) if mpe else DEFAULT_MAX_LEN)
+    config = EngineConfig(max_slots=args.max_slots, max_len=max_len, num_speculative_tokens=max(k, 1),
+                          drafting=drafting, rounds_per_step=args.rounds_per_step)
+    engine = _checked("", Engine, target, drafter if drafting != "none" else None, config)
+    slack = 2 * engine.spec.k
+    if max_len - slack < 2:
+        raise InputError(f"--max-len {max_len}: leaves no room for a prompt and a new token beside the {slack} "
+                         f"positions kept for drafting (K = {k})")
+    _log(f"loaded {args.target} ({drafting} drafting, K = {engine.spec.k}) in {time.perf_counter() - t0:.1f} s")
+    sock = _bind(args.host, args.port)
+    with contextlib.closing(sock):
+        seconds = _warm_up(engine, args.warmup, max_len - slack - 1)
+        _log(f"compiled ({args.warmup} warm-up) in {seconds:.1f} s")
+        model = ServedModel(name=args.served_model_name or args.target, tokenizer=tokenizer,
+                            vocab_size=target.config.vocab_size, max_len=max_len, slack=slack, drafting=drafting,
+                            num_speculative_tokens=engine.spec.k, root=str(args.target))
+        bridge = AsyncEngine(engine)
+        try:
+            host, port = sock.getsockname()[:2]
+            url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+            started = _serve(create_app(bridge, model), sock, f"serving {model.name} on {url} (max "
+                             f"{engine.max_slots} requests at once, {max_len} positions each)")
+        finally:
+            bridge.close()
+    if not started:
+        _log("the server failed to start")
+        return 1
+    return 0
+
+
+def _serve(app, sock: socket.socket, ready_message: str) -> bool:
+    """Run uvicorn on the bound socket until Ctrl-C / SIGTERM; logs ready_message once listening. Returns whether
+    it started."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets=sockets)
+            if self.started:
+                _log(ready_message)
+
+    server = Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
+    server.run(sockets=[sock])
+    return server.started
+
+
+def _on_sigterm(signum, frame):
+    raise _Terminated()
+
+
+def main(argv=None, prog: str = "python -m pjax serve") -> int:
+    args = build_parser(prog).parse_args(argv)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if _main_thread() else None
+    try:
+        return run_command(lambda: run(args), user_errors=(InputError,))
+    except _Terminated:
+        _log("stopped (SIGTERM)")
+        return 0
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main_thread() -> bool:
+    import threading
+    return threading.current_thread() is threading.main_thread()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
