@@ -26,7 +26,7 @@ import uvicorn
 import pjax.text as T
 from pjax.serve.async_engine import AsyncEngine
 from pjax.serve.cli import _bind
-from pjax.serve.engine import Engine, EngineConfig
+from pjax.serve.engine import Engine, EngineConfig, Event, RequestParams
 from pjax.serve.openai_api import ServedModel, create_app
 from tests.engine_utils import FAST
 from tests.text_utils import CHAT, V, build
@@ -153,10 +153,15 @@ def test_stop_string_and_length(client, gen, served):
     msgs = [{"role": "user", "content": "Name three prime numbers."}]
     kw = dict(model=NAME, messages=msgs, max_tokens=NEW, temperature=0, stop=[stop, "never seen"],
               extra_body={"ignore_eos": True})
+    steps = served[3]
+    del steps[:]
     r = client.chat.completions.create(**kw)
     c = r.choices[0]
     assert (c.message.content, c.finish_reason, c.model_extra["stop_reason"]) == (ref.text, "stop", stop)
-    assert r.usage.completion_tokens == len(ref.token_ids)  # the request ended where the stop string did
+    assert r.usage.completion_tokens == len(ref.token_ids)
+    # the stop string cancelled the request on the engine, its output cut where the stop string ended
+    [end] = [e for *_, events in steps for e in events if e.finished]
+    assert (end.stop_reason, end.stats["output_tokens"]) == ("stop", len(ref.token_ids))
     streamed = list(client.chat.completions.create(stream=True, **kw))
     assert "".join(ch.choices[0].delta.content or "" for ch in streamed) == ref.text
     assert streamed[-1].choices[0].finish_reason == "stop"
@@ -225,6 +230,79 @@ def test_disconnect_frees_the_slot(served):
     ends = [e for *_, events in steps for e in events if e.finished]
     assert [e.stop_reason for e in ends] == ["stop", "stop"]
     assert all(e.stats["output_tokens"] < body["max_tokens"] for e in ends)
+
+
+def test_bridge_stream_submit_errors_and_early_close(served, gen):
+    """AsyncEngine.stream yields a request's events (the tokens of a single-request generation); the engine's
+    ValueError for a bad request reaches the submitting coroutine; leaving a stream early cancels its request."""
+    _, engine, bridge, steps = served
+    prompt = gen.tokenizer.encode("def add(a, b):")
+    ref = gen.generate(prompt, max_new_tokens=NEW, k=K, ignore_eos=True)
+
+    async def scenario():
+        events = [e async for e in bridge.stream(prompt, RequestParams(max_new_tokens=NEW))]
+        with pytest.raises(ValueError, match=r"prompt has token ids outside the vocabulary"):
+            await bridge.submit([1, V + 1], RequestParams(max_new_tokens=4))
+        async for first in bridge.stream(prompt, RequestParams(max_new_tokens=MAX_LEN - 2 * K - len(prompt))):
+            break
+        return events, first
+    del steps[:]
+    events, first = asyncio.run(scenario())
+    assert [t for e in events for t in e.new_tokens] == ref.token_ids
+    assert events[-1].finished and events[-1].stop_reason == "length" and not any(e.finished for e in events[:-1])
+    assert not first.finished
+    deadline = time.monotonic() + 30
+    while bridge.num_running or bridge.num_waiting:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    ends = [e for *_, evs in steps for e in evs if e.finished]
+    assert [e.stop_reason for e in ends] == ["length", "stop"]
+
+
+class BrokenEngine:
+    """An engine whose device fails at its second step (stands in for a lost GPU)."""
+    max_slots = 1
+
+    def __init__(self):
+        self.steps, self.queued = 0, []
+
+    def submit(self, prompt, params):
+        self.queued.append(prompt)
+        return len(self.queued) - 1
+
+    def cancel(self, request_id, keep=None):
+        pass
+
+    has_work = property(lambda self: bool(self.queued))
+    num_running = property(lambda self: len(self.queued))
+    num_waiting = 0
+
+    def step(self):
+        self.steps += 1
+        if self.steps == 2:
+            raise RuntimeError("device lost")
+        return [Event(0, [5], False)]
+
+
+def test_a_failed_engine_ends_requests_with_503(gen):
+    bridge = AsyncEngine(BrokenEngine())
+    model = ServedModel(name=NAME, tokenizer=gen.tokenizer, vocab_size=V, max_len=MAX_LEN, slack=0, drafting="none",
+                        num_speculative_tokens=0)
+    server = LiveServer(create_app(bridge, model))
+    try:
+        body = dict(model=NAME, prompt="hi", max_tokens=8)
+        lines = [line for line in httpx.post(server.url + "/v1/completions", json=dict(body, stream=True),
+                                             timeout=60).text.splitlines() if line]
+        assert json.loads(lines[-2].removeprefix("data: "))["error"]["message"] == (
+            "the engine stopped: RuntimeError: device lost")
+        assert lines[-1] == "data: [DONE]"
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 503 and "device lost" in r.json()["error"]["message"]
+        r = httpx.get(server.url + "/health")
+        assert r.status_code == 503 and "device lost" in r.json()["error"]["message"]
+    finally:
+        server.close()
+        bridge.close()
 
 
 def test_bad_requests_name_the_field(served, client):

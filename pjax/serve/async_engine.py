@@ -74,11 +74,6 @@ class RequestStream:
         self._cancelled = True
         self._bridge._post(("cancel", self, keep))
 
-    async def aclose(self):
-        """Stop reading: cancel the request if it is still running."""
-        self.cancel()
-        self.finished = True
-
 
 class AsyncEngine:
     """Runs `engine` (a `pjax.serve.Engine`) on its own thread; `submit` / `stream` from coroutines.
@@ -172,16 +167,17 @@ class AsyncEngine:
                     self._apply(op)
                 if closing:
                     break
-                if self.engine.has_work:
-                    for event in self.engine.step():
-                        stream = self._live.get(event.request_id)
-                        if stream is None:
-                            continue
-                        if event.finished:
-                            del self._live[event.request_id]
-                        _call(stream._loop, stream._put, event)
-                busy = self.engine.has_work
+                events = self.engine.step() if self.engine.has_work else []
+                # counts first: a client that reads its event sees the engine as it is after this step
                 self.num_running, self.num_waiting = self.engine.num_running, self.engine.num_waiting
+                busy = self.engine.has_work
+                for event in events:
+                    stream = self._live.get(event.request_id)
+                    if stream is None:
+                        continue
+                    if event.finished:
+                        del self._live[event.request_id]
+                    _call(stream._loop, stream._put, event)
             self._fail(EngineDeadError("the engine was shut down"), cancel=True)
         except BaseException as e:  # a failed step: every request ends with the error, new ones are refused
             with self._cv:

@@ -136,14 +136,19 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def _warm_up(engine, mode: str, longest_prompt: int) -> float:
-    """Compile the decode program and the admission programs (rows bucket x prompt-length bucket); returns the
-    seconds it took."""
+    """Compile the decode program and the admission programs (rows bucket x prompt-length bucket; "minimal": one
+    short single-request admission), logging progress; returns the compile seconds."""
     from pjax.decode.inputs import bucket_batch, bucket_length
 
     rows = [1] if mode == "minimal" else sorted({bucket_batch(n) for n in range(1, engine.max_slots + 1)})
-    lengths = [1] if mode == "minimal" else sorted({min(bucket_length(n), longest_prompt)
-                                                    for n in range(1, longest_prompt + 1)})
-    return engine.precompile(rows, lengths)
+    lengths = [1] if mode == "minimal" else sorted({bucket_length(n) for n in range(1, longest_prompt + 1)})
+    pairs = [(n, min(length, longest_prompt)) for n in rows for length in lengths]
+    seconds = 0.0
+    for i, (n, length) in enumerate(pairs):
+        seconds += engine.precompile([n], [length])
+        if len(pairs) > 1:
+            _log(f"compiled admissions of {n} request(s) of up to {length} prompt tokens ({i + 1}/{len(pairs)})")
+    return seconds
 
 
 def _log(msg: str):
