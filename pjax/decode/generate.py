@@ -9,7 +9,6 @@ runs every round in one device call.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 import warnings
 from typing import Any, Optional, Sequence, Union
@@ -19,9 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from pjax.decode import inputs as I
+from pjax.decode.compiled import compile_count, jitted
+from pjax.decode.compiled import compiled as _compiled
+from pjax.decode.compiled import matmul_precision as _precision
 from pjax.decode.state import (DRAFT_SAMPLING, DRAFTING_MODES, STOP_HOST, STOP_INTERRUPTED, STOP_NAMES, EngineSpec,
                                Sampling)
-from pjax.decode.step import decode_chunk, prefill, spec_round
 from pjax.dtypes import parse_dtype
 from pjax.kernels import IMPLEMENTATIONS
 from pjax.models.drafter import Drafter, consistent_drafter, no_parallel_reason
@@ -56,50 +57,7 @@ class GenerationInterrupted(KeyboardInterrupt):
         self.result = result
 
 
-# ------------------------------------------------------------------------------------------ compilation
-
-@functools.lru_cache(maxsize=None)
-def _jitted(name: str, donate: bool, options: tuple = ()):
-    """The jitted prefill / loop / round; `options` = sorted (key, value) XLA compiler options."""
-    opts = dict(options) or None
-    if name == "prefill":
-        return jax.jit(prefill, static_argnames=("spec", "capacity", "cache_dtype"), compiler_options=opts)
-    fn = {"chunk": decode_chunk, "round": spec_round}[name]
-    return jax.jit(fn, static_argnames=("spec",), donate_argnames=("state",) if donate else (),
-                   compiler_options=opts)
-
-
-_COMPILED: dict = {}
-_MAX_COMPILED = 64  # executables kept (oldest dropped first)
-_COMPILES = [0]
-
-
-def compile_count() -> int:
-    """Programs compiled by this process's generations so far (tests and benchmarks count recompilations)."""
-    return _COMPILES[0]
-
-
-def _donate() -> bool:
-    return jax.default_backend() != "cpu"  # CPU ignores donation (and warns)
-
-
-def _compiled(name, args, kwargs, options: tuple, precision: Optional[str]):
-    """AOT-compile once per (function, static settings, compiler options, matmul precision, argument structure and
-    shapes); returns (executable, compile seconds this call)."""
-    leaves, tree = jax.tree.flatten(args)
-    key = (name, tuple(sorted(kwargs.items())), options, precision, tree,
-           tuple((np.shape(x), jnp.result_type(x)) for x in leaves))
-    hit = _COMPILED.get(key)
-    if hit is not None:
-        return hit, 0.0
-    t0 = time.perf_counter()
-    with jax.default_matmul_precision(precision):
-        exe = _jitted(name, _donate() and name != "prefill", options).lower(*args, **kwargs).compile()
-    _COMPILES[0] += 1
-    if len(_COMPILED) >= _MAX_COMPILED:
-        _COMPILED.pop(next(iter(_COMPILED)))
-    _COMPILED[key] = exe
-    return exe, time.perf_counter() - t0
+_jitted = jitted  # the single jitted programs (tests step prefill / round by hand)
 
 
 # ------------------------------------------------------------------------------------------ settings
@@ -157,12 +115,6 @@ def make_spec(target, drafter, *, max_new_tokens: int, num_speculative_tokens: i
     return EngineSpec(num_speculative_tokens=k, drafting=drafting, max_new_tokens=int(max_new_tokens),
                       draft_sampling=draft_sampling, aux_layer_ids=tuple(aux), mask_token_id=int(mask_id),
                       implementation=implementation, simulate_acceptance=sim)
-
-
-def _precision(target, drafter, allow_tf32: bool) -> Optional[str]:
-    """float32 models get full-precision products (XLA dots and the kernels) unless TF32 is asked for."""
-    f32 = target.dtype == jnp.float32 or (drafter is not None and drafter.dtype == jnp.float32)
-    return "highest" if f32 and not allow_tf32 else None
 
 
 # ------------------------------------------------------------------------------------------ the generation

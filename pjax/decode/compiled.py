@@ -1,0 +1,86 @@
+"""The compilation cache of the decoding programs (shared by `Generation` and the serving engine): each pure function
+is jitted once per compiler options and AOT-compiled once per (static settings, matmul precision, argument structure
+and shapes); `compile_count` counts the programs built, so tests and benchmarks see recompilations.
+
+Programs are named: "prefill", "chunk" (`decode_chunk`) and "round" (`spec_round`) are built in; a higher layer adds
+its own pure functions with `register_program` (the serving engine's admission).
+"""
+from __future__ import annotations
+
+import functools
+import time
+from typing import Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pjax.decode.step import decode_chunk, prefill, spec_round
+
+__all__ = ["compile_count", "compiled", "jitted", "matmul_precision", "register_program"]
+
+# name -> (function, static argument names, donated argument names)
+_PROGRAMS: dict[str, tuple[Callable, tuple[str, ...], tuple[str, ...]]] = {
+    "prefill": (prefill, ("spec", "capacity", "cache_dtype"), ()),
+    "chunk": (decode_chunk, ("spec",), ("state",)),
+    "round": (spec_round, ("spec",), ("state",)),
+}
+
+
+def register_program(name: str, fn: Callable, *, static_argnames: Sequence[str],
+                     donate_argnames: Sequence[str] = ()) -> None:
+    """Make the pure function `fn` buildable by `compiled(name, ...)` (its `donate_argnames` are donated where the
+    backend supports it). Registering the same function again is a no-op; another function under a taken name is
+    an error."""
+    entry = (fn, tuple(static_argnames), tuple(donate_argnames))
+    have = _PROGRAMS.get(name)
+    if have is not None and have != entry:
+        raise ValueError(f"program {name!r} is already registered for {have[0].__qualname__}")
+    _PROGRAMS[name] = entry
+
+
+@functools.lru_cache(maxsize=None)
+def jitted(name: str, donate: bool, options: tuple = ()):
+    """The jitted program `name`; `options` = sorted (key, value) XLA compiler options."""
+    fn, static, donated = _PROGRAMS[name]
+    return jax.jit(fn, static_argnames=static, donate_argnames=donated if donate else (),
+                   compiler_options=dict(options) or None)
+
+
+_COMPILED: dict = {}
+_MAX_COMPILED = 64  # executables kept (oldest dropped first)
+_COMPILES = [0]
+
+
+def compile_count() -> int:
+    """Programs compiled by this process's generations so far (tests and benchmarks count recompilations)."""
+    return _COMPILES[0]
+
+
+def _donate() -> bool:
+    return jax.default_backend() != "cpu"  # CPU ignores donation (and warns)
+
+
+def compiled(name, args, kwargs, options: tuple, precision: Optional[str]):
+    """AOT-compile once per (function, static settings, compiler options, matmul precision, argument structure and
+    shapes); returns (executable, compile seconds this call)."""
+    leaves, tree = jax.tree.flatten(args)
+    key = (name, tuple(sorted(kwargs.items())), options, precision, tree,
+           tuple((np.shape(x), jnp.result_type(x)) for x in leaves))
+    hit = _COMPILED.get(key)
+    if hit is not None:
+        return hit, 0.0
+    t0 = time.perf_counter()
+    with jax.default_matmul_precision(precision):
+        exe = jitted(name, _donate(), options).lower(*args, **kwargs).compile()
+    _COMPILES[0] += 1
+    if len(_COMPILED) >= _MAX_COMPILED:
+        _COMPILED.pop(next(iter(_COMPILED)))
+    _COMPILED[key] = exe
+    return exe, time.perf_counter() - t0
+
+
+def matmul_precision(target, drafter, allow_tf32: bool) -> Optional[str]:
+    """float32 models get full-precision products (XLA dots and the kernels) unless TF32 is asked for."""
+    f32 = target.dtype == jnp.float32 or (drafter is not None and drafter.dtype == jnp.float32)
+    return "highest" if f32 and not allow_tf32 else None

@@ -1,0 +1,392 @@
+"""The continuous-batching engine: requests join and leave a fixed device batch between device chunks.
+
+Slot model. The device holds one `DecodeState` and one `Sampling` of `max_slots` rows (slots; a power of two), each
+row with a KV cache of `max_len` positions. A free slot is a row marked done: every round computes it (rounds have
+static shapes) but masks it, so it writes no KV and emits nothing. A request waits in a FIFO queue until a slot is
+free, is prefilled into it, decodes together with whatever else runs, and frees the slot when it stops (EOS, its
+max_new_tokens, cancellation).
+
+Between chunks (`step`): (1) admission: up to (free slots) queued requests, oldest first, are prefilled as one batch
+(rows bucketed to a power of two, prompt positions to `inputs.bucket_length`; padding rows stop at prefill) and
+scattered into the big state and the big Sampling at their slots, in one jitted program (`admit`; padding rows carry
+slot index max_slots and are dropped); (2) one device chunk: `decode_chunk` with at most `rounds_per_step` rounds,
+ending early once every row is done; (3) one host snapshot of the rows' outputs and counters, turned into `Event`s
+(the tokens each request produced since its previous event) and the statistics of the requests that finished, whose
+slots are freed. Cancellation ends a row on the device state between chunks.
+
+Cost model. Every round computes all max_slots rows (target verify of K + 1 positions per row, drafter pass(es)),
+running or not, so a round costs what a batch of max_slots costs whatever the occupancy; an admission costs a
+prefill of its rows bucket times its prompt bucket plus the scatter; each step costs one host round trip (dispatch,
+snapshot). Programs: one chunk program, plus one admission program per (rows bucket, prompt-length bucket) used;
+sampling values, stop ids (a fixed-width table) and per-request limits are runtime data and never recompile.
+Every random draw is keyed on (seed, position), so a request's output does not depend on which slot it took or on
+the other requests.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import time
+import warnings
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pjax.decode import inputs as I
+from pjax.decode.compiled import compiled, matmul_precision, register_program
+from pjax.decode.generate import make_spec
+from pjax.decode.state import STOP_HOST, STOP_NAMES, DecodeState, EngineSpec, Sampling
+from pjax.decode.step import prefill
+from pjax.dtypes import parse_dtype
+from pjax.models.drafter import consistent_drafter
+from pjax.models.pairing import pair_warnings
+from pjax.models.target import consistent_target
+
+__all__ = ["Engine", "EngineConfig", "Event", "RequestParams", "STOP_WIDTH", "admit"]
+
+STOP_WIDTH = 8  # stop ids per request: the width of the device's stop table (fixed: it never recompiles)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Engine settings (validated by `Engine`).
+
+    max_slots: requests decoded at once (device batch rows), rounded up to a power of two.
+    max_len: KV positions per slot; a request's prompt + max_new_tokens + 2 K must fit.
+    num_speculative_tokens / drafting / draft_sampling / implementation / cache_dtype / allow_tf32 /
+      compiler_options: as `pjax.generate`.
+    rounds_per_step: rounds per device chunk at most; admission, cancellation and streaming happen between chunks.
+    """
+    max_slots: int = 8
+    max_len: int = 2048
+    num_speculative_tokens: int = 3
+    drafting: str = "parallel"
+    draft_sampling: str = "argmax"
+    implementation: str = "auto"
+    cache_dtype: Optional[str] = None
+    rounds_per_step: int = 8
+    allow_tf32: bool = False
+    compiler_options: Optional[dict] = dataclasses.field(default=None, hash=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestParams:
+    """One request's limits and sampling: temperature 0 = greedy; top_k 0 and top_p 1 = off; seed in [0, 2**32);
+    stop_token_ids: up to STOP_WIDTH ids that end the request (the stop token is part of the output)."""
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass
+class Event:
+    """What one step produced for one request: new_tokens since its previous event (the first event holds the token
+    sampled at prefill); when finished, stop_reason ("eos" | "length" | "capacity" | "nonfinite" | "stop") and
+    stats: prompt_tokens, output_tokens, rounds, num_drafts, num_accepted_tokens, mean_acceptance_length,
+    acceptance_rates [K] (per draft position), queue_s, ttft_s, e2e_s, tpot_s (seconds from `submit`)."""
+    request_id: int
+    new_tokens: list[int]
+    finished: bool
+    stop_reason: Optional[str] = None
+    stats: Optional[dict] = None
+
+
+def admit(target, drafter, state: DecodeState, sampling: Sampling, prompts, lengths, new_sampling: Sampling, slots,
+          *, spec: EngineSpec, capacity: int, cache_dtype=None) -> tuple[DecodeState, Sampling]:
+    """Prefill a batch of requests and write it into the big state at `slots`.
+
+    state / sampling: B slots; prompts [b, Lp] i32 (right-padded), lengths [b] i32, new_sampling [b]; slots [b] i32
+    (B = a padding row, dropped). Returns the big (state, sampling) with rows `slots` replaced. Pure."""
+    new = prefill(target, drafter, prompts, lengths, new_sampling, spec=spec, capacity=capacity,
+                  cache_dtype=cache_dtype)
+    put = lambda big, small: big.at[slots].set(small.astype(big.dtype), mode="drop")  # noqa: E731
+    return jax.tree.map(put, state, new), jax.tree.map(put, sampling, new_sampling)
+
+
+register_program("admit", admit, static_argnames=("spec", "capacity", "cache_dtype"),
+                 donate_argnames=("state", "sampling"))
+
+_HOST_FIELDS = ("out", "num_out", "done", "stop", "rounds", "num_drafts", "num_draft_tokens", "accepted",
+                "accepted_at")
+
+
+@dataclasses.dataclass
+class _Request:
+    id: int
+    prompt: np.ndarray  # [L] i32
+    params: RequestParams
+    stops: np.ndarray  # [STOP_WIDTH] i32, -1 padded
+    t_submit: float
+    t_admit: Optional[float] = None
+    t_first: Optional[float] = None
+    slot: Optional[int] = None
+    sent: int = 0  # tokens already handed out in events
+
+
+def _check_int(v, name: str, low: int):
+    if not I.is_int(v) or v < low:
+        raise ValueError(f"EngineConfig.{name} must be an integer >= {low}, got {v!r}")
+    return int(v)
+
+
+class Engine:
+    """Continuous batching over `max_slots` device rows: `submit` requests, call `step` while `has_work`, read the
+    `Event`s. Not thread-safe: one thread calls submit / cancel / step.
+
+    target / drafter: as `pjax.generate` (drafter None for drafting "none"). compile_s: compilation seconds so far.
+    """
+
+    def __init__(self, target, drafter, config: EngineConfig = EngineConfig()):
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be a pjax.serve.EngineConfig, got {type(config).__name__}")
+        c = config
+        slots = _check_int(c.max_slots, "max_slots", 1)
+        self.max_len = _check_int(c.max_len, "max_len", 2)
+        self.rounds_per_step = _check_int(c.rounds_per_step, "rounds_per_step", 1)
+        if c.compiler_options is not None and not isinstance(c.compiler_options, dict):
+            raise TypeError(f"EngineConfig.compiler_options must be a dict or None, got "
+                            f"{type(c.compiler_options).__name__}")
+        spec = make_spec(target, drafter, max_new_tokens=self.max_len, num_speculative_tokens=c.num_speculative_tokens,
+                         drafting=c.drafting, draft_sampling=c.draft_sampling, implementation=c.implementation)
+        self._target = consistent_target(target)
+        self._drafter = consistent_drafter(drafter) if spec.drafting != "none" else None
+        self.warnings = [] if self._drafter is None else pair_warnings(self._target.config, self._drafter.config)
+        mpe = self._target.config.max_position_embeddings
+        if mpe and self.max_len > mpe:
+            self.warnings.append(f"max_len={self.max_len} is beyond the target's max_position_embeddings={mpe} "
+                                 "(fine only if its RoPE scaling covers it)")
+        for w in self.warnings:
+            warnings.warn(w, stacklevel=2)
+        self.config, self.spec, self.max_slots = c, spec, I.bucket_batch(slots)
+        self._cache_dtype = None if c.cache_dtype is None else parse_dtype(c.cache_dtype, what="cache_dtype")
+        self._options = tuple(sorted((c.compiler_options or {}).items()))
+        self._precision = matmul_precision(self._target, self._drafter, c.allow_tf32)
+        self._vocab = self._target.config.vocab_size
+        self._state, self._sampling = self._empty()
+        self._host: Optional[dict] = None  # host copy of the rows' outputs and counters (the last snapshot)
+        self._queue: dict[int, _Request] = {}  # FIFO (insertion order)
+        self._slots: dict[int, _Request] = {}  # slot -> running request
+        self._ended: list[tuple[_Request, Optional[dict]]] = []  # cancelled, reported by the next step
+        self._ids = itertools.count()
+        self._admit_exe: dict[tuple[int, int], object] = {}
+        self._chunk_exe = None
+        self.compile_s = 0.0
+
+    # -- device state ------------------------------------------------------------------------------------------
+    def _blank_sampling(self, b: int) -> dict:
+        """Host arrays of b rows of neutral sampling (greedy, no filters, no stop ids, max_new 1)."""
+        return dict(temperature=np.zeros(b, np.float32), top_k=np.zeros(b, np.int32), top_p=np.ones(b, np.float32),
+                    seed=np.zeros(b, np.uint32), eos=np.full((b, STOP_WIDTH), -1, np.int32),
+                    max_new=np.ones(b, np.int32))
+
+    def _empty(self) -> tuple[DecodeState, Sampling]:
+        """Every slot free: zeros shaped like a prefill of max_slots rows (no model runs), done everywhere (with a
+        stop code: a round recomputes `done` from `stop` for every row)."""
+        b = self.max_slots
+        sampling = Sampling(**{k: jnp.asarray(v) for k, v in self._blank_sampling(b).items()})
+        fn = functools.partial(prefill, spec=self.spec, capacity=self.max_len, cache_dtype=self._cache_dtype)
+        shapes = jax.eval_shape(fn, self._target, self._drafter, jax.ShapeDtypeStruct((b, 1), jnp.int32),
+                                jax.ShapeDtypeStruct((b,), jnp.int32), sampling)
+        state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        state = dataclasses.replace(state, done=jnp.ones((b,), bool), stop=jnp.full((b,), STOP_HOST, jnp.int32))
+        return state, sampling
+
+    def _admission_args(self, reqs: Sequence[_Request], slots: Sequence[int], rows: int, lp: int):
+        prompts = np.zeros((rows, lp), np.int32)
+        lengths = np.ones((rows,), np.int32)
+        where = np.full((rows,), self.max_slots, np.int32)
+        s = self._blank_sampling(rows)
+        for i, (r, slot) in enumerate(zip(reqs, slots)):
+            p = r.params
+            prompts[i, :len(r.prompt)] = r.prompt
+            lengths[i], where[i] = len(r.prompt), slot
+            s["temperature"][i], s["top_k"][i], s["top_p"][i] = p.temperature, p.top_k, p.top_p
+            s["seed"][i], s["eos"][i], s["max_new"][i] = p.seed, r.stops, p.max_new_tokens
+        new = Sampling(**{k: jnp.asarray(v) for k, v in s.items()})
+        return (self._target, self._drafter, self._state, self._sampling, jnp.asarray(prompts), jnp.asarray(lengths),
+                new, jnp.asarray(where))
+
+    def _buckets(self, n: int, longest: int) -> tuple[int, int]:
+        """(rows, prompt positions) of the admission program for n requests whose longest prompt has `longest`."""
+        return I.bucket_batch(n), min(I.bucket_length(longest), max(self.max_len, longest))
+
+    def _admit_program(self, rows: int, lp: int, args):
+        exe = self._admit_exe.get((rows, lp))
+        if exe is None:
+            exe, c = compiled("admit", args, dict(spec=self.spec, capacity=self.max_len, cache_dtype=self._cache_dtype),
+                              self._options, self._precision)
+            self.compile_s += c
+            self._admit_exe[(rows, lp)] = exe
+        return exe
+
+    def _chunk_program(self, args):
+        if self._chunk_exe is None:
+            self._chunk_exe, c = compiled("chunk", args, dict(spec=self.spec), self._options, self._precision)
+            self.compile_s += c
+        return self._chunk_exe
+
+    def precompile(self, rows: Sequence[int], prompt_lengths: Sequence[int]) -> float:
+        """Compile (without running) the chunk program and the admission programs of every admission of n in `rows`
+        requests whose longest prompt has a length in `prompt_lengths`; returns the compile seconds this took."""
+        before = self.compile_s
+        self._chunk_program((self._target, self._drafter, self._state, self._sampling, jnp.int32(1)))
+        for n, length in itertools.product(sorted(set(rows)), sorted(set(prompt_lengths))):
+            if not 1 <= n <= self.max_slots or not 1 <= length <= self.max_len:
+                raise ValueError(f"precompile: {n} rows of {length} tokens do not fit {self.max_slots} slots of "
+                                 f"{self.max_len} positions")
+            b, lp = self._buckets(n, length)
+            if (b, lp) not in self._admit_exe:
+                self._admit_program(b, lp, self._admission_args([], [], b, lp))
+        return self.compile_s - before
+
+    # -- requests ----------------------------------------------------------------------------------------------
+    def submit(self, prompt: Sequence[int], params: RequestParams) -> int:
+        """Queue a request (prompt: token ids); returns its id. Every bad value is a ValueError (TypeError for a
+        wrong type) naming the field."""
+        if not isinstance(params, RequestParams):
+            raise TypeError(f"params must be a pjax.serve.RequestParams, got {type(params).__name__}")
+        if isinstance(prompt, (str, bytes)):
+            raise TypeError("prompt is text; it must be token ids (tokenize it first, e.g. with pjax.text)")
+        p = np.asarray(prompt)
+        if p.ndim != 1 or p.size == 0:
+            raise ValueError(f"prompt must be a non-empty 1-D sequence of token ids (got shape {p.shape})")
+        if not np.issubdtype(p.dtype, np.integer):
+            raise ValueError(f"prompt must hold integer token ids (got {p.dtype})")
+        if p.min() < 0 or p.max() >= self._vocab:
+            raise ValueError(f"prompt has token ids outside the vocabulary [0, {self._vocab})")
+        one = lambda v, name, **kw: I.per_row(v, 1, name, default=None, **kw)[0]  # noqa: E731
+        max_new = int(one(params.max_new_tokens, "max_new_tokens", kind="int", low=1))
+        temperature = float(one(params.temperature, "temperature", kind="real", low=0.0))
+        top_k = int(one(params.top_k, "top_k", kind="int", low=0))
+        top_p = float(one(params.top_p, "top_p", kind="real", low=0.0, high=1.0, low_open=True))
+        seed = int(one(params.seed, "seed", kind="int", low=0, high=I.SEED_LIMIT, high_open=True))
+        stops = params.stop_token_ids
+        if not isinstance(stops, (list, tuple, np.ndarray)):
+            raise TypeError(f"stop_token_ids must be a tuple of token ids, got {stops!r}")
+        for t in stops:
+            if not I.is_int(t):
+                raise TypeError(f"stop_token_ids: {t!r} is not an integer token id")
+            if not 0 <= t < self._vocab:
+                raise ValueError(f"stop_token_ids: {t} is outside the vocabulary [0, {self._vocab})")
+        if len(stops) > STOP_WIDTH:
+            raise ValueError(f"stop_token_ids: {len(stops)} ids, more than the engine's {STOP_WIDTH}")
+        slack = 2 * self.spec.k
+        if p.size + max_new + slack > self.max_len:
+            raise ValueError(f"prompt ({p.size} tokens) + max_new_tokens ({max_new}) + drafting slack ({slack}) = "
+                             f"{p.size + max_new + slack} positions exceed max_len={self.max_len}")
+        params = RequestParams(max_new, temperature, top_k, top_p, seed, tuple(int(t) for t in stops))
+        rid = next(self._ids)
+        self._queue[rid] = _Request(rid, p.astype(np.int32), params,
+                                    I.stop_table(list(params.stop_token_ids), 1, self._vocab, STOP_WIDTH)[0],
+                                    time.perf_counter())
+        return rid
+
+    def cancel(self, request_id: int, *, keep: Optional[int] = None) -> None:
+        """End a request before the next chunk; the next `step` reports it finished (stop reason "stop"). keep: cut
+        its output to its first `keep` tokens (e.g. where a stop string ends). A queued request is dropped (finished
+        with no tokens); an unknown or finished id is a no-op."""
+        if keep is not None and (not I.is_int(keep) or keep < 0):
+            raise ValueError(f"keep must be an integer >= 0, got {keep!r}")
+        req = self._queue.pop(request_id, None)
+        if req is not None:
+            self._ended.append((req, None))
+            return
+        slot = next((s for s, r in self._slots.items() if r.id == request_id), None)
+        if slot is None:
+            return
+        req = self._slots.pop(slot)
+        row = {k: np.array(self._host[k][slot]) for k in _HOST_FIELDS}  # the device row equals the last snapshot
+        if keep is not None:
+            row["num_out"] = np.minimum(row["num_out"], keep)
+        row["done"], row["stop"] = np.True_, np.int32(STOP_HOST)
+        s = self._state
+        self._state = dataclasses.replace(s, done=s.done.at[slot].set(True), stop=s.stop.at[slot].set(STOP_HOST))
+        self._ended.append((req, row))
+
+    @property
+    def has_work(self) -> bool:
+        """Queued or running requests, or cancelled ones the next step still reports."""
+        return bool(self._queue or self._slots or self._ended)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._slots)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._queue)
+
+    # -- the step ------------------------------------------------------------------------------------------------
+    def _admit(self, now: float) -> list[_Request]:
+        free = [s for s in range(self.max_slots) if s not in self._slots]
+        reqs = list(itertools.islice(self._queue.values(), len(free)))
+        if not reqs:
+            return []
+        for r in reqs:
+            del self._queue[r.id]
+        slots = free[:len(reqs)]
+        rows, lp = self._buckets(len(reqs), max(len(r.prompt) for r in reqs))
+        args = self._admission_args(reqs, slots, rows, lp)
+        self._state, self._sampling = self._admit_program(rows, lp, args)(*args)
+        for r, slot in zip(reqs, slots):
+            r.slot, r.t_admit = slot, now
+            self._slots[slot] = r
+        return reqs
+
+    def _snapshot(self):
+        s = self._state
+        self._host = jax.device_get({k: getattr(s, k) for k in _HOST_FIELDS})
+
+    def step(self) -> list[Event]:
+        """Admit queued requests into free slots (one batched prefill), run one chunk of at most rounds_per_step
+        rounds if anything runs, and return this step's events: one per request with new tokens or that finished
+        (cancelled ones first, then by request id)."""
+        t0 = time.perf_counter()
+        admitted = self._admit(t0)
+        if self._slots:
+            args = (self._target, self._drafter, self._state, self._sampling, jnp.int32(self.rounds_per_step))
+            self._state = self._chunk_program(args)(*args)[0]
+            self._snapshot()
+        now = time.perf_counter()
+        for r in admitted:
+            r.t_first = now
+        events = [self._finished(r, row, now) for r, row in self._ended]
+        self._ended = []
+        h = self._host
+        for slot, r in sorted(self._slots.items(), key=lambda kv: kv[1].id):
+            num = int(h["num_out"][slot])
+            new = h["out"][slot, r.sent:num].tolist()
+            r.sent = num
+            if h["done"][slot]:
+                del self._slots[slot]
+                events.append(self._finished(r, {k: h[k][slot] for k in _HOST_FIELDS}, now, new))
+            elif new:
+                events.append(Event(r.id, new, False))
+        return events
+
+    def _finished(self, r: _Request, row: Optional[dict], now: float, new: Optional[list[int]] = None) -> Event:
+        """The final event of request r; row: its slot's host values (None: never admitted)."""
+        e2e = now - r.t_submit
+        k = self.spec.k
+        if row is None:
+            stats = {"prompt_tokens": len(r.prompt), "output_tokens": 0, "rounds": 0, "num_drafts": 0,
+                     "num_accepted_tokens": 0, "mean_acceptance_length": 1.0, "acceptance_rates": [0.0] * k,
+                     "queue_s": e2e, "ttft_s": None, "e2e_s": e2e, "tpot_s": None}
+            return Event(r.id, [], True, STOP_NAMES[STOP_HOST], stats)
+        num = int(row["num_out"])
+        if new is None:  # cancelled: what the snapshot holds beyond the tokens sent (and within `keep`)
+            new = row["out"][r.sent:num].tolist()
+        nd, acc = int(row["num_drafts"]), int(row["accepted"])
+        ttft = r.t_first - r.t_submit
+        stats = {"prompt_tokens": len(r.prompt), "output_tokens": num, "rounds": int(row["rounds"]),
+                 "num_drafts": nd, "num_accepted_tokens": acc, "mean_acceptance_length": 1.0 + acc / nd if nd else 1.0,
+                 "acceptance_rates": [float(x) / nd if nd else 0.0 for x in row["accepted_at"]],
+                 "queue_s": r.t_admit - r.t_submit, "ttft_s": ttft, "e2e_s": e2e,
+                 "tpot_s": (e2e - ttft) / (num - 1) if num > 1 else None}
+        return Event(r.id, new, True, STOP_NAMES[int(row["stop"])], stats)

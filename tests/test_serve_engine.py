@@ -1,0 +1,320 @@
+"""The continuous-batching engine (pjax.serve.Engine): every request's output equals `pjax.generate`'s for it alone
+(greedy and sampled, every drafting mode, more requests than slots, staggered arrivals, stop ids), slots are reused,
+cancellation (running and queued, with keep), events concatenate to the output, statistics match generate's, a
+sweep of admissions compiles a bounded number of programs, and every bad value is refused naming its field."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pjax
+from pjax.config import LayerSpec, ModelConfig, RopeSpec
+from pjax.serve import Engine, EngineConfig, Event, RequestParams
+from tests.engine_utils import FAST, make_drafter
+
+V, H = 12, 32  # a small vocabulary: random drafts are accepted now and then, so acceptance counts are exercised
+MAX_LEN = 64
+PROMPTS = [[5, 7, 3], [9, 1, 4, 6, 2, 10, 3, 8], [3, 3, 2, 1, 0, 5], [7] * 20, [1, 2], [4, 0, 11, 9, 8]]
+NEW = [10, 20, 5, 12, 16, 7]
+
+
+@pytest.fixture(scope="module")
+def models():
+    rope = RopeSpec(theta=10000.0)
+    cfg = ModelConfig("llama", V, H, 64, 4, tuple(LayerSpec(8, 2, rope) for _ in range(2)), rms_norm_eps=1e-5)
+    target = pjax.init_target(cfg, jax.random.key(0), jnp.float32, scale=0.3)
+    return target, make_drafter(target)
+
+
+def engine(models, drafting="parallel", **kw):
+    cfg = dict(max_slots=2, max_len=MAX_LEN, num_speculative_tokens=3, drafting=drafting, rounds_per_step=2,
+               compiler_options=FAST)
+    return Engine(models[0], models[1] if drafting != "none" else None, EngineConfig(**{**cfg, **kw}))
+
+
+_REFS: dict = {}
+
+
+def _reference(models, drafting, prompt, new, stops=(), temperature=0.0, top_k=0, top_p=1.0, seed=0):
+    key = (id(models[0]), drafting, prompt, new, stops, temperature, top_k, top_p, seed)
+    if key not in _REFS:
+        _REFS[key] = _generate(models, drafting, prompt, new, stops, temperature, top_k, top_p, seed)
+    return _REFS[key]
+
+
+def _generate(models, drafting, prompt, new, stops, temperature, top_k, top_p, seed):
+    return pjax.generate(models[0], models[1] if drafting != "none" else None, [list(prompt)], max_new_tokens=new,
+                         num_speculative_tokens=3, drafting=drafting, eos_token_id=list(stops) or None,
+                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, cache_capacity=MAX_LEN,
+                         compiler_options=FAST)
+
+
+def reference(models, drafting, prompt, params: RequestParams):
+    """generate's result for one request alone (same cache capacity as the engine)."""
+    p = params
+    return _reference(models, drafting, tuple(prompt), p.max_new_tokens, tuple(p.stop_token_ids), p.temperature,
+                      p.top_k, p.top_p, p.seed)
+
+
+def assert_free_rows_done(eng: Engine):
+    """Every slot without a running request is a done row on the device (it computes nothing more)."""
+    done = np.asarray(eng._state.done)
+    assert all(done[s] for s in range(eng.max_slots) if s not in eng._slots), done
+
+
+def drain(eng: Engine, outputs: dict, finals: dict, steps: int = 10 ** 6):
+    """Step while there is work (at most `steps` times): stream each request's tokens into outputs[id], its final
+    event into finals[id]; checks the event invariants on the way."""
+    for _ in range(steps):
+        if not eng.has_work:
+            return
+        for ev in eng.step():
+            assert isinstance(ev, Event) and ev.request_id not in finals
+            assert ev.new_tokens or ev.finished
+            outputs.setdefault(ev.request_id, []).extend(ev.new_tokens)
+            if ev.finished:
+                finals[ev.request_id] = ev
+            else:
+                assert ev.stop_reason is None and ev.stats is None
+        assert eng.num_running <= eng.max_slots
+        assert_free_rows_done(eng)
+
+
+def check_against_reference(models, drafting, prompt, params, tokens, final):
+    ref = reference(models, drafting, prompt, params)
+    assert tokens == ref.tokens[0]
+    r, s = ref.stats["requests"][0], final.stats
+    assert final.stop_reason == r["stop_reason"]
+    for key in ("prompt_tokens", "output_tokens", "rounds", "num_drafts", "num_accepted_tokens",
+                "mean_acceptance_length", "acceptance_rates"):
+        assert s[key] == r[key], key
+    assert 0 <= s["queue_s"] <= s["ttft_s"] <= s["e2e_s"]
+    assert (s["tpot_s"] is None) == (len(tokens) <= 1)
+
+
+@pytest.mark.parametrize("drafting", ["parallel", "sequential", "none"])
+def test_greedy_equals_generate_with_staggered_arrivals(models, drafting):
+    """Six requests through two slots, arriving in two waves while others decode; some stop on an EOS id."""
+    params = [RequestParams(n) for n in NEW]
+    for i in (1, 4):  # stop on a token these requests emit at their 4th position (generate stops there too)
+        tok = reference(models, drafting, PROMPTS[i], params[i]).tokens[0][3]
+        params[i] = RequestParams(NEW[i], stop_token_ids=(V - 1, tok))
+    eng = engine(models, drafting)
+    outputs, finals = {}, {}
+    ids = [eng.submit(p, q) for p, q in zip(PROMPTS[:3], params[:3])]
+    assert eng.num_waiting == 3 and eng.num_running == 0
+    drain(eng, outputs, finals, steps=1)
+    assert eng.num_running + len(finals) == 2 and eng.num_waiting == 1
+    ids += [eng.submit(p, q) for p, q in zip(PROMPTS[3:], params[3:])]
+    drain(eng, outputs, finals)
+    assert not eng.has_work and eng.num_running == eng.num_waiting == 0
+    assert sorted(finals) == ids
+    for rid, p, q in zip(ids, PROMPTS, params):
+        check_against_reference(models, drafting, p, q, outputs[rid], finals[rid])
+    assert {finals[i].stop_reason for i in ids} == {"eos", "length"}
+    if drafting != "none":
+        assert sum(finals[i].stats["num_accepted_tokens"] for i in ids) > 0  # acceptance is exercised
+
+
+def test_sampled_output_does_not_depend_on_the_other_requests(models):
+    params = [RequestParams(14, temperature=1.0, seed=3), RequestParams(9, temperature=1.0, top_p=0.7, seed=4),
+              RequestParams(12, temperature=0.8, top_k=3, seed=5), RequestParams(11, seed=6)]
+    prompts = PROMPTS[:4]
+    together, finals = {}, {}
+    eng = engine(models, max_slots=4)
+    ids = [eng.submit(p, q) for p, q in zip(prompts, params)]
+    drain(eng, together, finals)
+    for rid, p, q in zip(ids, prompts, params):
+        alone, alone_final = {}, {}
+        solo = engine(models, max_slots=4)
+        solo_id = solo.submit(p, q)
+        drain(solo, alone, alone_final)
+        assert alone[solo_id] == together[rid]
+        check_against_reference(models, "parallel", p, q, together[rid], finals[rid])
+    # the seed matters: another seed gives another output for the same prompt
+    other = engine(models, max_slots=4)
+    oid = other.submit(prompts[0], RequestParams(14, temperature=1.0, seed=99))
+    out = {}
+    drain(other, out, {})
+    assert out[oid] != together[ids[0]]
+
+
+def test_slots_are_reused_one_slot(models):
+    """One slot: requests run one after another through the same row (the previous row's cache and drafts must
+    not leak into the next request)."""
+    eng = engine(models, max_slots=1)
+    params = [RequestParams(n) for n in NEW[:4]]
+    ids = [eng.submit(p, q) for p, q in zip(PROMPTS[:4], params)]
+    outputs, finals = {}, {}
+    while eng.has_work:
+        assert eng.num_running <= 1
+        drain(eng, outputs, finals, steps=1)
+    for rid, p, q in zip(ids, PROMPTS, params):
+        check_against_reference(models, "parallel", p, q, outputs[rid], finals[rid])
+    # finished requests leave nothing behind: a finished id is unknown to cancel
+    eng.cancel(ids[0])
+    assert not eng.has_work and eng.step() == []
+
+
+def test_max_slots_round_up_and_first_event_is_the_prefill_token(models):
+    eng = engine(models, max_slots=3, rounds_per_step=1)
+    assert eng.max_slots == 4
+    rid = eng.submit(PROMPTS[0], RequestParams(1))
+    rid2 = eng.submit(PROMPTS[1], RequestParams(5))
+    evs = eng.step()
+    ref = reference(models, "parallel", PROMPTS[0], RequestParams(1)).tokens[0]
+    first = next(e for e in evs if e.request_id == rid)
+    assert first.finished and first.new_tokens == ref and first.stop_reason == "length"  # done at prefill
+    second = next(e for e in evs if e.request_id == rid2)
+    assert not second.finished and 1 <= len(second.new_tokens) <= 1 + 4  # prefill token + one round (K + 1 at most)
+
+
+def test_cancel_running_and_queued(models):
+    eng = engine(models, max_slots=2, rounds_per_step=1)
+    params = [RequestParams(n) for n in (30, 20, 10, 12)]
+    a, b, c = (eng.submit(p, q) for p, q in zip(PROMPTS[:3], params[:3]))
+    outputs, finals = {}, {}
+    drain(eng, outputs, finals, steps=2)
+    sent_a = len(outputs[a])
+    assert sent_a >= 2 and eng.num_waiting == 1
+    eng.cancel(a, keep=1)  # running: ends before the next chunk, its output cut to 1 token
+    eng.cancel(c)  # queued: dropped
+    eng.cancel(12345)  # unknown: no-op
+    eng.cancel(a)  # already cancelled: no-op
+    assert eng.num_running == 1 and eng.num_waiting == 0 and eng.has_work
+    assert_free_rows_done(eng)
+    d = eng.submit(PROMPTS[3], params[3])  # takes a's freed slot at the next step
+    evs = eng.step()
+    by_id = {e.request_id: e for e in evs}
+    assert [e.request_id for e in evs[:2]] == [a, c]  # cancelled first, in cancellation order
+    assert by_id[a].finished and by_id[a].stop_reason == "stop" and by_id[a].new_tokens == []
+    assert by_id[a].stats["output_tokens"] == 1 and by_id[a].stats["prompt_tokens"] == len(PROMPTS[0])
+    assert by_id[c].finished and by_id[c].stop_reason == "stop" and by_id[c].new_tokens == []
+    assert by_id[c].stats["output_tokens"] == 0 and by_id[c].stats["ttft_s"] is None
+    assert eng.num_running == 2
+    for e in evs:
+        outputs.setdefault(e.request_id, []).extend(e.new_tokens)
+        if e.finished:
+            finals[e.request_id] = e
+    drain(eng, outputs, finals)
+    assert outputs[a] == reference(models, "parallel", PROMPTS[0], params[0]).tokens[0][:sent_a]
+    for rid, i in ((b, 1), (d, 3)):
+        check_against_reference(models, "parallel", PROMPTS[i], params[i], outputs[rid], finals[rid])
+    with pytest.raises(ValueError, match="keep must be an integer >= 0"):
+        eng.cancel(b, keep=-1)
+
+
+def test_cancel_with_keep_beyond_the_output_keeps_everything(models):
+    eng = engine(models, max_slots=2, rounds_per_step=1)
+    rid = eng.submit(PROMPTS[1], RequestParams(20))
+    outputs, finals = {}, {}
+    drain(eng, outputs, finals, steps=1)
+    n = len(outputs[rid])
+    eng.cancel(rid, keep=100)
+    assert_free_rows_done(eng)
+    drain(eng, outputs, finals)
+    assert finals[rid].stats["output_tokens"] == n and finals[rid].stop_reason == "stop"
+    assert finals[rid].stats["e2e_s"] >= finals[rid].stats["ttft_s"]
+
+
+def test_compile_count_is_bounded_over_a_sweep(models):
+    """Admissions of 1..4 requests with prompts of 1..40 tokens: at most (3 row buckets x 3 length buckets)
+    admission programs + 1 chunk program, and a repeat of the sweep compiles nothing."""
+    def sweep():
+        eng = engine(models, max_slots=4, max_len=MAX_LEN)
+        sizes = [1, 4, 2, 3, 1, 2]
+        lengths = [1, 40, 17, 9, 33, 16]
+        for rep, (n, length) in enumerate(zip(sizes, lengths)):
+            for j in range(n):
+                eng.submit([(rep + j) % V] * (length - j % 2 if length > 1 else 1), RequestParams(3 + j))
+            while eng.has_work:
+                eng.step()
+    before = pjax.decode.compile_count()
+    sweep()
+    first = pjax.decode.compile_count() - before
+    assert 1 <= first <= 3 * 3 + 1
+    sweep()
+    assert pjax.decode.compile_count() - before == first
+
+
+def test_precompile_compiles_every_admission_program(models):
+    eng = engine(models, max_slots=4, drafting="none")
+    eng.precompile(rows=[1, 2, 3, 4], prompt_lengths=[5, 20])
+    before = pjax.decode.compile_count()
+    for n, length in ((1, 5), (3, 20), (4, 5), (2, 17)):
+        for j in range(n):
+            eng.submit([1] * length, RequestParams(4))
+        while eng.has_work:
+            eng.step()
+    assert pjax.decode.compile_count() == before
+    with pytest.raises(ValueError, match="precompile"):
+        eng.precompile(rows=[5], prompt_lengths=[3])
+
+
+@pytest.mark.parametrize("prompt, params, error, match", [
+    ([], RequestParams(4), ValueError, "prompt must be a non-empty"),
+    ([1, V], RequestParams(4), ValueError, r"prompt has token ids outside the vocabulary \[0, 12\)"),
+    ([1, -1], RequestParams(4), ValueError, "prompt has token ids outside"),
+    ([[1, 2]], RequestParams(4), ValueError, "prompt must be a non-empty 1-D"),
+    ([1.5, 2], RequestParams(4), ValueError, "prompt must hold integer token ids"),
+    ("hello", RequestParams(4), TypeError, "prompt is text"),
+    ([1] * 50, RequestParams(10), ValueError, r"prompt \(50 tokens\) \+ max_new_tokens \(10\) \+ drafting slack "
+                                              r"\(6\) = 66 positions exceed max_len=64"),
+    ([1], RequestParams(0), ValueError, "max_new_tokens=0 must be >= 1"),
+    ([1], RequestParams(2.5), TypeError, "max_new_tokens=2.5 must be an integer"),
+    ([1], RequestParams(4, temperature=-0.5), ValueError, "temperature=-0.5 must be >= 0"),
+    ([1], RequestParams(4, temperature=float("nan")), ValueError, "temperature=nan must be a finite number"),
+    ([1], RequestParams(4, top_p=0.0), ValueError, "top_p=0.0 must be > 0"),
+    ([1], RequestParams(4, top_p=1.5), ValueError, "top_p=1.5 must be <= 1"),
+    ([1], RequestParams(4, top_k=-1), ValueError, "top_k=-1 must be >= 0"),
+    ([1], RequestParams(4, seed=-1), ValueError, "seed=-1 must be >= 0"),
+    ([1], RequestParams(4, seed=2 ** 32), ValueError, "seed=4294967296 must be < 4294967296"),
+    ([1], RequestParams(4, stop_token_ids=(3, V)), ValueError, r"stop_token_ids: 12 is outside the vocabulary"),
+    ([1], RequestParams(4, stop_token_ids=(-1,)), ValueError, "stop_token_ids: -1 is outside"),
+    ([1], RequestParams(4, stop_token_ids=tuple(range(9))), ValueError, "stop_token_ids: 9 ids, more than the "
+                                                                         "engine's 8"),
+    ([1], RequestParams(4, stop_token_ids=("a",)), TypeError, "stop_token_ids: 'a' is not an integer"),
+    ([1], RequestParams(4, stop_token_ids=5), TypeError, "stop_token_ids must be a tuple"),
+    ([1], dict(max_new_tokens=4), TypeError, "params must be a pjax.serve.RequestParams"),
+])
+def test_submit_validation_names_the_field(models, prompt, params, error, match):
+    eng = engine(models)
+    with pytest.raises(error, match=match):
+        eng.submit(prompt, params)
+    assert not eng.has_work
+
+
+def test_the_longest_request_that_fits(models):
+    eng = engine(models, max_slots=1)
+    prompt = [2] * (MAX_LEN - 10 - 6)
+    rid = eng.submit(prompt, RequestParams(10))
+    outputs, finals = {}, {}
+    drain(eng, outputs, finals)
+    check_against_reference(models, "parallel", prompt, RequestParams(10), outputs[rid], finals[rid])
+
+
+@pytest.mark.parametrize("kw, error, match", [
+    (dict(max_slots=0), ValueError, "EngineConfig.max_slots must be an integer >= 1"),
+    (dict(max_len=1), ValueError, "EngineConfig.max_len must be an integer >= 2"),
+    (dict(rounds_per_step=0), ValueError, "EngineConfig.rounds_per_step must be an integer >= 1"),
+    (dict(max_slots=2.0), ValueError, "EngineConfig.max_slots"),
+    (dict(drafting="tree"), ValueError, "drafting='tree': expected one of"),
+    (dict(num_speculative_tokens=0), ValueError, "num_speculative_tokens must be an integer >= 1"),
+    (dict(implementation="cuda"), ValueError, "implementation='cuda'"),
+    (dict(draft_sampling="beam"), ValueError, "draft_sampling='beam'"),
+    (dict(cache_dtype="int3"), ValueError, "cache_dtype"),
+    (dict(compiler_options=[("a", 1)]), TypeError, "EngineConfig.compiler_options must be a dict"),
+])
+def test_config_validation(models, kw, error, match):
+    with pytest.raises(error, match=match):
+        engine(models, **kw)
+
+
+def test_config_needs_a_drafter_and_a_target(models):
+    with pytest.raises(ValueError, match="needs a drafter"):
+        Engine(models[0], None, EngineConfig(drafting="parallel"))
+    with pytest.raises(TypeError, match="target must be a pjax Target"):
+        Engine("path", models[1], EngineConfig())
+    with pytest.raises(TypeError, match="config must be a pjax.serve.EngineConfig"):
+        Engine(models[0], models[1], dict(max_slots=2))
+    assert hash(EngineConfig(compiler_options={"a": 1})) == hash(EngineConfig())  # options are not hashed
