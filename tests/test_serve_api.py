@@ -25,7 +25,7 @@ import uvicorn
 
 import pjax.text as T
 from pjax.serve.async_engine import AsyncEngine
-from pjax.serve.cli import _bind
+from pjax.serve.cli import _bind, _warm_up
 from pjax.serve.engine import Engine, EngineConfig, Event, RequestParams
 from pjax.serve.openai_api import ServedModel, create_app
 from tests.engine_utils import FAST
@@ -340,6 +340,8 @@ def test_bad_requests_name_the_field(served, client):
         ("/v1/completions", dict(base, prompt=list(range(5, 5 + MAX_LEN))), "prompt",
          rf"the prompt has {MAX_LEN} tokens, too long for this server's max length {MAX_LEN}"),
         ("/v1/completions", dict(base, stop_token_ids=[V]), "stop_token_ids", r"outside"),
+        ("/v1/completions", dict(base, stop_token_ids=list(range(10, 17))), "stop_token_ids",
+         r"9 stop ids with the model's EOS ids \[1, 4\], more than the engine's 8"),
         ("/v1/chat/completions", dict(chat, messages=[{"content": "x"}]), "messages", r"messages\[0\] has no 'role'"),
         ("/v1/chat/completions", dict(chat, messages="hi"), "messages", r"messages must be a non-empty list"),
         ("/v1/chat/completions", dict(chat, messages=[{"role": "tool", "content": "x"}]), "messages",
@@ -413,3 +415,20 @@ def test_command_serves_then_stops(dirs, gen, sig, code):
     assert p.returncode == code, err
     assert "Traceback" not in err and err.strip().splitlines()[-1] == ("interrupted" if code else
                                                                        "pjax serve: stopped (SIGTERM)")
+
+
+def test_full_warm_up_compiles_what_traffic_needs(served, client):
+    """After the command's full warm-up no request compiles: prompts of every length bucket, admitted alone and
+    several at once (the concurrent clients of another test may have compiled some programs already: the point is
+    that none is left)."""
+    _, engine, bridge, _ = served
+    assert _warm_up(engine, "full", MAX_LEN - 2 * K - 1) >= 0.0
+    before = engine.compile_s
+
+    async def burst(lengths):
+        aclient = openai.AsyncOpenAI(base_url=client.base_url, api_key="none", max_retries=0, timeout=120)
+        return await asyncio.gather(*(aclient.completions.create(model=NAME, prompt=list(range(5, 5 + n)),
+                                                                 max_tokens=2, temperature=0) for n in lengths))
+    for lengths in ([1], [MAX_LEN - 2 * K - 2], [3, 40], [17, 100, 9, 64], [200, 30, 31]):
+        asyncio.run(burst(lengths))
+    assert engine.compile_s == before

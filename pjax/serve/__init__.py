@@ -1,5 +1,7 @@
 """Serving: the continuous-batching engine (`Engine`: requests join and leave a fixed device batch of slots between
-device chunks) and its request / event types."""
+device chunks) and its request / event types; `AsyncEngine` runs an Engine on its own thread for asyncio servers.
+The OpenAI-compatible HTTP app is `pjax.serve.openai_api` (the `serve` extra), its command `python -m pjax serve`."""
 from pjax.serve.engine import Engine, EngineConfig, Event, RequestParams
+from pjax.serve.async_engine import AsyncEngine, EngineDeadError, RequestStream
 
-__all__ = ["Engine", "EngineConfig", "Event", "RequestParams"]
+__all__ = ["AsyncEngine", "Engine", "EngineConfig", "EngineDeadError", "Event", "RequestParams", "RequestStream"]

@@ -43,7 +43,7 @@ from starlette.routing import Route
 
 from pjax.decode.inputs import SEED_LIMIT, is_int, is_real
 from pjax.serve.async_engine import AsyncEngine, EngineDeadError
-from pjax.serve.engine import RequestParams
+from pjax.serve.engine import STOP_WIDTH, RequestParams
 from pjax.text.detokenize import OutputText, check_stop_strings
 from pjax.text.template import TemplateError
 from pjax.text.tokenizer import Tokenizer, TokenizerError, check_messages
@@ -298,9 +298,12 @@ def _job(fields: _Fields, model: ServedModel, prompt: list[int], *, chat: bool) 
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise APIError("stream_options.include_usage must be true or false", "stream_options")
+    stop_ids = tuple(dict.fromkeys([*eos, *(int(t) for t in raw_ids)]))
+    if len(stop_ids) > STOP_WIDTH:
+        raise APIError(f"stop_token_ids: {len(stop_ids)} stop ids with the model's EOS ids {list(eos)}, more than the "
+                       f"engine's {STOP_WIDTH}", "stop_token_ids")
     params = RequestParams(max_new_tokens=max_new, temperature=temperature, top_k=max(top_k, 0), top_p=top_p,
-                           seed=random.randrange(SEED_LIMIT) if seed is None else seed,
-                           stop_token_ids=tuple(dict.fromkeys([*eos, *raw_ids])))
+                           seed=random.randrange(SEED_LIMIT) if seed is None else seed, stop_token_ids=stop_ids)
     return Job(prompt, params, stop, frozenset(int(t) for t in raw_ids), frozenset(eos),
                fields.boolean("include_stop_str_in_output"), fields.boolean("skip_special_tokens", True), stream,
                include_usage)
