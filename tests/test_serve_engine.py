@@ -139,6 +139,32 @@ def test_sampled_output_does_not_depend_on_the_other_requests(models):
     assert out[oid] != together[ids[0]]
 
 
+def test_freed_slots_drop_their_filters(models):
+    """A finished top-k / top-p request leaves neutral filters in its slot (else every later round would sort the
+    vocabulary for nothing)."""
+    eng = engine(models, max_slots=2)
+    eng.submit(PROMPTS[0], RequestParams(3, temperature=1.0, top_k=3, top_p=0.5))
+    eng.submit(PROMPTS[1], RequestParams(40))
+    while eng.num_running + eng.num_waiting == 2:
+        eng.step()
+    eng.step()  # the step after a request finished clears its slot's filters before its chunk
+    assert np.asarray(eng._sampling.top_k).tolist() == [0, 0]
+    assert np.asarray(eng._sampling.top_p).tolist() == [1.0, 1.0]
+
+
+def test_simulated_acceptance_equals_generate(models):
+    sim = (0.9, 0.5, 0.3)
+    eng = engine(models, max_slots=2, simulate_acceptance=sim)
+    ids = [eng.submit(p, RequestParams(n)) for p, n in zip(PROMPTS[:3], NEW[:3])]
+    outputs, finals = {}, {}
+    drain(eng, outputs, finals)
+    for rid, p, n in zip(ids, PROMPTS, NEW):
+        ref = pjax.generate(models[0], models[1], [p], max_new_tokens=n, num_speculative_tokens=3,
+                            simulate_acceptance=sim, cache_capacity=MAX_LEN, compiler_options=FAST)
+        assert outputs[rid] == ref.tokens[0]
+        assert finals[rid].stats["num_accepted_tokens"] == ref.stats["num_accepted_tokens"] > 0
+
+
 def test_slots_are_reused_one_slot(models):
     """One slot: requests run one after another through the same row (the previous row's cache and drafts must
     not leak into the next request)."""

@@ -59,6 +59,8 @@ class EngineConfig:
     num_speculative_tokens / drafting / draft_sampling / implementation / cache_dtype / allow_tf32 /
       compiler_options: as `pjax.generate`.
     rounds_per_step: rounds per device chunk at most; admission, cancellation and streaming happen between chunks.
+    simulate_acceptance: None, or K probabilities: seeded verdicts instead of the target's (timing random weights,
+      as `pjax.generate`; the outputs are then not the target's).
     """
     max_slots: int = 8
     max_len: int = 2048
@@ -70,6 +72,7 @@ class EngineConfig:
     rounds_per_step: int = 8
     allow_tf32: bool = False
     compiler_options: Optional[dict] = dataclasses.field(default=None, hash=False)
+    simulate_acceptance: Optional[tuple[float, ...]] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +156,8 @@ class Engine:
             raise TypeError(f"EngineConfig.compiler_options must be a dict or None, got "
                             f"{type(c.compiler_options).__name__}")
         spec = make_spec(target, drafter, max_new_tokens=self.max_len, num_speculative_tokens=c.num_speculative_tokens,
-                         drafting=c.drafting, draft_sampling=c.draft_sampling, implementation=c.implementation)
+                         drafting=c.drafting, draft_sampling=c.draft_sampling, implementation=c.implementation,
+                         simulate_acceptance=c.simulate_acceptance)
         self._target = consistent_target(target)
         self._drafter = consistent_drafter(drafter) if spec.drafting != "none" else None
         self.warnings = [] if self._drafter is None else pair_warnings(self._target.config, self._drafter.config)
@@ -173,6 +177,7 @@ class Engine:
         self._queue: dict[int, _Request] = {}  # FIFO (insertion order)
         self._slots: dict[int, _Request] = {}  # slot -> running request
         self._ended: list[tuple[_Request, Optional[dict]]] = []  # cancelled, reported by the next step
+        self._unfilter: set[int] = set()  # freed slots whose sampling still asks for top-k / top-p
         self._ids = itertools.count()
         self._admit_exe: dict[tuple[int, int], object] = {}
         self._chunk_exe = None
@@ -300,7 +305,7 @@ class Engine:
         slot = next((s for s, r in self._slots.items() if r.id == request_id), None)
         if slot is None:
             return
-        req = self._slots.pop(slot)
+        req = self._free(slot)
         row = {k: np.array(self._host[k][slot]) for k in _HOST_FIELDS}  # the device row equals the last snapshot
         if keep is not None:
             row["num_out"] = np.minimum(row["num_out"], keep)
@@ -339,6 +344,21 @@ class Engine:
             self._slots[slot] = r
         return reqs
 
+    def _free(self, slot: int) -> _Request:
+        r = self._slots.pop(slot)
+        if r.params.top_k > 0 or r.params.top_p < 1:
+            self._unfilter.add(slot)
+        return r
+
+    def _clear_filters(self):
+        """Neutral top-k / top-p in freed slots: a round sorts the vocabulary for every row while any row asks for a
+        filter, done rows included."""
+        if self._unfilter:
+            idx = jnp.asarray(sorted(self._unfilter), jnp.int32)
+            s = self._sampling
+            self._sampling = dataclasses.replace(s, top_k=s.top_k.at[idx].set(0), top_p=s.top_p.at[idx].set(1.0))
+            self._unfilter.clear()
+
     def _snapshot(self):
         s = self._state
         self._host = jax.device_get({k: getattr(s, k) for k in _HOST_FIELDS})
@@ -348,6 +368,7 @@ class Engine:
         rounds if anything runs, and return this step's events: one per request with new tokens or that finished
         (cancelled ones first, then by request id)."""
         t0 = time.perf_counter()
+        self._clear_filters()
         admitted = self._admit(t0)
         if self._slots:
             args = (self._target, self._drafter, self._state, self._sampling, jnp.int32(self.rounds_per_step))
@@ -364,7 +385,7 @@ class Engine:
             new = h["out"][slot, r.sent:num].tolist()
             r.sent = num
             if h["done"][slot]:
-                del self._slots[slot]
+                self._free(slot)
                 events.append(self._finished(r, {k: h[k][slot] for k in _HOST_FIELDS}, now, new))
             elif new:
                 events.append(Event(r.id, new, False))
