@@ -25,6 +25,7 @@ import uvicorn
 
 import pjax.text as T
 from pjax.serve.async_engine import AsyncEngine
+import pjax.serve.cli as cli
 from pjax.serve.cli import _bind, _warm_up
 from pjax.serve.engine import Engine, EngineConfig, Event, RequestParams
 from pjax.serve.openai_api import ServedModel, create_app
@@ -305,6 +306,81 @@ def test_a_failed_engine_ends_requests_with_503(gen):
         bridge.close()
 
 
+class SlowEngine:
+    """An engine that emits one token per request every 20 ms and never finishes on its own."""
+    max_slots = 1
+
+    def __init__(self):
+        self.running, self.cancelled, self.ended = set(), [], []
+
+    def submit(self, prompt, params):
+        self.running.add(len(self.cancelled) + len(self.running))
+        return max(self.running)
+
+    def cancel(self, request_id, keep=None):
+        self.cancelled.append(request_id)
+        self.running.discard(request_id)
+        self.ended.append(request_id)
+
+    has_work = property(lambda self: bool(self.running or self.ended))
+    num_running = property(lambda self: len(self.running))
+    num_waiting = 0
+
+    def step(self):
+        time.sleep(0.02)
+        events = [Event(r, [], True, "stop", {}) for r in self.ended] + [Event(r, [5], False) for r in self.running]
+        self.ended = []
+        return events
+
+
+def test_ctrl_c_gives_requests_in_flight_the_grace_period(gen, monkeypatch):
+    """The command's server on SIGINT: a stream in flight runs on for the grace period, is then cancelled on the
+    engine, and the server returns by re-raising the interrupt (the command's exit 130)."""
+    monkeypatch.setattr(cli, "SHUTDOWN_GRACE_S", 1)
+    engine = SlowEngine()
+    bridge = AsyncEngine(engine)
+    model = ServedModel(name=NAME, tokenizer=gen.tokenizer, vocab_size=V, max_len=MAX_LEN, slack=0, drafting="none",
+                        num_speculative_tokens=0)
+    sock = _bind("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    seen = {}
+
+    def client():
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                httpx.get(url + "/health")
+                break
+            except httpx.ConnectError:
+                time.sleep(0.02)
+        body = dict(model=NAME, prompt="hi", max_tokens=200, temperature=0, stream=True)
+        chunks = 0
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+                for line in r.iter_lines():
+                    chunks += line.startswith("data: {")
+                    if chunks == 1 and "signalled" not in seen:
+                        seen["signalled"] = time.monotonic()
+                        os.kill(os.getpid(), signal.SIGINT)
+                    seen["last"] = line
+        except httpx.HTTPError as e:
+            seen["error"] = e
+        seen["ended"], seen["chunks"] = time.monotonic(), chunks
+    t = threading.Thread(target=client)
+    t.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            assert cli._serve(create_app(bridge, model), sock, "ready")
+    finally:
+        returned = time.monotonic()
+        t.join(30)
+        bridge.close()
+        sock.close()
+    assert 0.9 <= returned - seen["signalled"] < 5  # the grace period, then the stream was cancelled
+    assert seen["chunks"] > 20 and engine.cancelled == [0]  # it streamed on meanwhile; its slot was freed
+    assert seen.get("last") != "data: [DONE]"
+
+
 def test_bad_requests_name_the_field(served, client):
     url = served[0]
 
@@ -386,6 +462,17 @@ def test_help_and_bad_input():
     assert p.returncode == 2 and err.strip().splitlines() == [
         f"error: --target: {ROOT / 'no-such-dir'}: no such directory (expected a Hugging Face model directory with "
         "tokenizer.json and tokenizer_config.json)"]
+    with _bind("127.0.0.1", 0) as taken:  # the port is checked before anything loads
+        taken.listen()
+        port = taken.getsockname()[1]
+        p = run_serve("--target", ROOT / "no-such-dir", "--port", port)
+        out, err = p.communicate(timeout=120)
+    assert p.returncode == 2 and err.strip().splitlines() == [
+        f"error: --host 127.0.0.1 --port {port}: cannot listen there (Address already in use)"]
+    p = run_serve("--target", ROOT, "--k", 3)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 2 and err.strip().splitlines() == ["error: --k needs drafting: give --head DIR (and not "
+                                                              "--drafting none)"]
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 0)])

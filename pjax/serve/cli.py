@@ -119,7 +119,8 @@ def _drafting(args, drafter) -> tuple[str, int]:
 
 
 def _bind(host: str, port: int) -> socket.socket:
-    """A listening socket (bound now, so a taken port is a one-line error before uvicorn starts)."""
+    """A socket bound to (host, port): the port is reserved (a taken one is a one-line error) before the models load;
+    it listens only once the server starts (connections before that are refused, not left hanging)."""
     try:
         family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except socket.gaierror as e:
@@ -131,7 +132,6 @@ def _bind(host: str, port: int) -> socket.socket:
     except OSError as e:
         sock.close()
         raise InputError(f"--host {host} --port {port}: cannot listen there ({e.strerror})") from None
-    sock.listen(2048)
     return sock
 
 
@@ -163,12 +163,34 @@ def run(args) -> int:
     try:
         importlib.import_module("uvicorn")  # used by _serve: checked before the models load
         from pjax.serve.async_engine import AsyncEngine
-        from pjax.serve.engine import Engine, EngineConfig
-        from pjax.serve.openai_api import ServedModel, create_app
+        from pjax.serve.openai_api import create_app
     except ImportError as e:
         raise InputError(f"python -m pjax serve needs the `serve` extra ({e.name} is missing): "
                          "pip install 'pjax[serve]'") from None
+
+    with contextlib.closing(_bind(args.host, args.port)) as sock:
+        engine, model = _load(args)
+        seconds = _warm_up(engine, args.warmup, model.max_len - model.slack - 1)
+        _log(f"compiled ({args.warmup} warm-up) in {seconds:.1f} s")
+        bridge = AsyncEngine(engine)
+        try:
+            host, port = sock.getsockname()[:2]
+            url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+            started = _serve(create_app(bridge, model), sock, f"serving {model.name} on {url} (max "
+                             f"{engine.max_slots} requests at once, {model.max_len} positions each)")
+        finally:
+            bridge.close()
+    if not started:
+        _log("the server failed to start")
+        return 1
+    return 0
+
+
+def _load(args):
+    """Tokenizer, target, head -> (the engine, the ServedModel)."""
     from pjax.checkpoint import load_drafter, load_target
+    from pjax.serve.engine import Engine, EngineConfig
+    from pjax.serve.openai_api import ServedModel
     from pjax.text.tokenizer import load_tokenizer
 
     t0 = time.perf_counter()
@@ -177,6 +199,10 @@ def run(args) -> int:
     dtype = parse_dtype(args.dtype)
     target = _checked("--target", load_target, args.target, dtype=dtype)
     drafter = None if args.head is None else _checked("--head", load_drafter, args.head, dtype=dtype, target=target)
+    vocab = target.config.vocab_size
+    if tokenizer.vocab_size > vocab:
+        _log(f"warning: the tokenizer has {tokenizer.vocab_size} tokens but the target's vocabulary is {vocab}: "
+             "prompts holding the extra tokens will be refused")
     drafting, k = _drafting(args, drafter)
     mpe = target.config.max_position_embeddings
     max_len = args.max_len or (min(DEFAULT_MAX_LEN, mpe) if mpe else DEFAULT_MAX_LEN)
@@ -188,25 +214,10 @@ def run(args) -> int:
         raise InputError(f"--max-len {max_len}: leaves no room for a prompt and a new token beside the {slack} "
                          f"positions kept for drafting (K = {k})")
     _log(f"loaded {args.target} ({drafting} drafting, K = {engine.spec.k}) in {time.perf_counter() - t0:.1f} s")
-    sock = _bind(args.host, args.port)
-    with contextlib.closing(sock):
-        seconds = _warm_up(engine, args.warmup, max_len - slack - 1)
-        _log(f"compiled ({args.warmup} warm-up) in {seconds:.1f} s")
-        model = ServedModel(name=args.served_model_name or args.target, tokenizer=tokenizer,
-                            vocab_size=target.config.vocab_size, max_len=max_len, slack=slack, drafting=drafting,
-                            num_speculative_tokens=engine.spec.k, root=str(args.target))
-        bridge = AsyncEngine(engine)
-        try:
-            host, port = sock.getsockname()[:2]
-            url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-            started = _serve(create_app(bridge, model), sock, f"serving {model.name} on {url} (max "
-                             f"{engine.max_slots} requests at once, {max_len} positions each)")
-        finally:
-            bridge.close()
-    if not started:
-        _log("the server failed to start")
-        return 1
-    return 0
+    model = ServedModel(name=args.served_model_name or args.target, tokenizer=tokenizer, vocab_size=vocab,
+                        max_len=max_len, slack=slack, drafting=drafting, num_speculative_tokens=engine.spec.k,
+                        root=str(args.target))
+    return engine, model
 
 
 def _serve(app, sock: socket.socket, ready_message: str) -> bool:
