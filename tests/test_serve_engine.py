@@ -182,7 +182,7 @@ def test_slots_are_reused_one_slot(models):
     assert not eng.has_work and eng.step() == []
 
 
-def test_max_slots_round_up_and_first_event_is_the_prefill_token(models):
+def test_max_slots_round_up_and_an_admission_returns_the_prefill_tokens(models):
     eng = engine(models, max_slots=3, rounds_per_step=1)
     assert eng.max_slots == 4
     rid = eng.submit(PROMPTS[0], RequestParams(1))
@@ -192,7 +192,28 @@ def test_max_slots_round_up_and_first_event_is_the_prefill_token(models):
     first = next(e for e in evs if e.request_id == rid)
     assert first.finished and first.new_tokens == ref and first.stop_reason == "length"  # done at prefill
     second = next(e for e in evs if e.request_id == rid2)
-    assert not second.finished and 1 <= len(second.new_tokens) <= 1 + 4  # prefill token + one round (K + 1 at most)
+    assert not second.finished and len(second.new_tokens) == 1  # an admission step returns the prefill tokens only
+    ttft = second_time = None
+    for e in eng.step():  # then a chunk of one round: up to K + 1 tokens
+        assert e.request_id == rid2 and 1 <= len(e.new_tokens) <= 4
+    while eng.has_work:
+        for e in eng.step():
+            if e.finished:
+                ttft, second_time = e.stats["ttft_s"], e.stats["e2e_s"]
+    assert 0 < ttft < second_time
+
+
+def test_a_step_after_an_admission_decodes(models):
+    """Admissions alternate with chunks while requests run: a newcomer waits one step, the running request is not
+    starved by a stream of arrivals."""
+    eng = engine(models, max_slots=4, rounds_per_step=1)
+    a = eng.submit(PROMPTS[1], RequestParams(20))
+    assert [(e.request_id, len(e.new_tokens)) for e in eng.step()] == [(a, 1)]  # admission
+    b = eng.submit(PROMPTS[0], RequestParams(20))
+    evs = eng.step()  # a chunk: a decodes, b still queued
+    assert [e.request_id for e in evs] == [a] and eng.num_waiting == 1
+    assert [(e.request_id, len(e.new_tokens)) for e in eng.step()] == [(b, 1)]  # admission of b
+    assert sorted(e.request_id for e in eng.step()) == [a, b]  # a chunk for both
 
 
 def test_cancel_running_and_queued(models):

@@ -6,21 +6,24 @@ static shapes) but masks it, so it writes no KV and emits nothing. A request wai
 free, is prefilled into it, decodes together with whatever else runs, and frees the slot when it stops (EOS, its
 max_new_tokens, cancellation).
 
-Between chunks (`step`): (1) admission: up to (free slots) queued requests, oldest first, are prefilled as one batch
-(rows bucketed to a power of two, prompt positions to `inputs.bucket_length`; padding rows stop at prefill) and
-scattered into the big state and the big Sampling at their slots, in one jitted program (`admit`; padding rows carry
-slot index max_slots and are dropped); (2) one device chunk: `decode_chunk` with at most `rounds_per_step` rounds,
-ending early once every row is done; (3) one host snapshot of the rows' outputs and counters, turned into `Event`s
-(the tokens each request produced since its previous event) and the statistics of the requests that finished, whose
-slots are freed. Cancellation ends a row on the device state between chunks.
+A step (`step`) runs one piece of device work, then reads the result on the host. The work is either (a) an
+admission: up to (free slots) queued requests, oldest first, are prefilled as one batch (rows bucketed to a power of
+two, prompt positions to `inputs.bucket_length`; padding rows stop at prefill) and scattered into the big state and
+the big Sampling at their slots, in one jitted program (`admit`; padding rows carry slot index max_slots and are
+dropped); the step then returns their first tokens at once (TTFT = queueing + prefill); or (b) one device chunk:
+`decode_chunk` with at most `rounds_per_step` rounds, ending early once every row is done. A step right after an
+admission always runs a chunk when anything runs, so admissions never starve running requests. The host snapshot of
+the rows' outputs and counters becomes `Event`s (the tokens each request produced since its previous event) and the
+statistics of the requests that finished, whose slots are freed. Cancellation ends a row on the device state between
+steps.
 
 Cost model. Every round computes all max_slots rows (target verify of K + 1 positions per row, drafter pass(es)),
 running or not, so a round costs what a batch of max_slots costs whatever the occupancy; an admission costs a
 prefill of its rows bucket times its prompt bucket plus the scatter; each step costs one host round trip (dispatch,
 snapshot). Programs: one chunk program, plus one admission program per (rows bucket, prompt-length bucket) used;
-sampling values, stop ids (a fixed-width table) and per-request limits are runtime data and never recompile.
-Every random draw is keyed on (seed, position), so a request's output does not depend on which slot it took or on
-the other requests.
+sampling values, stop ids (a fixed-width table) and per-request limits are runtime data and never recompile. Every
+random draw is keyed on (seed, position), so a request's output does not depend on which slot it took or on the
+other requests.
 """
 from __future__ import annotations
 
@@ -178,6 +181,7 @@ class Engine:
         self._slots: dict[int, _Request] = {}  # slot -> running request
         self._ended: list[tuple[_Request, Optional[dict]]] = []  # cancelled, reported by the next step
         self._unfilter: set[int] = set()  # freed slots whose sampling still asks for top-k / top-p
+        self._admitted_last = False  # the previous step was an admission (the next one runs a chunk)
         self._ids = itertools.count()
         self._admit_exe: dict[tuple[int, int], object] = {}
         self._chunk_exe = None
@@ -364,13 +368,20 @@ class Engine:
         self._host = jax.device_get({k: getattr(s, k) for k in _HOST_FIELDS})
 
     def step(self) -> list[Event]:
-        """Admit queued requests into free slots (one batched prefill), run one chunk of at most rounds_per_step
-        rounds if anything runs, and return this step's events: one per request with new tokens or that finished
-        (cancelled ones first, then by request id)."""
+        """One step of device work, then this step's events: one per request with new tokens or that finished
+        (cancelled ones first, then by request id).
+
+        The device work: an admission of queued requests into free slots (one batched prefill; the step returns their
+        first tokens right away, so TTFT is queueing + prefill), else one chunk of at most rounds_per_step rounds if
+        anything runs. A step after an admission always runs a chunk when anything runs (admissions never starve the
+        running requests)."""
         t0 = time.perf_counter()
         self._clear_filters()
-        admitted = self._admit(t0)
-        if self._slots:
+        admitted = [] if self._admitted_last and self._slots else self._admit(t0)
+        self._admitted_last = bool(admitted)
+        if admitted:
+            self._snapshot()
+        elif self._slots:
             args = (self._target, self._drafter, self._state, self._sampling, jnp.int32(self.rounds_per_step))
             self._state = self._chunk_program(args)(*args)[0]
             self._snapshot()
