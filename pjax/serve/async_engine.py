@@ -91,6 +91,7 @@ class AsyncEngine:
         self.num_running = 0
         self.num_waiting = 0
         self._live: dict[int, RequestStream] = {}  # engine request id -> stream (engine thread only)
+        self._cancelled: set[int] = set()  # live ids already cancelled on the engine (engine thread only)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -151,8 +152,9 @@ class AsyncEngine:
             stream._rid = rid
             self._live[rid] = stream
             _call(stream._loop, stream._accept, rid, None)
-        elif stream._rid in self._live:  # a finished or refused request has nothing to cancel
+        elif stream._rid in self._live and stream._rid not in self._cancelled:  # once; none for a finished one
             self.engine.cancel(stream._rid, keep=arg)
+            self._cancelled.add(stream._rid)
 
     def _run(self):
         busy = False
@@ -177,6 +179,7 @@ class AsyncEngine:
                         continue
                     if event.finished:
                         del self._live[event.request_id]
+                        self._cancelled.discard(event.request_id)
                     _call(stream._loop, stream._put, event)
             self._fail(EngineDeadError("the engine was shut down"), cancel=True)
         except BaseException as e:  # a failed step: every request ends with the error, new ones are refused
@@ -194,7 +197,7 @@ class AsyncEngine:
             if kind == "submit":
                 _call(stream._loop, stream._accept, None, error)
         for rid, stream in list(self._live.items()):
-            if cancel:
+            if cancel and rid not in self._cancelled:
                 try:
                     self.engine.cancel(rid)
                 except Exception:  # the engine is going away either way
