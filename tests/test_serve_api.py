@@ -408,6 +408,8 @@ def test_bad_requests_name_the_field(served, client):
         ("/v1/completions", dict(base, stop=3), "stop", r"stop must be a string or a list"),
         ("/v1/completions", dict(base, stream_options={"include_usage": True}), "stream_options",
          r"only allowed with stream"),
+        ("/v1/completions", dict(base, stream=True, stream_options={"continuous_usage_stats": True}),
+         "stream_options", r"include_usage \(true / false\) only"),
         ("/v1/completions", dict(base, frobnicate=1), "frobnicate", r"unrecognized request field 'frobnicate'"),
         ("/v1/completions", dict(base, prompt=[1, V + 5]), "prompt", rf"token id {V + 5} outside"),
         ("/v1/completions", dict(base, prompt=["a", "b"]), "prompt", r"one prompt per request"),

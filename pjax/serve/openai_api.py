@@ -56,7 +56,7 @@ FINISH = {"eos": "stop", "length": "length", "capacity": "length", "nonfinite": 
 STATS_KEYS = ("num_drafts", "num_accepted_tokens", "mean_acceptance_length", "acceptance_rates", "rounds", "queue_s",
               "ttft_s", "e2e_s", "tpot_s")
 # accepted and ignored: bookkeeping fields of the OpenAI API that do not change the output
-IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "request_id"}
+IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
 SAMPLING_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
                    "n", "presence_penalty", "frequency_penalty", "logit_bias", "stop_token_ids", "ignore_eos",
                    "skip_special_tokens", "include_stop_str_in_output"}
@@ -291,8 +291,9 @@ def _job(fields: _Fields, model: ServedModel, prompt: list[int], *, chat: bool) 
     eos = () if fields.boolean("ignore_eos") else model.tokenizer.eos_token_ids
     stream = fields.boolean("stream")
     options = fields.get("stream_options", {})
-    if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
-        raise APIError("stream_options must be an object with include_usage (true / false)", "stream_options")
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise APIError(f"stream_options must be an object with include_usage (true / false) only, got "
+                       f"{_show(options)}", "stream_options")
     if fields.body.get("stream_options") is not None and not stream:
         raise APIError("stream_options is only allowed with stream: true", "stream_options")
     include_usage = options.get("include_usage", False)
