@@ -173,6 +173,7 @@ class AsyncEngine:
                 # counts first: a client that reads its event sees the engine as it is after this step
                 self.num_running, self.num_waiting = self.engine.num_running, self.engine.num_waiting
                 busy = self.engine.has_work
+                by_loop: dict = {}  # one wake-up of each event loop per step, not one per event
                 for event in events:
                     stream = self._live.get(event.request_id)
                     if stream is None:
@@ -180,7 +181,9 @@ class AsyncEngine:
                     if event.finished:
                         del self._live[event.request_id]
                         self._cancelled.discard(event.request_id)
-                    _call(stream._loop, stream._put, event)
+                    by_loop.setdefault(stream._loop, []).append((stream, event))
+                for loop, items in by_loop.items():
+                    _call(loop, _deliver, items)
             self._fail(EngineDeadError("the engine was shut down"), cancel=True)
         except BaseException as e:  # a failed step: every request ends with the error, new ones are refused
             with self._cv:
@@ -205,6 +208,11 @@ class AsyncEngine:
             _call(stream._loop, stream._put, error)
         self._live.clear()
         self.num_running = self.num_waiting = 0
+
+
+def _deliver(items):
+    for stream, event in items:
+        stream._put(event)
 
 
 def _call(loop: asyncio.AbstractEventLoop, fn, *args):
