@@ -298,6 +298,19 @@ def test_precompile_compiles_every_admission_program(models):
         eng.precompile(rows=[5], prompt_lengths=[3])
 
 
+def test_warm_precompile_changes_no_slot(models):
+    """precompile(warm=True) runs each admission program on padding rows only: a running request goes on as if
+    nothing happened."""
+    eng = engine(models, max_slots=4)
+    rid = eng.submit(PROMPTS[1], RequestParams(16))
+    outputs, finals = {}, {}
+    drain(eng, outputs, finals, steps=2)
+    eng.precompile(rows=[1, 2, 4], prompt_lengths=[5, 30], warm=True)
+    assert eng.num_running == 1
+    drain(eng, outputs, finals)
+    check_against_reference(models, "parallel", PROMPTS[1], RequestParams(16), outputs[rid], finals[rid])
+
+
 @pytest.mark.parametrize("prompt, params, error, match", [
     ([], RequestParams(4), ValueError, "prompt must be a non-empty"),
     ([1, V], RequestParams(4), ValueError, r"prompt has token ids outside the vocabulary \[0, 12\)"),
