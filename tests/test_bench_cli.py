@@ -75,14 +75,15 @@ def bench(*args, out):
     return main(["bench", *map(str, args), "--out", str(out), "--no-progress"])
 
 
-def test_end_to_end(ckpt, tmp_path, capsys):
+@pytest.mark.parametrize("scheduling", ["continuous", "static"])
+def test_end_to_end(ckpt, tmp_path, capsys, scheduling):
     """2 MT-Bench prompts through the chat template, drafting parallel / none, K 1 and 2, concurrency 1 and 2,
-    float32 greedy: every speculative output equals plain decoding's; the numbers are consistent."""
+    float32 greedy, both schedulings: every speculative output equals plain decoding's; the numbers are consistent."""
     target_dir, head_dir, _ = ckpt
     out = tmp_path / "res"
     assert bench("--target", target_dir, "--head", head_dir, "--dataset", "mt-bench", "--num-prompts", 2,
                  "--drafting", "parallel,none", "--k", "1,2", "--concurrency", "1,2", "--max-new-tokens", NEW,
-                 "--ignore-eos", "--dtype", "f32", out=out) == 0
+                 "--ignore-eos", "--dtype", "f32", "--scheduling", scheduling, "--rounds-per-step", 2, out=out) == 0
     assert "wrote" in capsys.readouterr().out
     names = sorted(p.name for p in out.iterdir())
     plots = [f"mt-bench-{p}.png" for p in ("otps-vs-concurrency", "k-sweep", "acceptance-per-position")]
@@ -124,7 +125,7 @@ def test_end_to_end(ckpt, tmp_path, capsys):
     md = (out / "bench.md").read_text()
     assert "## mt-bench" in md and "| drafting | K | concurrency |" in md and "vs best sequential" in md
     assert "| none | - | 1 | 2 |" in md and "| 2/2 |" in md and "ref" in md
-    assert "static batches" in md
+    assert ("static batches" if scheduling == "static" else "continuous batching") in md
     assert ("![mt-bench-k-sweep.png](mt-bench-k-sweep.png)" if plots_available() else "Plots skipped") in md
     assert "acceptance length by category" in md
 
@@ -182,6 +183,7 @@ def _no_output(path: Path):
     ("no-head", ["--drafting", "parallel"], "--drafting parallel needs --head"),
     ("num-prompts", ["--num-prompts", "81"], "--num-prompts 81: mt-bench has only 80 prompts"),
     ("dtype", ["--dtype", "int8"], "--dtype=int8 is not supported"),
+    ("rounds-per-step", ["--rounds-per-step", "0"], "--rounds-per-step 0: must be >= 1"),
 ])
 def test_bad_input(ckpt, tmp_path, capsys, case, args, needle):
     target_dir, _, _ = ckpt

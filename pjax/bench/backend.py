@@ -1,10 +1,11 @@
 """What the benchmark times: a `Backend` runs a list of requests under one setting (drafting mode, K, concurrency,
 ...) and returns what each request produced and when. The benchmark's metrics, tables and exactness checks are
-computed from these results only, so another engine (a continuous-batching scheduler) replaces `BatchBackend`
-without changing them.
+computed from these results only, so the scheduling is the backend's choice.
 
-`BatchBackend` runs `pjax.decode.Generation`: concurrency c means c requests in flight, decoded as one ragged batch;
-the next c start when all of them have finished (static batches: no request joins a batch in flight).
+`EngineBackend` (continuous batching, `pjax.serve.Engine`): concurrency c = an engine of c slots; every request of
+the run is submitted at once and waits in the engine's queue until a slot frees (vLLM's `--max-concurrency c`).
+`BatchBackend` (static batches, `pjax.decode.Generation`): c requests decoded as one ragged batch; the next c start
+when all of them have finished.
 """
 from __future__ import annotations
 
@@ -12,10 +13,15 @@ import dataclasses
 import time
 from typing import Callable, Mapping, Optional, Protocol, Sequence
 
+from pjax.bench.errors import BenchError
 from pjax.decode import Generation
 from pjax.decode.inputs import bucket_batch, bucket_capacity, bucket_length
+from pjax.serve.engine import STOP_WIDTH, Engine, EngineConfig, RequestParams
 
-__all__ = ["Backend", "BatchBackend", "Request", "RequestResult", "RunResult", "RunSettings"]
+__all__ = ["SCHEDULING", "Backend", "BatchBackend", "EngineBackend", "Request", "RequestResult", "RunResult",
+           "RunSettings"]
+
+SCHEDULING = ("continuous", "static")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +55,9 @@ class RunSettings:
 @dataclasses.dataclass
 class RequestResult:
     """What one request produced: tokens (generated ids), ttft_s / e2e_s (from the moment it was started, i.e. got
-    a slot, to its first token / its last), rounds (target verify passes), num_drafts (rounds with drafts),
-    accepted_per_position [K] (rounds whose draft i was accepted), stop_reason (the engine's)."""
+    a slot: its batch started or it was admitted into an engine slot, to its first token / its last), rounds (target
+    verify passes), num_drafts (rounds with drafts), accepted_per_position [K] (rounds whose draft i was accepted),
+    stop_reason (the engine's)."""
     tokens: list[int]
     ttft_s: float
     e2e_s: float
@@ -155,4 +162,109 @@ class BatchBackend:
             if on_progress is not None:
                 on_progress(len(batch))
         duration = time.perf_counter() - t0 - compile_s
+        return RunResult(out, duration, compile_s)
+
+
+class EngineBackend:
+    """`pjax.serve.Engine` (continuous batching) with `concurrency` requests in flight: the run's requests are fed in
+    order, the next one as soon as one finishes, into an engine of `concurrency` slots (rounded up to a power of two:
+    a power of two of device rows, never more than `concurrency` requests). A request's TTFT and end-to-end latency
+    count from its admission into a slot (the moment vLLM's client would send it).
+
+    drafters: as `BatchBackend`. rounds_per_step: rounds per device chunk (admission, streaming between chunks).
+    Every slot's KV cache holds `bucket_capacity(settings.max_positions)` positions (as `BatchBackend`). One engine
+    is kept (the last configuration's, reused by its `run`).
+    """
+    scheduling = ("continuous batching: concurrency c = c requests in flight in one pjax.serve.Engine (c slots, "
+                  "rounded up to a power of two); the next request joins as soon as one finishes, between device "
+                  "chunks (vLLM's --max-concurrency c); TTFT and end-to-end latency count from a request's admission")
+
+    def __init__(self, target, drafters: Mapping[str, object], *, implementation: str = "auto", cache_dtype=None,
+                 rounds_per_step: int = 8):
+        self.target, self.drafters = target, dict(drafters)
+        self.implementation, self.cache_dtype, self.rounds_per_step = implementation, cache_dtype, rounds_per_step
+        self._engine: Optional[tuple[tuple, Engine]] = None
+
+    def engine(self, settings: RunSettings) -> Engine:
+        """The engine of `settings` (built once per configuration)."""
+        s = settings
+        key = (s.drafting, s.k, s.concurrency, s.max_positions, s.simulate_acceptance)
+        if self._engine is None or self._engine[0] != key:
+            self._engine = None  # release the previous engine's device state first
+            cfg = EngineConfig(max_slots=s.concurrency, max_len=bucket_capacity(s.max_positions),
+                               num_speculative_tokens=max(s.k, 1), drafting=s.drafting,
+                               implementation=self.implementation, cache_dtype=self.cache_dtype,
+                               rounds_per_step=self.rounds_per_step, simulate_acceptance=s.simulate_acceptance)
+            self._engine = (key, Engine(self.target, self.drafters.get(s.drafting), cfg))
+        return self._engine[1]
+
+    @staticmethod
+    def admissions(requests: Sequence[Request], concurrency: int) -> set[tuple[int, int]]:
+        """(rows bucket, longest prompt) of every admission the run can make: requests are fed in order, so an
+        admission is a run of at most `concurrency` consecutive requests (a superset of those made)."""
+        lengths = [len(r.tokens) for r in requests]
+        out = set()
+        for i in range(len(lengths)):
+            longest = 0
+            for n in range(1, min(concurrency, len(lengths) - i) + 1):
+                longest = max(longest, lengths[i + n - 1])
+                out.add((bucket_batch(n), bucket_length(longest)))
+        return out
+
+    def _params(self, r: Request, settings: RunSettings, max_new_tokens: int) -> RequestParams:
+        if len(settings.eos_token_ids) > STOP_WIDTH:
+            raise BenchError(f"{len(settings.eos_token_ids)} EOS ids: the engine takes {STOP_WIDTH} at most")
+        return RequestParams(max_new_tokens, temperature=settings.temperature, seed=r.seed,
+                             stop_token_ids=tuple(settings.eos_token_ids))
+
+    def _serve(self, eng: Engine, requests: Sequence[Request], settings: RunSettings, max_new_tokens: int,
+               on_progress=None) -> list[tuple[list[int], object]]:
+        """Keep `concurrency` requests in the engine (its slots are a power of two, possibly more), submitting the
+        next one as one finishes; returns each request's (tokens, final event) in order."""
+        params = [self._params(r, settings, max_new_tokens) for r in requests]
+        ids: list[int] = []
+        tokens: dict[int, list[int]] = {}
+        finals: dict[int, object] = {}
+        while len(ids) < len(requests) or eng.has_work:
+            while len(ids) < len(requests) and eng.num_running + eng.num_waiting < settings.concurrency:
+                rid = eng.submit(list(requests[len(ids)].tokens), params[len(ids)])
+                ids.append(rid)
+                tokens[rid] = []
+            done = 0
+            for ev in eng.step():
+                tokens[ev.request_id] += ev.new_tokens
+                if ev.finished:
+                    finals[ev.request_id] = ev
+                    done += 1
+            if done and on_progress is not None:
+                on_progress(done)
+        return [(tokens[i], finals[i]) for i in ids]
+
+    def prepare(self, requests: Sequence[Request], settings: RunSettings) -> float:
+        """Compile and run once the chunk program and every admission program the run can use (`admissions`), then
+        serve the first `concurrency` requests for K + 2 new tokens (warm-up)."""
+        eng = self.engine(settings)
+        before = eng.compile_s
+        for rows, longest in sorted(self.admissions(requests, settings.concurrency)):
+            eng.precompile([rows], [longest], warm=True)
+        self._serve(eng, requests[:settings.concurrency], settings, min(settings.max_new_tokens, settings.k + 2))
+        return eng.compile_s - before
+
+    def run(self, requests: Sequence[Request], settings: RunSettings,
+            on_progress: Optional[Callable[[int], None]] = None) -> RunResult:
+        eng = self.engine(settings)
+        compile_before = eng.compile_s
+        t0 = time.perf_counter()
+        done = self._serve(eng, requests, settings, settings.max_new_tokens, on_progress)
+        compile_s = eng.compile_s - compile_before
+        duration = time.perf_counter() - t0 - compile_s
+        out = []
+        for tokens, ev in done:
+            st = ev.stats
+            nd = st["num_drafts"]
+            out.append(RequestResult(
+                tokens=tokens, ttft_s=st["ttft_s"] - st["queue_s"], e2e_s=st["e2e_s"] - st["queue_s"],
+                rounds=st["rounds"], num_drafts=nd,
+                accepted_per_position=[int(round(a * nd)) for a in st["acceptance_rates"]][:settings.k],
+                stop_reason=ev.stop_reason))
         return RunResult(out, duration, compile_s)

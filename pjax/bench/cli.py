@@ -24,6 +24,10 @@ accept less at large K, so the simulated P-EAGLE-over-EAGLE-3 speedups are conse
 order of --concurrency (none first, then sequential and parallel per K): with --time-budget the ones cut are the
 last.
 
+Scheduling: --scheduling continuous (default) keeps c requests in flight in the serving engine, the next joining as
+one finishes (vLLM's --max-concurrency c); --scheduling static decodes c requests as one batch, the next c when all
+have finished.
+
 Exit status: 0 done; 2 bad input (one line `error: ...` naming the flag or file; nothing written to --out);
 130 interrupted (nothing written); an unexpected failure prints its traceback (status 1).
 """
@@ -38,7 +42,7 @@ from typing import Optional
 
 import jax.numpy as jnp
 
-from pjax.bench.backend import BatchBackend
+from pjax.bench.backend import SCHEDULING, BatchBackend, EngineBackend
 from pjax.bench.datasets import DATASET_NAMES, load_dataset
 from pjax.bench.errors import BenchError
 from pjax.bench.exactness import NEAR_TIE_EPS, next_token_logits
@@ -55,6 +59,7 @@ from pjax.decode import make_spec
 from pjax.models.families import config_from_hf
 from pjax.dtypes import parse_dtype
 from pjax.kernels import IMPLEMENTATIONS
+from pjax.serve.engine import STOP_WIDTH
 
 CHAT = ("auto", "on", "off")
 
@@ -116,6 +121,13 @@ def build_parser(prog: str = "python -m pjax bench") -> argparse.ArgumentParser:
                                                                       "(default 3,7,11)")
     s.add_argument("--concurrency", type=_ints("--concurrency"), default=(1,),
                    help="requests in flight, comma-separated (default 1)")
+    s.add_argument("--scheduling", choices=SCHEDULING, default="continuous",
+                   help="continuous (default): c requests in flight in the serving engine, the next joining as one "
+                        "finishes (vLLM's --max-concurrency); static: c requests decoded as one batch, the next c "
+                        "when all have finished")
+    s.add_argument("--rounds-per-step", type=int, default=8,
+                   help="continuous scheduling: rounds per device chunk, between which requests join and leave "
+                        "(default 8)")
     s.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per request at most (default 256)")
     s.add_argument("--ignore-eos", action="store_true", help="every request runs --max-new-tokens tokens")
     s.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy, "
@@ -276,6 +288,8 @@ def run(args, argv) -> int:
     cache_dtype = _dtype(args.cache_dtype, "--cache-dtype")
     if args.prompt_len is not None and args.prompt_len < 1:
         raise BenchError(f"--prompt-len {args.prompt_len}: must be >= 1")
+    if args.rounds_per_step < 1:
+        raise BenchError(f"--rounds-per-step {args.rounds_per_step}: must be >= 1")
     shape = parse_random(args.target, "--target")
     if shape is not None and shape not in RANDOM_SHAPES:
         raise BenchError(f"--target {args.target}: unknown shape (expected one of "
@@ -293,6 +307,9 @@ def run(args, argv) -> int:
     sets, chat = _prompt_sets(args, settings, datasets, tok, shape)
     if not (args.ignore_eos or tok is None or shape is not None):
         settings = dataclasses.replace(settings, eos_token_ids=tuple(tok.eos_token_ids))
+    if args.scheduling == "continuous" and len(settings.eos_token_ids) > STOP_WIDTH:
+        raise BenchError(f"--scheduling continuous: the tokenizer has {len(settings.eos_token_ids)} EOS ids, the "
+                         f"engine takes {STOP_WIDTH} at most (use --scheduling static or --ignore-eos)")
 
     target = _load_target(args, shape, dtype, sets)
     heads = _heads(args, settings, target, dtype, shape)
@@ -302,7 +319,11 @@ def run(args, argv) -> int:
             "dtype": jnp.dtype(dtype).name, "implementation": args.implementation,
             "chat_template": chat, "seed": settings.seed, "near_tie_eps": NEAR_TIE_EPS,
             **environment()}
-    backend = BatchBackend(target, heads, implementation=args.implementation, cache_dtype=cache_dtype)
+    if args.scheduling == "continuous":
+        backend = EngineBackend(target, heads, implementation=args.implementation, cache_dtype=cache_dtype,
+                                rounds_per_step=args.rounds_per_step)
+    else:
+        backend = BatchBackend(target, heads, implementation=args.implementation, cache_dtype=cache_dtype)
     from tqdm.auto import tqdm
     result = run_bench(backend, sets, settings, meta=meta,
                        next_logits=lambda ids: next_token_logits(target, ids, args.implementation),
