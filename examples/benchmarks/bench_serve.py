@@ -11,7 +11,7 @@ so rounds emit tokens as a trained head's would); the tokenizer is a word-level 
 tokenizer. Every request has a --prompt-len random prompt and generates exactly --max-tokens tokens (ignore_eos).
 Per slot count (--slots, the engine's batch; requests = --requests-per-slot x slots): output tokens/s, TTFT and TPOT
 p50 / p90 (the engine's clocks for the direct run, the client's for the server), and server / direct ratios.
-Compilation happens before timing (a full warm-up, as the command does). Prints markdown; writes JSON to --out
+Compilation happens before timing (every admission program the run can use, then one untimed pass). Prints markdown; writes JSON to --out
 (default $OUT/bench_serve.json when $OUT is set).
 """
 from __future__ import annotations
@@ -36,8 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import pjax  # noqa: E402
 from pjax.config import LayerSpec, ModelConfig, RopeSpec  # noqa: E402
 from pjax.models.drafter import DrafterConfig  # noqa: E402
+from pjax.decode.inputs import bucket_batch  # noqa: E402
 from pjax.serve import AsyncEngine, Engine, EngineConfig, RequestParams  # noqa: E402
-from pjax.serve.cli import _bind, _warm_up  # noqa: E402
+from pjax.serve.cli import _bind  # noqa: E402
 from pjax.serve.openai_api import ServedModel, create_app  # noqa: E402
 from pjax.text.tokenizer import Tokenizer  # noqa: E402
 
@@ -191,7 +192,8 @@ def main(argv=None):
         prompts = rng.integers(0, vocab - 1, (n, prompt_len)).tolist()
         engine = Engine(target, drafter, EngineConfig(max_slots=c, max_len=max_len, num_speculative_tokens=k,
                                                       drafting="parallel", simulate_acceptance=ACCEPT[:k]))
-        compile_s = _warm_up(engine, "full", prompt_len)
+        admissions = sorted({bucket_batch(i) for i in range(1, engine.max_slots + 1)})
+        compile_s = engine.precompile(admissions, [prompt_len])  # every admission this run can make
         direct(engine, prompts[:c], params)  # one untimed pass: first-run costs
         d = direct(engine, prompts, params)
         model = ServedModel(name="bench", tokenizer=tokenizer, vocab_size=vocab, max_len=max_len, slack=2 * k,
