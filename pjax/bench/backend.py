@@ -199,16 +199,18 @@ class EngineBackend:
         return self._engine[1]
 
     @staticmethod
-    def admissions(requests: Sequence[Request], concurrency: int) -> set[tuple[int, int]]:
-        """(rows bucket, longest prompt) of every admission the run can make: requests are fed in order, so an
-        admission is a run of at most `concurrency` consecutive requests (a superset of those made)."""
+    def admissions(requests: Sequence[Request], concurrency: int) -> dict[tuple[int, int], int]:
+        """The admission programs the run can use, (rows bucket, prompt-length bucket) -> the longest prompt of that
+        bucket: requests are fed in order, so an admission is a run of at most `concurrency` consecutive requests (a
+        superset of those made)."""
         lengths = [len(r.tokens) for r in requests]
-        out = set()
+        out: dict[tuple[int, int], int] = {}
         for i in range(len(lengths)):
             longest = 0
             for n in range(1, min(concurrency, len(lengths) - i) + 1):
                 longest = max(longest, lengths[i + n - 1])
-                out.add((bucket_batch(n), bucket_length(longest)))
+                key = (bucket_batch(n), bucket_length(longest))
+                out[key] = max(out.get(key, 0), longest)
         return out
 
     def _params(self, r: Request, settings: RunSettings, max_new_tokens: int) -> RequestParams:
@@ -245,7 +247,7 @@ class EngineBackend:
         serve the first `concurrency` requests for K + 2 new tokens (warm-up)."""
         eng = self.engine(settings)
         before = eng.compile_s
-        for rows, longest in sorted(self.admissions(requests, settings.concurrency)):
+        for (rows, _), longest in sorted(self.admissions(requests, settings.concurrency).items()):
             eng.precompile([rows], [longest], warm=True)
         self._serve(eng, requests[:settings.concurrency], settings, min(settings.max_new_tokens, settings.k + 2))
         return eng.compile_s - before
