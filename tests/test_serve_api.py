@@ -511,6 +511,8 @@ def test_full_warm_up_compiles_what_traffic_needs(served, client):
     several at once (the concurrent clients of another test may have compiled some programs already: the point is
     that none is left)."""
     _, engine, bridge, _ = served
+    # the engine thread sleeps while nothing runs, so this thread may use the engine meanwhile
+    assert bridge.num_running == bridge.num_waiting == 0 and not engine.has_work
     assert _warm_up(engine, "full", MAX_LEN - 2 * K - 1) >= 0.0
     before = engine.compile_s
 

@@ -136,8 +136,9 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def _warm_up(engine, mode: str, longest_prompt: int) -> float:
-    """Compile the decode program and the admission programs (rows bucket x prompt-length bucket; "minimal": one
-    short single-request admission), logging progress; returns the compile seconds."""
+    """Compile and run once (no slot changes) the decode program and the admission programs (rows bucket x
+    prompt-length bucket; "minimal": one short single-request admission), logging progress; returns the compile
+    seconds."""
     from pjax.decode.inputs import bucket_batch, bucket_length
 
     rows = [1] if mode == "minimal" else sorted({bucket_batch(n) for n in range(1, engine.max_slots + 1)})
@@ -145,7 +146,7 @@ def _warm_up(engine, mode: str, longest_prompt: int) -> float:
     pairs = [(n, min(length, longest_prompt)) for n in rows for length in lengths]
     seconds = 0.0
     for i, (n, length) in enumerate(pairs):
-        seconds += engine.precompile([n], [length])
+        seconds += engine.precompile([n], [length], warm=True)
         if len(pairs) > 1:
             _log(f"compiled admissions of {n} request(s) of up to {length} prompt tokens ({i + 1}/{len(pairs)})")
     return seconds
