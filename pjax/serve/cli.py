@@ -65,7 +65,11 @@ def _dtype(text):
 
 
 def build_parser(prog: str = "python -m pjax serve") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog=prog, description=__doc__.split("\n\n")[0],
+        epilog="endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (stream: true for "
+               "server-sent events), GET /health. Ctrl-C / SIGTERM: requests in flight get "
+               f"{SHUTDOWN_GRACE_S} s, then the server stops (exit 130 / 0). Guide: docs/guides/serving.md")
     p.add_argument("--target", required=True, metavar="DIR",
                    help="Hugging Face target directory (config.json, safetensors, tokenizer.json)")
     p.add_argument("--head", metavar="DIR", help="P-EAGLE / EAGLE-3 head directory (default: no drafting)")
