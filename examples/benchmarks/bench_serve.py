@@ -9,7 +9,8 @@ Weights are random bf16 with simulated acceptance (EngineConfig.simulate_accepta
 so rounds emit tokens as a trained head's would); the tokenizer is a word-level one covering the whole vocabulary,
 built in memory, so detokenization does one DecodeStream step per token as with a real tokenizer. Every request has
 a --prompt-len random prompt and generates exactly --max-tokens tokens (ignore_eos). Per slot count (--slots, the
-engine's batch; requests = --requests-per-slot x slots): output tokens/s, TTFT and TPOT p50 / p90 (the engine's clocks for the direct run, the client's for the server), and server / direct ratios.
+engine's batch; requests = --requests-per-slot x slots): output tokens/s, TTFT and TPOT p50 / p90 (the engine's
+clocks for the direct run, the client's for the server), and server / direct ratios.
 Compilation happens before timing (every admission program the run can use, run once, then one untimed pass).
 Prints markdown; writes JSON to --out (default $OUT/bench_serve.json when $OUT is set). On an H200 (8B shape, slots
 1 and 16, 256 + 256 tokens) expect a few minutes, most of it initialising the weights and compiling.
