@@ -2,16 +2,16 @@
 and exactness per drafting mode, K and concurrency, defined as `vllm bench serve` defines them.
 
 The parts: `datasets` (MT-Bench, Spec-Bench, HumanEval, JSON-lines files), `backend` (the `Backend` protocol and
-`BatchBackend` on `pjax.decode.Generation`), `metrics`, `exactness` (outputs vs plain decoding, near-ties),
-`models` (random-weight targets and heads of published geometries), `runner` (the sweep), `report` (bench.json,
-bench.md, plots), `cli`.
+`BatchBackend`, static batches on `pjax.decode.Generation`; `EngineBackend`, continuous batching on
+`pjax.serve.Engine`), `metrics`, `exactness` (outputs vs plain decoding, near-ties), `models` (random-weight targets
+and heads of published geometries), `runner` (the sweep), `report` (bench.json, bench.md, plots), `cli`.
 """
-from pjax.bench.backend import Backend, BatchBackend, Request, RequestResult, RunResult, RunSettings
+from pjax.bench.backend import Backend, BatchBackend, EngineBackend, Request, RequestResult, RunResult, RunSettings
 from pjax.bench.datasets import DATASET_NAMES, Dataset, Prompt, load_dataset
 from pjax.bench.errors import BenchError
 from pjax.bench.exactness import NEAR_TIE_EPS, Mismatch, compare_outputs, next_token_logits
 from pjax.bench.runner import BenchResult, BenchSettings, PromptSet, build_prompt_set, run_bench
 
 __all__ = ["DATASET_NAMES", "NEAR_TIE_EPS", "Backend", "BatchBackend", "BenchError", "BenchResult", "BenchSettings",
-           "Dataset", "Mismatch", "Prompt", "PromptSet", "Request", "RequestResult", "RunResult", "RunSettings",
-           "build_prompt_set", "compare_outputs", "load_dataset", "next_token_logits", "run_bench"]
+           "Dataset", "EngineBackend", "Mismatch", "Prompt", "PromptSet", "Request", "RequestResult", "RunResult",
+           "RunSettings", "build_prompt_set", "compare_outputs", "load_dataset", "next_token_logits", "run_bench"]
