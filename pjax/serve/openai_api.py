@@ -444,8 +444,7 @@ class _API:
         follower = OutputFollower(job, self.model.tokenizer, stream)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if job.stream:
-            return StreamingResponse(self._events(follower, rid, chat), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return _EventStream(self._events(follower, rid, chat), follower.stream)
         return await _until_disconnect(request, self._whole(follower, rid, chat), stream)
 
     async def _whole(self, f: OutputFollower, rid: str, chat: bool) -> Response:
@@ -492,10 +491,22 @@ class _API:
                 yield _sse({**head, "choices": [], "usage": f.usage()})
         except EngineDeadError as e:
             yield _sse(APIError(str(e), status=503, type="service_unavailable").body())
-        finally:
-            if not f.done:  # the client went away (the response task was cancelled): free the slot
-                f.stream.cancel()
         yield "data: [DONE]\n\n"
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events of one request; however the response ends before the request did (the client went away,
+    even before the first event; the server's shutdown cancelled it), the request is cancelled: its slot frees."""
+
+    def __init__(self, events, stream):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.stream = stream
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.stream.cancel()  # a no-op once the request finished
 
 
 async def _until_disconnect(request: Request, work, stream) -> Response:
