@@ -104,24 +104,6 @@ def _checked(what: str, fn, *args, **kwargs):
         raise InputError(f"{what}: {e}" if what else str(e)) from e
 
 
-def _drafting(args, drafter) -> tuple[str, int]:
-    """(drafting mode, K) from the flags and the head (as `python -m pjax generate` picks them)."""
-    from pjax.models.drafter import no_parallel_reason
-    from pjax.text.generate import DEFAULT_K
-
-    if drafter is None:
-        return "none", 0
-    drafting = args.drafting or ("sequential" if no_parallel_reason(drafter.config) else "parallel")
-    if drafting == "none":
-        return "none", 0
-    k = args.k
-    if k is None:
-        k = DEFAULT_K[drafting]
-        if drafting == "parallel" and drafter.config.num_depths is not None:
-            k = min(k, drafter.config.num_depths)
-    return drafting, k
-
-
 def _bind(host: str, port: int) -> socket.socket:
     """A socket bound to (host, port): the port is reserved (a taken one is a one-line error) before the models load;
     it listens only once the server starts (connections before that are refused, not left hanging)."""
@@ -196,6 +178,7 @@ def _load(args):
     from pjax.checkpoint import load_drafter, load_target
     from pjax.serve.engine import Engine, EngineConfig
     from pjax.serve.openai_api import ServedModel
+    from pjax.text.generate import resolve_drafting
     from pjax.text.tokenizer import load_tokenizer
 
     t0 = time.perf_counter()
@@ -208,7 +191,7 @@ def _load(args):
     if tokenizer.vocab_size > vocab:
         _log(f"warning: the tokenizer has {tokenizer.vocab_size} tokens but the target's vocabulary is {vocab}: "
              "prompts holding the extra tokens will be refused")
-    drafting, k = _drafting(args, drafter)
+    drafting, k = _checked("--drafting / --k", resolve_drafting, drafter, args.drafting, args.k)
     mpe = target.config.max_position_embeddings
     max_len = args.max_len or (min(DEFAULT_MAX_LEN, mpe) if mpe else DEFAULT_MAX_LEN)
     config = EngineConfig(max_slots=args.max_slots, max_len=max_len, num_speculative_tokens=max(k, 1),

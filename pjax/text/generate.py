@@ -21,7 +21,8 @@ from pjax.models.target import Target
 from pjax.text.detokenize import OutputText, check_stop_strings
 from pjax.text.tokenizer import Tokenizer, load_tokenizer
 
-__all__ = ["TextDelta", "TextGenerationInterrupted", "TextGenerator", "TextOutput", "TextStream", "load"]
+__all__ = ["DEFAULT_K", "TextDelta", "TextGenerationInterrupted", "TextGenerator", "TextOutput", "TextStream", "load",
+           "resolve_drafting"]
 
 # default K: P-EAGLE heads peak at K=7 and EAGLE-3 heads at K=3 in the published sweeps (spec/peagle.md)
 DEFAULT_K = {"parallel": 7, "sequential": 3}
@@ -158,6 +159,29 @@ class TextStream:
         return self._outputs[0] if self._single else list(self._outputs)
 
 
+def resolve_drafting(drafter, drafting: Optional[str] = None, k: Optional[int] = None) -> tuple[str, int]:
+    """(drafting mode, K) for a head: drafting None = the head's kind ("parallel" for a P-EAGLE head, "sequential"
+    for an EAGLE-3 one, "none" without a head); k None = DEFAULT_K of the mode, a P-EAGLE head's trained depth at
+    most. ValueError naming `drafting` / `k` for a bad value or a mode that needs a missing head."""
+    if drafting is None:
+        drafting = "none" if drafter is None else (
+            "sequential" if no_parallel_reason(drafter.config) else "parallel")
+    if drafting not in DRAFTING_MODES:
+        raise ValueError(f"drafting={drafting!r}: expected one of {DRAFTING_MODES}")
+    if drafting == "none":
+        return drafting, 0
+    if drafter is None:
+        raise ValueError(f"drafting={drafting!r} needs a drafter (load a head, or pass drafting='none')")
+    if k is None:
+        k = DEFAULT_K[drafting]
+        depths = drafter.config.num_depths
+        if drafting == "parallel" and depths is not None:
+            k = min(k, depths)
+    elif not is_int(k) or k < 1:
+        raise ValueError(f"k must be an integer >= 1 (draft tokens per round), got {k!r}")
+    return drafting, int(k)
+
+
 class TextGenerator:
     """Speculative text generation with a target, a drafter (None: plain decoding) and the target's tokenizer.
 
@@ -213,23 +237,7 @@ class TextGenerator:
         return [one(p, f"prompts[{i}]") for i, p in enumerate(prompts)], False
 
     def _drafting(self, drafting: Optional[str], k: Optional[int]) -> tuple[str, int]:
-        if drafting is None:
-            drafting = "none" if self.drafter is None else (
-                "sequential" if no_parallel_reason(self.drafter.config) else "parallel")
-        if drafting not in DRAFTING_MODES:
-            raise ValueError(f"drafting={drafting!r}: expected one of {DRAFTING_MODES}")
-        if drafting == "none":
-            return drafting, 0
-        if self.drafter is None:
-            raise ValueError(f"drafting={drafting!r} needs a drafter (load a head, or pass drafting='none')")
-        if k is None:
-            k = DEFAULT_K[drafting]
-            depths = self.drafter.config.num_depths
-            if drafting == "parallel" and depths is not None:
-                k = min(k, depths)
-        elif not is_int(k) or k < 1:
-            raise ValueError(f"k must be an integer >= 1 (draft tokens per round), got {k!r}")
-        return drafting, int(k)
+        return resolve_drafting(self.drafter, drafting, k)
 
     # -- generation ----------------------------------------------------------------------------------------------
     def stream(self, prompts, *, max_new_tokens: Union[int, Sequence[int]], drafting: Optional[str] = None,
