@@ -1,4 +1,5 @@
 import os
+import signal
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
@@ -6,3 +7,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# Ctrl-C tests send SIGINT to the test process and to the commands it starts. A suite started in the background of a
+# shell inherits SIGINT ignored, and ignored signals stay ignored across exec: restore the interrupt handler.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -225,10 +225,8 @@ native.save_native_target(target, json.loads((src / "config.json").read_text()),
 
 
 def _interrupt(script, args, sig):
-    # SIGINT restored in the child: a test run started in the background of a shell inherits it ignored
     p = subprocess.Popen([sys.executable, "-c", script, *map(str, args)], cwd=ROOT, env=ENV,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 240
         line = ""

@@ -333,12 +333,10 @@ class SlowEngine:
         return events
 
 
-def test_ctrl_c_gives_requests_in_flight_the_grace_period(gen, monkeypatch, request):
+def test_ctrl_c_gives_requests_in_flight_the_grace_period(gen, monkeypatch):
     """The command's server on SIGINT: a stream in flight runs on for the grace period, is then cancelled on the
     engine, and the server returns by re-raising the interrupt (the command's exit 130)."""
     monkeypatch.setattr(cli, "SHUTDOWN_GRACE_S", 1)
-    old_handler = signal.signal(signal.SIGINT, signal.default_int_handler)  # ignored when run in a background job
-    request.addfinalizer(lambda: signal.signal(signal.SIGINT, old_handler))
     engine = SlowEngine()
     bridge = AsyncEngine(engine)
     model = ServedModel(name=NAME, tokenizer=gen.tokenizer, vocab_size=V, max_len=MAX_LEN, slack=0, drafting="none",
@@ -453,10 +451,8 @@ def test_bad_requests_name_the_field(served, client):
 def run_serve(*args, **kw):
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0",
                PYTHONPATH=str(ROOT))
-    # SIGINT restored in the child: a test run started in the background of a shell inherits it ignored
     return subprocess.Popen([sys.executable, "-m", "pjax", "serve", *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL), **kw)
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT, **kw)
 
 
 def test_help_and_bad_input():
