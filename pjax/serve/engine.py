@@ -179,7 +179,7 @@ class Engine:
         self._host: Optional[dict] = None  # host copy of the rows' outputs and counters (the last snapshot)
         self._queue: dict[int, _Request] = {}  # FIFO (insertion order)
         self._slots: dict[int, _Request] = {}  # slot -> running request
-        self._ended: list[tuple[_Request, Optional[dict]]] = []  # cancelled, reported by the next step
+        self._ended: list[tuple[_Request, Optional[dict], float]] = []  # cancelled (row, when), reported next step
         self._unfilter: set[int] = set()  # freed slots whose sampling still asks for top-k / top-p
         self._admitted_last = False  # the previous step was an admission (the next one runs a chunk)
         self._ids = itertools.count()
@@ -308,12 +308,13 @@ class Engine:
     def cancel(self, request_id: int, *, keep: Optional[int] = None) -> None:
         """End a request before the next chunk; the next `step` reports it finished (stop reason "stop"). keep: cut
         its output to its first `keep` tokens (e.g. where a stop string ends). A queued request is dropped (finished
-        with no tokens); an unknown or finished id is a no-op."""
+        with no tokens); an unknown or finished id is a no-op. Its e2e time ends here, not when the step reports it."""
         if keep is not None and (not I.is_int(keep) or keep < 0):
             raise ValueError(f"keep must be an integer >= 0, got {keep!r}")
+        t_end = time.perf_counter()  # the request ends now: its times do not count the next step's device work
         req = self._queue.pop(request_id, None)
         if req is not None:
-            self._ended.append((req, None))
+            self._ended.append((req, None, t_end))
             return
         slot = next((s for s, r in self._slots.items() if r.id == request_id), None)
         if slot is None:
@@ -325,7 +326,7 @@ class Engine:
         row["done"], row["stop"] = np.True_, np.int32(STOP_HOST)
         s = self._state
         self._state = dataclasses.replace(s, done=s.done.at[slot].set(True), stop=s.stop.at[slot].set(STOP_HOST))
-        self._ended.append((req, row))
+        self._ended.append((req, row, t_end))
 
     @property
     def has_work(self) -> bool:
@@ -397,7 +398,7 @@ class Engine:
         now = time.perf_counter()
         for r in admitted:
             r.t_first = now
-        events = [self._finished(r, row, now) for r, row in self._ended]
+        events = [self._finished(r, row, t_end) for r, row, t_end in self._ended]
         self._ended = []
         h = self._host
         for slot, r in sorted(self._slots.items(), key=lambda kv: kv[1].id):
@@ -412,7 +413,7 @@ class Engine:
         return events
 
     def _finished(self, r: _Request, row: Optional[dict], now: float, new: Optional[list[int]] = None) -> Event:
-        """The final event of request r; row: its slot's host values (None: never admitted)."""
+        """The final event of request r, which ended at `now`; row: its slot's host values (None: never admitted)."""
         e2e = now - r.t_submit
         k = self.spec.k
         if row is None:

@@ -1,0 +1,146 @@
+"""The serving engine under interleavings the main tests do not walk: random arrivals and cancellations (with keep)
+against `pjax.generate` per request in every drafting mode, requests that exactly fill a slot's KV positions, a
+request that ends at its prefill token (stop id, max_new_tokens=1) while others wait, and the times of cancelled
+requests."""
+import random
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pjax
+from pjax.config import LayerSpec, ModelConfig, RopeSpec
+from pjax.serve import RequestParams
+from tests.engine_utils import make_drafter
+from tests.test_serve_engine import (H, MAX_LEN, V, assert_free_rows_done, check_against_reference, drain, engine,
+                                     reference)
+
+K = 3
+
+
+@pytest.fixture(scope="module")
+def models():
+    """The tiny pair of tests/test_serve_engine.py (same weights: its programs and references are shared)."""
+    rope = RopeSpec(theta=10000.0)
+    cfg = ModelConfig("llama", V, H, 64, 4, tuple(LayerSpec(8, 2, rope) for _ in range(2)), rms_norm_eps=1e-5)
+    target = pjax.init_target(cfg, jax.random.key(0), jnp.float32, scale=0.3)
+    return target, make_drafter(target)
+
+
+def _random_request(rng: random.Random, drafting: str):
+    length = rng.randint(1, 20)
+    prompt = [rng.randrange(V) for _ in range(length)]
+    slack = 0 if drafting == "none" else 2 * K
+    new = min(rng.choice([1, 2, 5, 9, 15, 30]), MAX_LEN - length - slack)
+    t = rng.choice([0.0, 0.0, 0.9])
+    params = RequestParams(new, temperature=t, top_k=rng.choice([0, 0, 3]) if t else 0,
+                           top_p=rng.choice([1.0, 0.6]) if t else 1.0, seed=rng.randrange(100),
+                           stop_token_ids=tuple(rng.sample(range(V), rng.choice([0, 0, 1, 2]))))
+    return prompt, params
+
+
+@pytest.mark.parametrize("seed, drafting, slots", [(0, "parallel", 2), (1, "parallel", 4), (2, "sequential", 2),
+                                                   (3, "none", 2)])
+def test_random_arrivals_and_cancellations_equal_generate(models, seed, drafting, slots):
+    """Requests arrive 0-3 at a time between steps and a random live one is cancelled now and then (queued or
+    running, with or without keep, sometimes twice): every request finishes once; an uncancelled one equals
+    generate's output and statistics; a cancelled one streamed a prefix of it and reports min(streamed, keep)."""
+    rng = random.Random(seed)
+    eng = engine(models, drafting, max_slots=slots, rounds_per_step=rng.choice([1, 2, 3]))
+    todo, reqs, outputs, finals, cancelled = 12, {}, {}, {}, {}
+    while todo or eng.has_work:
+        for _ in range(min(todo, rng.choice([0, 0, 1, 1, 2, 3]))):
+            todo -= 1
+            prompt, params = _random_request(rng, drafting)
+            rid = eng.submit(prompt, params)
+            reqs[rid], outputs[rid] = (prompt, params), []
+        live = [r for r in reqs if r not in finals and r not in cancelled]
+        if live and rng.random() < 0.25:
+            rid, keep = rng.choice(live), rng.choice([None, None, 0, 1, 3, 100])
+            cancelled[rid] = keep
+            eng.cancel(rid, keep=keep)
+            if rng.random() < 0.3:
+                eng.cancel(rid)  # a second cancel is a no-op
+        drain(eng, outputs, finals, steps=1)
+    assert sorted(finals) == sorted(reqs) and cancelled
+    for rid, (prompt, params) in reqs.items():
+        final, tokens = finals[rid], outputs[rid]
+        s = final.stats
+        if rid in cancelled and final.stop_reason == "stop":
+            ref = reference(models, drafting, prompt, params).tokens[0]
+            keep = cancelled[rid]
+            assert tokens == ref[:len(tokens)]
+            assert s["output_tokens"] == (len(tokens) if keep is None else min(keep, len(tokens)))
+            assert (s["tpot_s"] is None) == (s["output_tokens"] <= 1)
+            assert s["ttft_s"] is None or 0 <= s["queue_s"] <= s["ttft_s"] <= s["e2e_s"]
+        else:
+            check_against_reference(models, drafting, prompt, params, tokens, final)
+
+
+@pytest.mark.parametrize("drafting", ["parallel", "none"])
+def test_requests_that_exactly_fill_max_len_stop_on_length(models, drafting):
+    """prompt + max_new_tokens + 2K == max_len: the request runs to its limit ("length", never "capacity"), as
+    generate at the same cache capacity."""
+    slack = 0 if drafting == "none" else 2 * K
+    eng = engine(models, drafting)
+    cases = [([(i * 7) % V for i in range(n)], RequestParams(MAX_LEN - n - slack)) for n in (5, 30)]
+    ids = [eng.submit(p, q) for p, q in cases]
+    outputs, finals = {}, {}
+    drain(eng, outputs, finals)
+    for rid, (p, q) in zip(ids, cases):
+        assert finals[rid].stop_reason == "length" and len(outputs[rid]) == q.max_new_tokens
+        check_against_reference(models, drafting, p, q, outputs[rid], finals[rid])
+
+
+def test_requests_ending_at_their_prefill_token_free_the_slot_at_once(models):
+    """A stop id hit by the prefill token and max_new_tokens=1 finish in their admission step (one token, "eos" /
+    "length", no rounds, tpot None) and free their slot: the request that waited gets it at the next step."""
+    prompt = [5, 7, 3]
+    first = reference(models, "parallel", prompt, RequestParams(4)).tokens[0][0]
+    eng = engine(models, max_slots=2)
+    params = [RequestParams(9, stop_token_ids=(first,)), RequestParams(1), RequestParams(6)]
+    ids = [eng.submit(prompt, q) for q in params]
+    evs = {e.request_id: e for e in eng.step()}
+    assert sorted(evs) == ids[:2] and eng.num_running == 0 and eng.num_waiting == 1
+    for rid, reason in zip(ids[:2], ("eos", "length")):
+        e = evs[rid]
+        assert e.finished and e.new_tokens == [first] and e.stop_reason == reason
+        assert e.stats["rounds"] == 0 and e.stats["tpot_s"] is None and e.stats["ttft_s"] == e.stats["e2e_s"]
+    assert_free_rows_done(eng)
+    evs = eng.step()  # nothing runs: the waiting request is admitted at once
+    assert [(e.request_id, len(e.new_tokens)) for e in evs] == [(ids[2], 1)] and eng.num_running == 1
+    outputs, finals = {ids[2]: evs[0].new_tokens}, {}
+    drain(eng, outputs, finals)
+    check_against_reference(models, "parallel", prompt, params[2], outputs[ids[2]], finals[ids[2]])
+
+
+def test_a_cancelled_request_ends_when_cancelled(models):
+    """The e2e time of a cancelled request (running or queued) ends at `cancel`, not after the device work of the
+    step that reports it (a slow step here: its snapshot takes 0.2 s)."""
+    eng = engine(models, max_slots=1, rounds_per_step=1)
+    t0 = time.perf_counter()
+    running = eng.submit([5, 7, 3], RequestParams(30))
+    queued = eng.submit([1, 2], RequestParams(30))
+    other = eng.submit([4, 4], RequestParams(30))
+    drain(eng, {}, {}, steps=2)
+    eng.cancel(running)
+    eng.cancel(queued)
+    t_cancel = time.perf_counter()
+    snapshot = eng._snapshot
+
+    def slow_snapshot():
+        time.sleep(0.2)
+        snapshot()
+    eng._snapshot = slow_snapshot
+    evs = {e.request_id: e for e in eng.step()}  # admits `other` (a slow step)
+    for rid in (running, queued):
+        s = evs[rid].stats
+        assert evs[rid].finished and evs[rid].stop_reason == "stop"
+        assert s["e2e_s"] <= t_cancel - t0, (s, t_cancel - t0)
+    assert evs[queued].stats["queue_s"] == evs[queued].stats["e2e_s"]
+    s = evs[running].stats
+    assert 0 <= s["queue_s"] <= s["ttft_s"] <= s["e2e_s"] and s["tpot_s"] is not None
+    assert np.isclose(s["tpot_s"], (s["e2e_s"] - s["ttft_s"]) / (s["output_tokens"] - 1))
+    assert evs[other].new_tokens and not evs[other].finished
