@@ -28,7 +28,7 @@ from pjax.serve.async_engine import AsyncEngine
 import pjax.serve.cli as cli
 from pjax.serve.cli import _bind, _warm_up
 from pjax.serve.engine import Engine, EngineConfig, Event, RequestParams
-from pjax.serve.openai_api import ServedModel, create_app
+from pjax.serve.openai_api import ServedModel, _until_disconnect, create_app
 from tests.engine_utils import FAST
 from tests.text_utils import CHAT, V, build
 
@@ -523,3 +523,39 @@ def test_full_warm_up_compiles_what_traffic_needs(served, client):
     for lengths in ([1], [MAX_LEN - 2 * K - 2], [3, 40], [17, 100, 9, 64], [200, 30, 31]):
         asyncio.run(burst(lengths))
     assert engine.compile_s == before
+
+
+# ------------------------------------------------------------------------------------------ handler cancellation
+class _CountingStream:
+    cancelled = 0
+
+    def cancel(self, keep=None):
+        self.cancelled += 1
+
+
+class _ConnectedRequest:
+    async def receive(self):
+        await asyncio.Event().wait()  # the client stays connected
+
+
+def test_a_cancelled_handler_cancels_its_request():
+    """uvicorn cancels handlers past its graceful-shutdown timeout: the work task and the engine request end too."""
+    async def main():
+        started = asyncio.Event()
+
+        async def work():
+            started.set()
+            await asyncio.Event().wait()  # the request's events never end
+        stream = _CountingStream()
+        handler = asyncio.ensure_future(_until_disconnect(_ConnectedRequest(), work(), stream))
+        await started.wait()
+        handler.cancel()
+        try:
+            await handler
+        except asyncio.CancelledError:
+            pass
+        await asyncio.sleep(0)
+        pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        return stream.cancelled, pending
+    cancelled, pending = asyncio.run(main())
+    assert cancelled == 1 and not pending, (cancelled, pending)

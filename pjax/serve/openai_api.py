@@ -522,6 +522,10 @@ async def _until_disconnect(request: Request, work, stream) -> Response:
     watch = asyncio.ensure_future(disconnected())
     try:
         await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the handler itself was cancelled (the server's shutdown): end the request too
+        task.cancel()
+        stream.cancel()
+        raise
     finally:
         watch.cancel()
     if not task.done():
