@@ -298,6 +298,24 @@ def test_precompile_compiles_every_admission_program(models):
         eng.precompile(rows=[5], prompt_lengths=[3])
 
 
+def test_admission_shapes_cover_every_admission(models):
+    """Precompiling `admission_shapes(L)` leaves nothing to compile for any admission of prompts up to L tokens."""
+    eng = engine(models, max_slots=4, drafting="none")
+    shapes = eng.admission_shapes(40)
+    assert {n for n, _ in shapes} == {1, 2, 4} and max(length for _, length in shapes) == 40
+    for n, length in shapes:
+        eng.precompile([n], [length])
+    before = pjax.decode.compile_count()
+    for n, length in ((1, 1), (3, 40), (4, 16), (2, 17), (3, 33)):
+        for j in range(n):
+            eng.submit([1] * (length - j % 2 if length > 1 else 1), RequestParams(2))
+        while eng.has_work:
+            eng.step()
+    assert pjax.decode.compile_count() == before
+    with pytest.raises(ValueError, match="longest_prompt"):
+        eng.admission_shapes(MAX_LEN + 1)
+
+
 def test_warm_precompile_changes_no_slot(models):
     """precompile(warm=True) runs each admission program on padding rows only: a running request goes on as if
     nothing happened."""

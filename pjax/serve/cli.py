@@ -122,14 +122,9 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def _warm_up(engine, mode: str, longest_prompt: int) -> float:
-    """Compile and run once (no slot changes) the decode program and the admission programs (rows bucket x
-    prompt-length bucket; "minimal": one short single-request admission), logging progress; returns the compile
-    seconds."""
-    from pjax.decode.inputs import bucket_batch, bucket_length
-
-    rows = [1] if mode == "minimal" else sorted({bucket_batch(n) for n in range(1, engine.max_slots + 1)})
-    lengths = [1] if mode == "minimal" else sorted({bucket_length(n) for n in range(1, longest_prompt + 1)})
-    pairs = [(n, min(length, longest_prompt)) for n in rows for length in lengths]
+    """Compile and run once (no slot changes) the decode program and the admission programs (`Engine.admission_shapes`;
+    "minimal": one short single-request admission), logging progress; returns the compile seconds."""
+    pairs = [(1, 1)] if mode == "minimal" else engine.admission_shapes(longest_prompt)
     seconds = 0.0
     for i, (n, length) in enumerate(pairs):
         seconds += engine.precompile([n], [length], warm=True)
@@ -197,7 +192,7 @@ def _load(args):
     config = EngineConfig(max_slots=args.max_slots, max_len=max_len, num_speculative_tokens=max(k, 1),
                           drafting=drafting, rounds_per_step=args.rounds_per_step)
     engine = _checked("", Engine, target, drafter if drafting != "none" else None, config)
-    slack = 2 * engine.spec.k
+    slack = engine.slack
     if max_len - slack < 2:
         raise InputError(f"--max-len {max_len}: leaves no room for a prompt and a new token beside the {slack} "
                          f"positions kept for drafting (K = {k})")

@@ -294,7 +294,7 @@ class Engine:
                 raise ValueError(f"stop_token_ids: {t} is outside the vocabulary [0, {self._vocab})")
         if len(stops) > STOP_WIDTH:
             raise ValueError(f"stop_token_ids: {len(stops)} ids, more than the engine's {STOP_WIDTH}")
-        slack = 2 * self.spec.k
+        slack = self.slack
         if p.size + max_new + slack > self.max_len:
             raise ValueError(f"prompt ({p.size} tokens) + max_new_tokens ({max_new}) + drafting slack ({slack}) = "
                              f"{p.size + max_new + slack} positions exceed max_len={self.max_len}")
@@ -327,6 +327,22 @@ class Engine:
         s = self._state
         self._state = dataclasses.replace(s, done=s.done.at[slot].set(True), stop=s.stop.at[slot].set(STOP_HOST))
         self._ended.append((req, row, t_end))
+
+    @property
+    def slack(self) -> int:
+        """Positions a request keeps free beyond prompt + max_new_tokens (2 K: a last round's drafts and their
+        verification may write past the final token)."""
+        return 2 * self.spec.k
+
+    def admission_shapes(self, longest_prompt: int) -> list[tuple[int, int]]:
+        """(requests, prompt length) pairs, one per admission program that requests of up to `longest_prompt` tokens
+        can need (each rows bucket x each prompt-length bucket, the bucket's longest length): `precompile` them all
+        and no admission compiles while serving."""
+        if not I.is_int(longest_prompt) or not 1 <= longest_prompt <= self.max_len:
+            raise ValueError(f"longest_prompt must be an integer in [1, {self.max_len}], got {longest_prompt!r}")
+        rows = sorted({I.bucket_batch(n) for n in range(1, self.max_slots + 1)})
+        lengths = sorted({min(I.bucket_length(n), longest_prompt) for n in range(1, longest_prompt + 1)})
+        return [(n, length) for n in rows for length in lengths]
 
     @property
     def has_work(self) -> bool:
