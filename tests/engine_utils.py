@@ -48,6 +48,20 @@ FAST = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" e
 FAST_KEY = tuple(sorted(FAST.items()))
 
 
+def tiny_llama(vocab: int, hidden: int = 32, *, seed: int = 0, scale: float = 0.3):
+    """A 2-layer float32 Llama target built in memory (8 query / 2 KV heads per layer, MLP 64): the engine tests'
+    model."""
+    cfg = ModelConfig("llama", vocab, hidden, 64, 4, tuple(LayerSpec(8, 2, RopeSpec(theta=10000.0)) for _ in range(2)),
+                      rms_norm_eps=1e-5)
+    return pjax.init_target(cfg, jax.random.key(seed), jnp.float32, scale=scale)
+
+
+def tiny_pair(vocab: int, hidden: int = 32):
+    """`tiny_llama` and a random P-EAGLE head for it (`make_drafter`)."""
+    target = tiny_llama(vocab, hidden)
+    return target, make_drafter(target)
+
+
 def make_drafter(target, seed=1, aux=(1, 0, 2), mask_token_id="last", num_layers=1, **kw):
     """Random P-EAGLE head (init_drafter) matching `target`'s vocabulary and width (mask token: the last id)."""
     if mask_token_id == "last":

@@ -1,15 +1,11 @@
 """The bench's continuous scheduling (`EngineBackend` on pjax.serve.Engine): per-request results equal the static
 backend's (tokens, rounds, acceptance, stop reasons), never more than `concurrency` requests in flight, every program
 compiled by `prepare`, and the admissions it precompiles cover every admission the run makes."""
-import jax
-import jax.numpy as jnp
 import pytest
 
-import pjax
 from pjax.bench.backend import BatchBackend, EngineBackend, Request, RunSettings
-from pjax.config import LayerSpec, ModelConfig, RopeSpec
 from pjax.decode.inputs import bucket_batch, bucket_length
-from tests.engine_utils import make_drafter
+from tests.engine_utils import tiny_pair
 
 V = 12
 PROMPTS = [[5, 7, 3], [9, 1, 4, 6, 2, 10, 3, 8] * 3, [3, 3, 2, 1, 0, 5], [7] * 17, [1, 2]]
@@ -17,10 +13,7 @@ PROMPTS = [[5, 7, 3], [9, 1, 4, 6, 2, 10, 3, 8] * 3, [3, 3, 2, 1, 0, 5], [7] * 1
 
 @pytest.fixture(scope="module")
 def models():
-    rope = RopeSpec(theta=10000.0)
-    cfg = ModelConfig("llama", V, 32, 64, 4, tuple(LayerSpec(8, 2, rope) for _ in range(2)), rms_norm_eps=1e-5)
-    target = pjax.init_target(cfg, jax.random.key(0), jnp.float32, scale=0.3)
-    return target, make_drafter(target)
+    return tiny_pair(V)
 
 
 def test_admissions_are_runs_of_consecutive_requests():

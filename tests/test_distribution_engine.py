@@ -10,14 +10,12 @@ pooled) is below ALPHA = 1e-3, i.e. 0.1% per case for a correct engine (0.4% for
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from scipy import stats
 
 import pjax
-from pjax.config import LayerSpec, ModelConfig, RopeSpec
-from tests.engine_utils import FAST, make_drafter
+from tests.engine_utils import FAST, make_drafter, tiny_llama
 
 V, N, ALPHA = 8, 4000, 1e-3
 PROMPT = [3, 1, 4, 1, 5]
@@ -25,9 +23,7 @@ PROMPT = [3, 1, 4, 1, 5]
 
 @pytest.fixture(scope="module")
 def models():
-    rope = RopeSpec(theta=10000.0)
-    cfg = ModelConfig("llama", V, 32, 64, 4, tuple(LayerSpec(8, 2, rope) for _ in range(2)), rms_norm_eps=1e-5)
-    target = pjax.init_target(cfg, jax.random.key(7), jnp.float32, scale=0.5)  # peaked, non-trivial laws
+    target = tiny_llama(V, seed=7, scale=0.5)  # peaked, non-trivial laws
 
     def peaked(drafter):  # a peaked q, so sampled drafts differ clearly from p
         params = jax.tree.map(lambda x: x, drafter.params)

@@ -5,14 +5,11 @@ import functools
 import itertools
 import sys
 
-import jax
-import jax.numpy as jnp
 import pytest
 
 import pjax
-from pjax.config import LayerSpec, ModelConfig, RopeSpec
 from pjax.decode import Generation, GenerationInterrupted
-from tests.engine_utils import FAST, make_drafter
+from tests.engine_utils import FAST, tiny_pair
 
 V, H = 61, 32
 PROMPTS = [[5, 17, 3], [9, 1, 44, 60, 2, 10, 33, 8], [30, 31, 32, 33, 34, 35]]
@@ -22,10 +19,7 @@ gen = functools.partial(pjax.generate, compiler_options=FAST)
 
 @pytest.fixture(scope="module")
 def models():
-    rope = RopeSpec(theta=10000.0)
-    cfg = ModelConfig("llama", V, H, 64, 4, tuple(LayerSpec(8, 2, rope) for _ in range(2)), rms_norm_eps=1e-5)
-    target = pjax.init_target(cfg, jax.random.key(0), jnp.float32, scale=0.3)
-    return target, make_drafter(target)
+    return tiny_pair(V, H)
 
 
 @pytest.mark.parametrize("drafting", ["parallel", "sequential", "none"])

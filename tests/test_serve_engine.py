@@ -2,94 +2,22 @@
 (greedy and sampled, every drafting mode, more requests than slots, staggered arrivals, stop ids), slots are reused,
 cancellation (running and queued, with keep), events concatenate to the output, statistics match generate's, a
 sweep of admissions compiles a bounded number of programs, and every bad value is refused naming its field."""
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import pjax
-from pjax.config import LayerSpec, ModelConfig, RopeSpec
-from pjax.serve import Engine, EngineConfig, Event, RequestParams
-from tests.engine_utils import FAST, make_drafter
+from pjax.serve import Engine, EngineConfig, RequestParams
+from tests.engine_utils import FAST
+from tests.serve_utils import (MAX_LEN, V, assert_free_rows_done, check_against_reference, drain, engine, reference,
+                               serve_models)
 
-V, H = 12, 32  # a small vocabulary: random drafts are accepted now and then, so acceptance counts are exercised
-MAX_LEN = 64
 PROMPTS = [[5, 7, 3], [9, 1, 4, 6, 2, 10, 3, 8], [3, 3, 2, 1, 0, 5], [7] * 20, [1, 2], [4, 0, 11, 9, 8]]
 NEW = [10, 20, 5, 12, 16, 7]
 
 
 @pytest.fixture(scope="module")
 def models():
-    rope = RopeSpec(theta=10000.0)
-    cfg = ModelConfig("llama", V, H, 64, 4, tuple(LayerSpec(8, 2, rope) for _ in range(2)), rms_norm_eps=1e-5)
-    target = pjax.init_target(cfg, jax.random.key(0), jnp.float32, scale=0.3)
-    return target, make_drafter(target)
-
-
-def engine(models, drafting="parallel", **kw):
-    cfg = dict(max_slots=2, max_len=MAX_LEN, num_speculative_tokens=3, drafting=drafting, rounds_per_step=2,
-               compiler_options=FAST)
-    return Engine(models[0], models[1] if drafting != "none" else None, EngineConfig(**{**cfg, **kw}))
-
-
-_REFS: dict = {}
-
-
-def _reference(models, drafting, prompt, new, stops=(), temperature=0.0, top_k=0, top_p=1.0, seed=0):
-    key = (id(models[0]), drafting, prompt, new, stops, temperature, top_k, top_p, seed)
-    if key not in _REFS:
-        _REFS[key] = _generate(models, drafting, prompt, new, stops, temperature, top_k, top_p, seed)
-    return _REFS[key]
-
-
-def _generate(models, drafting, prompt, new, stops, temperature, top_k, top_p, seed):
-    return pjax.generate(models[0], models[1] if drafting != "none" else None, [list(prompt)], max_new_tokens=new,
-                         num_speculative_tokens=3, drafting=drafting, eos_token_id=list(stops) or None,
-                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, cache_capacity=MAX_LEN,
-                         compiler_options=FAST)
-
-
-def reference(models, drafting, prompt, params: RequestParams):
-    """generate's result for one request alone (same cache capacity as the engine)."""
-    p = params
-    return _reference(models, drafting, tuple(prompt), p.max_new_tokens, tuple(p.stop_token_ids), p.temperature,
-                      p.top_k, p.top_p, p.seed)
-
-
-def assert_free_rows_done(eng: Engine):
-    """Every slot without a running request is a done row on the device (it computes nothing more)."""
-    done = np.asarray(eng._state.done)
-    assert all(done[s] for s in range(eng.max_slots) if s not in eng._slots), done
-
-
-def drain(eng: Engine, outputs: dict, finals: dict, steps: int = 10 ** 6):
-    """Step while there is work (at most `steps` times): stream each request's tokens into outputs[id], its final
-    event into finals[id]; checks the event invariants on the way."""
-    for _ in range(steps):
-        if not eng.has_work:
-            return
-        for ev in eng.step():
-            assert isinstance(ev, Event) and ev.request_id not in finals
-            assert ev.new_tokens or ev.finished
-            outputs.setdefault(ev.request_id, []).extend(ev.new_tokens)
-            if ev.finished:
-                finals[ev.request_id] = ev
-            else:
-                assert ev.stop_reason is None and ev.stats is None
-        assert eng.num_running <= eng.max_slots
-        assert_free_rows_done(eng)
-
-
-def check_against_reference(models, drafting, prompt, params, tokens, final):
-    ref = reference(models, drafting, prompt, params)
-    assert tokens == ref.tokens[0]
-    r, s = ref.stats["requests"][0], final.stats
-    assert final.stop_reason == r["stop_reason"]
-    for key in ("prompt_tokens", "output_tokens", "rounds", "num_drafts", "num_accepted_tokens",
-                "mean_acceptance_length", "acceptance_rates"):
-        assert s[key] == r[key], key
-    assert 0 <= s["queue_s"] <= s["ttft_s"] <= s["e2e_s"]
-    assert (s["tpot_s"] is None) == (len(tokens) <= 1)
+    return serve_models()
 
 
 @pytest.mark.parametrize("drafting", ["parallel", "sequential", "none"])

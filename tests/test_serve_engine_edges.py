@@ -5,28 +5,19 @@ requests."""
 import random
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import pjax
-from pjax.config import LayerSpec, ModelConfig, RopeSpec
 from pjax.serve import RequestParams
-from tests.engine_utils import make_drafter
-from tests.test_serve_engine import (H, MAX_LEN, V, assert_free_rows_done, check_against_reference, drain, engine,
-                                     reference)
+from tests.serve_utils import (MAX_LEN, V, assert_free_rows_done, check_against_reference, drain, engine, reference,
+                               serve_models)
 
 K = 3
 
 
 @pytest.fixture(scope="module")
 def models():
-    """The tiny pair of tests/test_serve_engine.py (same weights: its programs and references are shared)."""
-    rope = RopeSpec(theta=10000.0)
-    cfg = ModelConfig("llama", V, H, 64, 4, tuple(LayerSpec(8, 2, rope) for _ in range(2)), rms_norm_eps=1e-5)
-    target = pjax.init_target(cfg, jax.random.key(0), jnp.float32, scale=0.3)
-    return target, make_drafter(target)
+    return serve_models()  # one pair per process: the programs and references of tests/test_serve_engine.py are shared
 
 
 def _random_request(rng: random.Random, drafting: str):
