@@ -2,10 +2,13 @@
 traceback."""
 from __future__ import annotations
 
+import argparse
 import sys
 from typing import Callable
 
-__all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "one_line", "run_command"]
+from pjax.dtypes import parse_dtype
+
+__all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "dtype_flag", "one_line", "run_command"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -28,3 +31,11 @@ def run_command(fn: Callable[[], int], *, user_errors: tuple, interrupted: str =
     except KeyboardInterrupt:
         print(interrupted, file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def dtype_flag(text: str) -> str:
+    """argparse type of a `--dtype` flag: any `pjax.dtypes` spelling -> the dtype's name ("bf16" -> "bfloat16")."""
+    try:
+        return parse_dtype(text, what="--dtype").name
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--dtype=")) from None

@@ -20,7 +20,7 @@ import socket
 import sys
 import time
 
-from pjax.command import run_command
+from pjax.command import dtype_flag, run_command
 from pjax.dtypes import parse_dtype
 
 __all__ = ["build_parser", "main"]
@@ -57,13 +57,6 @@ def _port(text):
     return v
 
 
-def _dtype(text):
-    try:
-        return parse_dtype(text, what="--dtype").name
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e).removeprefix("--dtype=")) from None
-
-
 def build_parser(prog: str = "python -m pjax serve") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog, description=__doc__.split("\n\n")[0],
@@ -83,7 +76,7 @@ def build_parser(prog: str = "python -m pjax serve") -> argparse.ArgumentParser:
     p.add_argument("--max-len", type=_positive, metavar="N",
                    help=f"positions per request: prompt + new tokens + 2K (default {DEFAULT_MAX_LEN}, or the "
                         "target's max_position_embeddings when smaller)")
-    p.add_argument("--dtype", type=_dtype, default="bfloat16",
+    p.add_argument("--dtype", type=dtype_flag, default="bfloat16",
                    help="parameter dtype: bfloat16 (default), float32, float16 (or bf16, f32, f16)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: all)")
     p.add_argument("--port", type=_port, default=8000, help="port (default 8000; 0: any free port, logged)")

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from pjax.checkpoint import load_drafter, load_target
-from pjax.command import run_command
+from pjax.command import dtype_flag, run_command
 from pjax.decode.inputs import SEED_LIMIT
 from pjax.dtypes import parse_dtype
 from pjax.text.generate import TextGenerationInterrupted, TextGenerator, TextOutput
@@ -48,13 +48,6 @@ def _number(kind, low=None, high=None, low_open=False, high_open=False):
     return parse
 
 
-def _dtype(text):
-    try:
-        return parse_dtype(text, what="--dtype").name
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e).removeprefix("--dtype=")) from None
-
-
 def build_parser(prog: str = "python -m pjax generate") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, metavar="DIR",
@@ -79,7 +72,7 @@ def build_parser(prog: str = "python -m pjax generate") -> argparse.ArgumentPars
                    help="sampling seed in [0, 2**32) (default 0)")
     p.add_argument("--max-new-tokens", type=_number(int, low=1), default=256, metavar="N",
                    help="new tokens per prompt at most (default 256)")
-    p.add_argument("--dtype", type=_dtype, default="bfloat16",
+    p.add_argument("--dtype", type=dtype_flag, default="bfloat16",
                    help="parameter dtype: bfloat16 (default), float32, float16 (or bf16, f32, f16)")
     p.add_argument("--stop", nargs="+", action="extend", metavar="STR",
                    help="stop strings: the text ends before the first one (bash: --stop $'\\n\\n' for newlines)")
