@@ -29,8 +29,8 @@ from pjax.models.drafter import Drafter, consistent_drafter, no_parallel_reason
 from pjax.models.pairing import check_pair, pair_warnings
 from pjax.models.target import Target, consistent_target
 
-__all__ = ["Chunk", "GenerateResult", "Generation", "GenerationInterrupted", "compile_count", "generate",
-           "make_spec"]
+__all__ = ["Chunk", "GenerateResult", "Generation", "GenerationInterrupted", "acceptance_stats", "compile_count",
+           "generate", "make_spec"]
 
 
 @dataclasses.dataclass
@@ -387,19 +387,14 @@ class Generation:
             e2e = self._t_first + self._decode_s * int(h["rounds"][i]) / rounds_total
             requests.append({
                 "prompt_tokens": int(self._lengths[i]), "output_tokens": out, "rounds": int(h["rounds"][i]),
-                "num_drafts": nd, "num_accepted_tokens": acc,
-                "mean_acceptance_length": 1.0 + acc / nd if nd else 1.0,
-                "acceptance_rates": [float(x) / nd if nd else 0.0 for x in h["accepted_at"][i]],
+                **acceptance_stats(nd, acc, h["accepted_at"][i]),
                 "stop_reason": STOP_NAMES[int(h["stop"][i])], "ttft_s": self._t_first, "e2e_s": e2e,
                 "tpot_s": (e2e - self._t_first) / (out - 1) if out > 1 else None,
                 "output_tokens_per_s": out / e2e if e2e > 0 else float("inf")})
         return {
             "rounds": self._rounds,
-            "num_drafts": drafts,
+            **acceptance_stats(drafts, accepted, h["accepted_at"].sum(0)),
             "num_draft_tokens": int(h["num_draft_tokens"].sum()),
-            "num_accepted_tokens": accepted,
-            "mean_acceptance_length": 1.0 + accepted / drafts if drafts else 1.0,
-            "acceptance_rates": [float(x) / drafts if drafts else 0.0 for x in h["accepted_at"].sum(0)],
             "output_tokens": out_tokens,
             "per_request_rounds": h["rounds"].tolist(),
             "stop_reasons": [STOP_NAMES[int(s)] for s in h["stop"]],
@@ -418,6 +413,14 @@ class Generation:
             "simulated_acceptance": spec.simulate_acceptance is not None,
             "warnings": list(self._warnings),
         }
+
+
+def acceptance_stats(num_drafts: int, accepted: int, accepted_at) -> dict:
+    """num_drafts (rounds that verified >= 1 draft), num_accepted_tokens, mean_acceptance_length (1 + accepted /
+    num_drafts, as vLLM) and acceptance_rates (accepted_at [K]: rounds whose draft i was accepted, over num_drafts)."""
+    return {"num_drafts": num_drafts, "num_accepted_tokens": accepted,
+            "mean_acceptance_length": 1.0 + accepted / num_drafts if num_drafts else 1.0,
+            "acceptance_rates": [float(x) / num_drafts if num_drafts else 0.0 for x in accepted_at]}
 
 
 def generate(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_tokens: Union[int, Sequence[int]],

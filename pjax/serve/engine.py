@@ -40,7 +40,7 @@ import numpy as np
 
 from pjax.decode import inputs as I
 from pjax.decode.compiled import compiled, matmul_precision, register_program
-from pjax.decode.generate import make_spec
+from pjax.decode.generate import acceptance_stats, make_spec
 from pjax.decode.state import STOP_HOST, STOP_NAMES, DecodeState, EngineSpec, Sampling
 from pjax.decode.step import prefill
 from pjax.dtypes import parse_dtype
@@ -433,18 +433,15 @@ class Engine:
         e2e = now - r.t_submit
         k = self.spec.k
         if row is None:
-            stats = {"prompt_tokens": len(r.prompt), "output_tokens": 0, "rounds": 0, "num_drafts": 0,
-                     "num_accepted_tokens": 0, "mean_acceptance_length": 1.0, "acceptance_rates": [0.0] * k,
+            stats = {"prompt_tokens": len(r.prompt), "output_tokens": 0, "rounds": 0, **acceptance_stats(0, 0, [0] * k),
                      "queue_s": e2e, "ttft_s": None, "e2e_s": e2e, "tpot_s": None}
             return Event(r.id, [], True, STOP_NAMES[STOP_HOST], stats)
         num = int(row["num_out"])
         if new is None:  # cancelled: what the snapshot holds beyond the tokens sent (and within `keep`)
             new = row["out"][r.sent:num].tolist()
-        nd, acc = int(row["num_drafts"]), int(row["accepted"])
         ttft = r.t_first - r.t_submit
         stats = {"prompt_tokens": len(r.prompt), "output_tokens": num, "rounds": int(row["rounds"]),
-                 "num_drafts": nd, "num_accepted_tokens": acc, "mean_acceptance_length": 1.0 + acc / nd if nd else 1.0,
-                 "acceptance_rates": [float(x) / nd if nd else 0.0 for x in row["accepted_at"]],
+                 **acceptance_stats(int(row["num_drafts"]), int(row["accepted"]), row["accepted_at"]),
                  "queue_s": r.t_admit - r.t_submit, "ttft_s": ttft, "e2e_s": e2e,
                  "tpot_s": (e2e - ttft) / (num - 1) if num > 1 else None}
         return Event(r.id, new, True, STOP_NAMES[int(row["stop"])], stats)
