@@ -8,7 +8,9 @@ target family against transformers in float32, and a P-EAGLE head against a floa
 1. Kernels: each op through its public entry point with implementation = xla, pallas, auto and (cache attention,
    where the Mosaic GPU kernel runs) mosaic, against the op's jnp reference computed on the same device:
    cache attention at decode / verify / draft shapes (bf16 and float32, sliding windows, sinks, ragged kv_len, GQA
-   geometries of Llama and GPT-OSS, a prefill-sized shape that "pallas" sends to the reference), the MoE expert
+   geometries of Llama and GPT-OSS, a prefill-sized shape that "pallas" sends to the reference), training attention
+   (output and q / k / v / sinks gradients: packed documents with the Pallas kernel, windows, sinks, causal rows with
+   cuDNN), the MoE expert
    matmul at few-pair shapes (and one past the kernel's 128 pairs), acceptance (greedy, sampled, top-k / top-p,
    sampled drafts with their probabilities; integer outputs must be equal), the drafter-input metadata (equal).
    The "ran" column lists the Pallas kernels the traced call contains.
@@ -147,6 +149,68 @@ def check_attention(quick):
                 record("kernels", "cache_attention", impl, shape, abs_err=abs_err, rel_err=rel,
                        bound=f"abs<={BF16_ATTN_BOUND}", ok=abs_err <= BF16_ATTN_BOUND,
                        ran=kernels_in(fn, q, k, v, q_pos))
+
+
+def flash_cases(quick):
+    """(label, b, t, nh, nkv, hd, dtype, layout, window, sinks): layout "docs" (packed documents with padding: the
+    Pallas kernel) or "causal" (one sequence per row, ragged lengths: cuDNN under "auto")."""
+    if quick:
+        return [("docs f32", 2, 80, 4, 2, 16, jnp.float32, "docs", None, False),
+                ("docs bf16 window sinks", 2, 80, 4, 1, 32, jnp.bfloat16, "docs", 24, True),
+                ("causal bf16", 2, 64, 4, 2, 64, jnp.bfloat16, "causal", None, False)]
+    return [("target LM docs (445M geometry)", 2, 2048, 16, 8, 64, jnp.bfloat16, "docs", None, False),
+            ("docs f32 GQA 4", 1, 1000, 8, 2, 128, jnp.float32, "docs", None, False),
+            ("docs window sinks (GPT-OSS)", 1, 1536, 8, 1, 64, jnp.bfloat16, "docs", 128, True),
+            ("causal rows (cuDNN)", 2, 2048, 16, 8, 64, jnp.bfloat16, "causal", None, False),
+            ("causal rows window (cuDNN)", 2, 1024, 8, 2, 128, jnp.bfloat16, "causal", 256, False)]
+
+
+def check_flash_attention(quick):
+    """Training attention: the output and the gradients of q, k, v (and sinks) of each implementation against the
+    query-chunked jnp reference on the same device (float32 products at full precision)."""
+    from pjax.kernels.flash_attention import attention, causal_mask, document_mask
+    for i, (label, b, t, nh, nkv, hd, dtype, layout, window, sinks) in enumerate(flash_cases(quick)):
+        rng = np.random.default_rng(i)
+        q, k, v = (jnp.asarray(rng.normal(size=(b, t, n, hd)), jnp.float32).astype(dtype) for n in (nh, nkv, nkv))
+        sk = jnp.asarray(rng.normal(size=(nh,)), jnp.float32) if sinks else None
+        if layout == "docs":  # three documents and a padded tail per row
+            cuts = sorted(rng.choice(np.arange(8, t - 8), 3, replace=False))
+            doc = np.full((b, t), -1)
+            for j, (a, e) in enumerate(zip([0] + cuts[:2], cuts)):
+                doc[:, a:e] = j
+            mask = document_mask(doc)
+            live = doc != -1
+        else:
+            lengths = np.array([t - 8 * j for j in range(b)])
+            mask = causal_mask(lengths, t)
+            live = np.arange(t)[None] < lengths[:, None]
+        w = jnp.asarray(rng.normal(size=(b, t, nh, hd)) * live[..., None, None], jnp.float32)
+        argnums = (0, 1, 2, 3) if sinks else (0, 1, 2)
+
+        def run(impl):
+            def f(q, k, v, sk):
+                return attention(q, k, v, mask, scale=hd ** -0.5, window=window, sinks=sk, implementation=impl)
+            out = jax.jit(f)(q, k, v, sk)
+            grads = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) * w), argnums=argnums))(
+                q, k, v, sk)
+            return out, grads
+
+        want, want_grads = run("xla")
+        shape = f"{label}: B={b} T={t} {nh}/{nkv}x{hd} {jnp.dtype(dtype).name}" + (f" window {window}" if window
+                                                                                     else "")
+        impls = ["pallas", "auto"] + (["cudnn"] if layout == "causal" and jax.default_backend() == "gpu" and
+                                      dtype != jnp.float32 else [])
+        for impl in impls:
+            got, grads = run(impl)
+            pairs = [("out", got, want)] + [(f"d{n}", g, gw) for n, g, gw in zip("qkvs", grads, want_grads)]
+            for name, g, gw in pairs:
+                g, gw = np.asarray(g, np.float64), np.asarray(gw, np.float64)
+                if name == "out":
+                    g, gw = g[live], gw[live]
+                abs_err, rel = float_errors(g, gw)
+                bound = F32_BOUND * 10 if dtype == jnp.float32 else BF16_ATTN_BOUND
+                record("kernels", f"flash_attention {name}", impl, shape, abs_err=abs_err, rel_err=rel,
+                       bound=f"rel<={bound}", ok=rel <= bound)
 
 
 def expert_cases(quick):
@@ -380,7 +444,7 @@ def check_drafter(quick):
                ok=rel <= PARITY_BOUND, ran=kernels_in(run, *args))
 
 
-SECTIONS = {"kernels": (check_attention, check_expert_matmul, check_acceptance, check_metadata),
+SECTIONS = {"kernels": (check_attention, check_flash_attention, check_expert_matmul, check_acceptance, check_metadata),
             "targets": (check_targets,), "drafter": (check_drafter,)}
 
 
