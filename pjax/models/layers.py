@@ -84,9 +84,32 @@ def softcap(x, cap: Optional[float]):
     return x if cap is None else cap * jnp.tanh(x / cap)
 
 
+@jax.custom_vjp
+def _f32_logits(hidden, w):
+    return jnp.einsum("...h,hv->...v", hidden, w, preferred_element_type=jnp.float32)
+
+
+def _f32_logits_fwd(hidden, w):
+    return _f32_logits(hidden, w), (hidden, w)
+
+
+def _f32_logits_bwd(res, g):
+    """The float32 cotangent enters both products in the operands' dtype (bf16 tensor cores for bf16 weights; a
+    mixed f32 x bf16 product would run in float32), accumulating in float32."""
+    hidden, w = res
+    g = g.astype(hidden.dtype)
+    dh = jnp.einsum("...v,hv->...h", g, w, preferred_element_type=jnp.float32).astype(hidden.dtype)
+    dw = jnp.einsum("...h,...v->hv", hidden, g, preferred_element_type=jnp.float32).astype(w.dtype)
+    return dh, dw
+
+
+_f32_logits.defvjp(_f32_logits_fwd, _f32_logits_bwd)
+
+
 def head_logits(hidden, w, cap: Optional[float] = None):
-    """An LM head: hidden [..., H] @ w [H, V] -> float32 logits [..., V], soft-capped by `cap`."""
-    return softcap(jnp.einsum("...h,hv->...v", hidden, w, preferred_element_type=jnp.float32), cap)
+    """An LM head: hidden [..., H] @ w [H, V] -> float32 logits [..., V], soft-capped by `cap`. Differentiable: the
+    backward products run in hidden's dtype with float32 accumulation."""
+    return softcap(_f32_logits(hidden, w), cap)
 
 
 def activation(kind: str, gate, up, cfg: ModelConfig):

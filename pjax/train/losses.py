@@ -36,11 +36,9 @@ def with_params(drafter: Drafter, params) -> Drafter:
 
 
 def cast_drafter(drafter: Drafter, dtype) -> Drafter:
-    """Floating params cast to `dtype` (mixed precision: f32 master weights, bf16 compute)."""
-    if dtype is None:
-        return drafter
-    cast = jax.tree.map(lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, drafter.params)
-    return with_params(drafter, cast)
+    """Floating params and the layers' compute dtype cast to `dtype` (mixed precision: f32 master weights, bf16
+    compute; casting the params alone would leave the layers computing in float32)."""
+    return drafter if dtype is None else drafter.astype(dtype)
 
 
 def target_draft_head(target: Target, drafter: Drafter):

@@ -43,10 +43,6 @@ def token_nll(module, hidden, labels, chunk: Optional[int] = None):
                                                                 chunk))
 
 
-def _cast(params, dtype):
-    return jax.tree.map(lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
-
-
 def lm_loss(params, target: Target, tokens, document_ids, lengths=None, *, compute_dtype: Optional[str] = None,
             remat: bool = False, loss_chunk: Optional[int] = None, attn_chunk: Optional[int] = None,
             implementation: str = "auto"):
@@ -55,9 +51,10 @@ def lm_loss(params, target: Target, tokens, document_ids, lengths=None, *, compu
     which cuDNN's attention can take; else document masks. compute_dtype: cast the float params for the forward and
     backward (float32 gradients reach float32 master params); remat: recompute each decoder layer in the backward
     pass; loss_chunk / attn_chunk: token / query chunk sizes (None = automatic); implementation: the kernel switch."""
-    if compute_dtype is not None:
-        params = _cast(params, jnp.dtype(compute_dtype))
-    module = Target(target.config, target.graphdef, params).module
+    model = Target(target.config, target.graphdef, params)
+    if compute_dtype is not None:  # params and the layers' compute dtype (casting the params alone runs f32 matmuls)
+        model = model.astype(compute_dtype)
+    module = model.module
     b, s = tokens.shape
     mask = document_mask(document_ids, attn_chunk) if lengths is None else causal_mask(lengths, s, attn_chunk)
     positions = document_positions(document_ids)

@@ -1,0 +1,78 @@
+"""Mixed precision in training: with compute_dtype="bfloat16" over float32 master weights, every matrix product of
+the forward and backward takes bfloat16 operands (tensor cores at bf16 rate), in the target LM step and in the
+P-EAGLE and EAGLE-3 head steps; the gradients reach the float32 masters as float32. Casting only the params would
+leave the NNX layers computing in float32 (their compute dtype is part of the module definition): the check fails
+on that."""
+import jax
+import jax.numpy as jnp
+import pytest
+from jax._src import source_info_util
+
+from pjax.config import LayerSpec, ModelConfig, RopeSpec
+from pjax.models.drafter import Drafter
+from pjax.models.target import init_target
+from pjax.train.cod import CodConfig
+from pjax.train.config import TrainConfig
+from pjax.train.heads import drafter_config_for_target, init_drafter_for_target
+from pjax.train.optim import OptimConfig
+from pjax.train.state import init_train_state
+from pjax.train.step import make_train_step
+from pjax.train.target_lm import lm_loss
+
+
+def dot_operand_dtypes(jaxpr) -> list[tuple[str, str]]:
+    """(lhs, rhs) dtype names of every dot_general in a closed jaxpr, sub-jaxprs (scan, remat, custom VJP) included,
+    except the attention reference's (pjax.kernels: on a GPU, training attention runs the flash kernel or cuDNN,
+    whose precision gpu_check measures)."""
+    out = []
+
+    def walk(j):
+        for eqn in j.eqns:
+            if eqn.primitive.name == "dot_general" and "pjax/kernels/" not in str(source_info_util.summarize(
+                    eqn.source_info)):
+                out.append(tuple(str(v.aval.dtype) for v in eqn.invars[:2]))
+            for sub in _subjaxprs(eqn):
+                walk(sub)
+    walk(jaxpr.jaxpr)
+    return out
+
+
+def _subjaxprs(eqn):
+    for v in eqn.params.values():
+        for x in (v if isinstance(v, (list, tuple)) else [v]):
+            if hasattr(x, "jaxpr") and hasattr(x, "consts"):
+                yield x.jaxpr
+            elif hasattr(x, "eqns"):
+                yield x
+
+
+@pytest.fixture(scope="module")
+def target():
+    cfg = ModelConfig("llama", 256, 32, 64, 4, tuple(LayerSpec(8, 2, RopeSpec()) for _ in range(3)))
+    return init_target(cfg, jax.random.key(0), scale=0.1)
+
+
+def test_target_lm_step_runs_bf16_matmuls_over_f32_masters(target):
+    tokens = jnp.zeros((2, 64), jnp.int32)
+    docs = jnp.zeros((2, 64), jnp.int32)
+    fn = jax.value_and_grad(lambda p: lm_loss(p, target, tokens, docs, compute_dtype="bfloat16"))
+    dots = dot_operand_dtypes(jax.make_jaxpr(fn)(target.params))
+    assert dots and all(d == ("bfloat16", "bfloat16") for d in dots), sorted(set(dots))
+    grads = fn(target.params)[1]
+    assert {str(g.dtype) for g in jax.tree.leaves(grads)} == {"float32"}
+
+
+@pytest.mark.parametrize("objective", ["peagle", "eagle3"])
+def test_head_step_runs_bf16_matmuls_over_f32_masters(target, objective):
+    dcfg = drafter_config_for_target(target.config, num_layers=1, draft_vocab_size=100, mask_token_id=255,
+                                     num_depths=3, aux_layer_ids=(0, 1, 2))
+    drafter = init_drafter_for_target(target, dcfg, jax.random.key(1))
+    shell = Drafter(drafter.config, drafter.graphdef, None, drafter.d2t)
+    cfg = TrainConfig(total_seq_len=64, batch_rows=1, total_steps=10, cod=CodConfig(num_depths=3),
+                      optim=OptimConfig(lr=1e-3, warmup_steps=1), compute_dtype="bfloat16", objective=objective)
+    state = init_train_state(drafter, cfg)
+    batch = {k: jnp.zeros((1, 64), jnp.int32) for k in ("tokens", "loss_mask", "document_ids")}
+    step = make_train_step(cfg, donate=False)
+    bf16_target = target.astype("bfloat16")  # the frozen target as the heads' training runs it
+    dots = dot_operand_dtypes(jax.make_jaxpr(step)(state, shell, bf16_target, batch))
+    assert dots and all(d == ("bfloat16", "bfloat16") for d in dots), sorted(set(dots))
