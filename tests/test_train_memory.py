@@ -10,7 +10,7 @@ import pytest
 from pjax.config import LayerSpec, ModelConfig, RopeSpec
 from pjax.models.drafter import Drafter
 from pjax.models.target import init_target
-from pjax.train.cod import CodConfig
+from pjax.train.cod import CodConfig, cod_budget
 from pjax.train.config import TrainConfig
 from pjax.train.heads import drafter_config_for_target, init_drafter_for_target
 from pjax.train.optim import OptimConfig
@@ -64,3 +64,36 @@ def test_drafter_step_memory_is_linear_in_row_length(target):
     small, large = step_bytes(S // 2), step_bytes(2 * S)
     assert large / small < 6, (small, large)
     assert np.isfinite(large)
+
+
+def test_head_step_stores_one_layer_input_per_draft_layer():
+    """The P-EAGLE step's temporaries per COD element grow by one stored layer input ([N, H]) per draft layer, not by
+    a layer's attention and MLP intermediates ([N, intermediate] several times): the draft layers are rematerialised
+    one at a time in the backward pass. Shapes where the MLP is 16x the hidden size make the difference plain: a
+    stored layer costs 3 x 16 x H floats per element at least, the bound is 2 x H."""
+    h, inter = 64, 1024
+    cfg = ModelConfig("llama", 512, h, inter, 4, tuple(LayerSpec(16, 2, RopeSpec()) for _ in range(2)))
+    tgt = init_target(cfg, jax.random.key(0), scale=0.1)
+    cod = CodConfig(num_depths=4, max_anchors=None)
+
+    def step_bytes(layers, s):
+        dcfg = drafter_config_for_target(cfg, num_layers=layers, draft_vocab_size=200, mask_token_id=511,
+                                         num_depths=4, aux_layer_ids=(0, 1, 2))
+        drafter = init_drafter_for_target(tgt, dcfg, jax.random.key(1))
+        shell = Drafter(drafter.config, drafter.graphdef, None, drafter.d2t)
+        tc = TrainConfig(total_seq_len=s, batch_rows=1, total_steps=10, cod=cod, optim=OptimConfig(lr=1e-3,
+                         warmup_steps=1), attn_chunk=128, target_chunk=128, loss_chunk=128)
+        batch = {k: jax.ShapeDtypeStruct((1, s), jnp.int32) for k in ("tokens", "loss_mask", "document_ids")}
+        step = make_train_step(tc, donate=False, compiler_options=FAST)
+        return step.lower(init_train_state(drafter, tc), shell, tgt, batch).compile().memory_analysis() \
+            .temp_size_in_bytes
+
+    lengths = (S // 4, S)
+    elements = [cod_budget(s, cod) for s in lengths]
+    per_element = {}
+    for layers in (2, 6):
+        small, large = (step_bytes(layers, s) for s in lengths)
+        assert large / small < 6, (layers, small, large)  # linear in the row length (4x the row)
+        per_element[layers] = (large - small) / (elements[1] - elements[0])
+    per_layer = (per_element[6] - per_element[2]) / 4
+    assert per_layer <= 4 * 2 * h, per_element  # float32 bytes per element and draft layer

@@ -14,6 +14,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from pjax.kernels.flash_attention.chunking import chunk_size, chunked_map
 from pjax.models.drafter import (Drafter, combine, draft_logits_from_hidden, draft_to_target, drafter_forward,
@@ -23,8 +24,8 @@ from pjax.models.target import Target
 from pjax.train.cod import CodLayout, layout_from_arrays
 from pjax.train.masks import chain_slots, cod_mask
 
-__all__ = ["LOSS_TYPES", "cod_hidden", "cod_inputs", "draft_logits", "element_terms", "peagle_loss",
-           "peagle_loss_and_metrics", "row_loss_terms", "vocab_terms"]
+__all__ = ["LOSS_TYPES", "cod_hidden", "cod_inputs", "draft_logits", "drafter_states", "element_terms",
+           "peagle_loss", "peagle_loss_and_metrics", "row_loss_terms", "vocab_terms"]
 
 LOSS_EPS = 1e-5
 LOSS_TYPES = ("kl", "ce")
@@ -74,37 +75,72 @@ def cod_inputs(drafter: Drafter, input_ids, hidden_states, layout: CodLayout, *,
     """Tokens [N], combined features [N, H], positions [N] of the COD elements of one row
     (input_ids [S], hidden_states [S, A*Ht]): depth 0 takes the real token and feature at r,
     depth >= 1 the mask token and mask_hidden. require_mask=False lets a head without them (EAGLE-3) run a
-    depth-0-only layout."""
+    depth-0-only layout. `combine` is row-wise, so it runs on the S rows (and mask_hidden once) before the N
+    elements gather its [S, H] output: no [N, A*Ht] feature tensor."""
     cfg = drafter.config
     a, d = layout.anchor_pos, layout.depth
     r = a + d
     real = d == 0
     tokens = input_ids[r]
-    feats = hidden_states[r]
+    feats = combine(drafter, hidden_states)[r]
     if no_parallel_reason(cfg):
         if not require_mask:
-            return tokens.astype(jnp.int32), combine(drafter, feats), r.astype(jnp.int32)
+            return tokens.astype(jnp.int32), feats, r.astype(jnp.int32)
         raise ValueError(f"P-EAGLE training needs a head with mask_hidden and a mask_token_id; this {cfg.model_kind} "
                          f"head has mask_hidden={cfg.has_mask_hidden}, mask_token_id={cfg.mask_token_id} "
                          "(train EAGLE-3 heads with the eagle3 objective)")
-    mh = drafter.params["mask_hidden"].reshape(-1).astype(feats.dtype)
-    feats = jnp.where(real[:, None], feats, mh[None])
+    mh = combine(drafter, drafter.params["mask_hidden"].reshape(1, -1).astype(hidden_states.dtype))
+    feats = jnp.where(real[:, None], feats, mh)
     tokens = jnp.where(real, tokens, jnp.asarray(cfg.mask_token_id, tokens.dtype))
-    return tokens.astype(jnp.int32), combine(drafter, feats), r.astype(jnp.int32)
+    return tokens.astype(jnp.int32), feats, r.astype(jnp.int32)
+
+
+def drafter_states(drafter: Drafter, tokens, hidden_in, positions, mask, *, remat: bool = False,
+                   implementation: str = "auto"):
+    """Normed drafter states [B, T, H] of a training forward (`drafter_forward` without a cache): tokens, positions
+    [B, T], hidden_in [B, T, H] (combined features), mask an `AttentionMask`.
+
+    remat: the layers run as a loop over the layer index whose body switches to that layer's program and is
+    rematerialised in the backward pass: only each layer's input ([B, T, H]) is stored, not its attention and MLP
+    intermediates ([B, T, intermediate] several times per layer), and the backward recomputes one layer at a time (a
+    loop body cannot be merged with the forward's values or hoisted next to the other layers' recomputations, which
+    XLA does to an unrolled sequence of checkpoints)."""
+    if not remat:
+        return drafter_forward(drafter, tokens, hidden_in, positions, mask=mask, implementation=implementation)[0]
+    module = drafter.module
+    graphdefs, states = zip(*(nnx.split(layer) for layer in module.layers))
+    e = module.embed_tokens(tokens)
+
+    def branch(i):
+        def run(states, e, h):
+            xs = (e, h) if i == 0 else (h,)
+            return nnx.merge(graphdefs[i], states[i])(*xs, positions, None, mask=mask,
+                                                       implementation=implementation)[0]
+        return run
+
+    branches = [branch(i) for i in range(len(graphdefs))]
+
+    @jax.checkpoint
+    def body(h, i):
+        return jax.lax.switch(i, branches, states, e, h), None
+
+    h, _ = jax.lax.scan(body, hidden_in.astype(e.dtype), jnp.arange(len(branches)))
+    return module.norm(h)
 
 
 def cod_hidden(drafter: Drafter, input_ids, hidden_states, document_ids, layout: CodLayout, *, num_depths: int,
                num_depth0: Optional[int] = None, attn_chunk=None, chain_slots: Optional[int] = None,
-               require_mask: bool = True, implementation: str = "auto"):
+               require_mask: bool = True, remat: bool = False, implementation: str = "auto"):
     """Normed drafter states [N, H] of the COD elements of one row (arrays [S] / [S, A*Ht]) under `cod_mask` (the
     layout's first num_depth0 elements, default S, are its depth-0 prefix; chain_slots: see `cod_mask`).
-    implementation: the kernel switch of the drafter's attention ("xla" | "pallas" | "auto")."""
+    remat: rematerialise each draft layer in the backward pass (`drafter_states`); implementation: the kernel switch
+    of the drafter's attention ("xla" | "pallas" | "auto")."""
     tokens, f, pos = cod_inputs(drafter, input_ids, hidden_states, layout, require_mask=require_mask)
     s = input_ids.shape[0]
     mask = cod_mask(layout, document_ids, num_depths, s if num_depth0 is None else num_depth0, attn_chunk,
                     chain_slots)
-    normed, _, _ = drafter_forward(drafter, tokens[None], f[None], pos[None], mask=mask, implementation=implementation)
-    return normed[0]
+    return drafter_states(drafter, tokens[None], f[None], pos[None], mask, remat=remat,
+                          implementation=implementation)[0]
 
 
 def vocab_terms(drafter: Drafter, target: Target, normed, verifier_last, ref, *, loss_type="kl", loss_chunk=None):
@@ -126,10 +162,11 @@ def vocab_terms(drafter: Drafter, target: Target, normed, verifier_last, ref, *,
 
 def row_loss_terms(drafter: Drafter, target: Target, input_ids, hidden_states, verifier_last, loss_mask,
                    document_ids, layout: CodLayout, *, num_depths: int, num_depth0=None, loss_type="kl",
-                   attn_chunk=None, loss_chunk=None, implementation: str = "auto"):
-    """Per-element (loss [N], correct [N], weight [N]) for one row; weight = loss_mask[r] * valid."""
+                   attn_chunk=None, loss_chunk=None, remat: bool = False, implementation: str = "auto"):
+    """Per-element (loss [N], correct [N], weight [N]) for one row; weight = loss_mask[r] * valid. remat: see
+    `cod_hidden`."""
     normed = cod_hidden(drafter, input_ids, hidden_states, document_ids, layout, num_depths=num_depths,
-                        num_depth0=num_depth0, attn_chunk=attn_chunk, implementation=implementation)
+                        num_depth0=num_depth0, attn_chunk=attn_chunk, remat=remat, implementation=implementation)
     ref = layout.anchor_pos + layout.depth
     loss, correct = vocab_terms(drafter, target, normed, verifier_last, ref, loss_type=loss_type,
                                 loss_chunk=loss_chunk)
