@@ -21,6 +21,8 @@ class TrainConfig:
     num_segments: sequence partitioning of each row (spec D.5; peagle only; 1 = single pass).
     compute_dtype: e.g. "bfloat16" to run the drafter in bf16 over float32 master weights.
     attn_chunk / loss_chunk / target_chunk: query / element chunk sizes (None = automatic).
+    remat: P-EAGLE steps rematerialise each draft layer in the backward pass (only its input is stored; about one
+      more head forward per step): what long rows need (a 16K row of an 8B target); False trades memory for speed.
     implementation: the kernel switch of the step: the target forward and the drafter's attention ("xla" |
       "pallas" | "auto", `pjax.kernels`).
     """
@@ -38,6 +40,7 @@ class TrainConfig:
     attn_chunk: Optional[int] = None
     loss_chunk: Optional[int] = None
     target_chunk: Optional[int] = None
+    remat: bool = True
     seed: int = 0
     implementation: str = "auto"
 

@@ -1,6 +1,7 @@
 """The jitted train step: target features (online, or offline in the batch) -> EAGLE shift -> COD sample ->
-loss and gradients (single pass or partitioned, spec D.5; the draft layers rematerialised one at a time in the
-backward pass, `pjax.train.losses.drafter_states`) -> AdamW update. Data parallel over a 1-D mesh axis "data".
+loss and gradients (single pass or partitioned, spec D.5; with `TrainConfig.remat` the draft layers rematerialised
+one at a time in the backward pass, `pjax.train.losses.drafter_states`) -> AdamW update. Data parallel over a 1-D
+mesh axis "data".
 
 Batch: dict of [B, S] int32 arrays `tokens`, `loss_mask`, `document_ids` (raw packed rows, see
 `pjax.train.data.RowStream`), or an offline-feature batch (`pjax.train.data.FeatureStream`: shifted rows
@@ -72,7 +73,7 @@ def _peagle_row(dr, target, row, layout, cfg: TrainConfig, owned=None, denom=Non
     loss, correct, weight = row_loss_terms(
         dr, target, row["input_ids"], row["hidden_states"], row["verifier_last_hidden_states"], row["loss_mask"],
         row["document_ids"], layout, num_depths=cfg.cod.num_depths, num_depth0=num_depth0, loss_type=cfg.loss_type,
-        attn_chunk=cfg.attn_chunk, loss_chunk=cfg.loss_chunk, remat=True, implementation=cfg.implementation)
+        attn_chunk=cfg.attn_chunk, loss_chunk=cfg.loss_chunk, remat=cfg.remat, implementation=cfg.implementation)
     w = weight if owned is None else weight * owned.astype(weight.dtype)
     wsum = jnp.sum(weight) if denom is None else denom
     c, t = depth_metrics(correct, w, layout.depth, cfg.cod.num_depths)
