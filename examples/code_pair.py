@@ -482,23 +482,28 @@ def stage_target(b: Build, work: Path) -> dict:
     params, opt_state, shell = state.params, state.opt_state, type(target)(target.config, target.graphdef, None)
     bar = b.bar(steps, "train target", initial=start, unit="step")
     losses, t_save, log_every = [], time.time(), max(1, min(50, steps // 20))
-    t_first = n_first = t_log = n_log = None
+    t_log = n_log = None
+    step_times = []  # until the step count is fixed: each step timed alone (block per step)
     done = start
     while done < steps:
         batch = stream.batch(done)
         lengths = causal_lengths(batch["document_ids"])
+        t_step = time.time()
         params, opt_state, loss = step(params, opt_state, shell, jnp.asarray(batch["tokens"]),
                                        jnp.asarray(batch["document_ids"]),
                                        None if lengths is None else jnp.asarray(lengths))
         losses.append(loss)
         done += 1
+        if not decided:
+            jax.block_until_ready(loss)
+            step_times.append(time.time() - t_step)
         if t_log is None:  # the first step compiles: rates count from its end
             jax.block_until_ready(loss)
-            t_first = t_log = time.time()
-            n_first = n_log = done
-        if not decided and done >= min(r.target_warmup, steps) and done - n_first >= 5:
-            jax.block_until_ready(loss)
-            rate = (done - n_first) * per_step / (time.time() - t_first)
+            t_log, n_log = time.time(), done
+        if not decided and done >= min(r.target_warmup, steps) and len(step_times) >= 6:
+            # the median step: compilations (the first step, the first batch of the other attention layout) and
+            # checkpoint writes are outliers that a mean over the warmup would count
+            rate = per_step / float(np.median(step_times[1:]))
             new = _target_steps(b, work, per_step, rate)
             decided = True
             b.log(f"target: {rate:.0f} tokens/s measured; {new} steps ({new * per_step / 1e6:.1f} M tokens) fit "
