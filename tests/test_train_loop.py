@@ -78,8 +78,8 @@ def test_partitioned_grads_equal_single_pass(setup):
     assert int(m1["total"][3]) > 0  # deep elements are present and supervised
     assert rel(l4, l1) <= 1e-5
     assert tree_rel(g4, g1) <= 1e-4
-    np.testing.assert_array_equal(m1["correct"], m4["correct"])
-    np.testing.assert_array_equal(m1["total"], m4["total"])
+    for k in ("correct", "total", "cond_correct", "cond_total", "chain_total"):  # chains may span segments
+        np.testing.assert_array_equal(m1[k], m4[k], err_msg=k)
 
 
 def test_resume_is_exact(setup, tmp_path):
@@ -137,7 +137,8 @@ def test_data_parallel_matches_single_device(setup):
                   jax.device_put(target, rep), shard_batch(batch, mesh))
     assert len(m4["loss"].sharding.device_set) == 4
     assert rel(m4["loss"], m1["loss"]) <= 1e-5
-    np.testing.assert_array_equal(m1["total"], m4["total"])
+    for k in ("total", "chain_total"):  # correctness-free counts (argmax near-ties may differ)
+        np.testing.assert_array_equal(m1[k], m4[k], err_msg=k)
     assert tree_rel(s4.params, s1.params) <= 1e-5
     # the frozen target split over the 4 devices (ZeRO-3 style) gives the same step
     sharded = shard_target(target, mesh, min_elements=1)

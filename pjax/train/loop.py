@@ -22,11 +22,15 @@ from pjax.train.step import make_mesh, make_train_step, replicate, shard_batch, 
 class TrainResult:
     drafter: Drafter
     state: TrainState
-    history: list  # one dict per log interval: step, loss, acc (per depth), acc_all, tokens_per_s, lr, grad_norm
+    history: list  # one dict per log interval (`summarize`): step, loss, acc, acc_all, cond_acc, chain_acc (P-EAGLE),
+    # tokens_per_s, lr, grad_norm
 
 
 def summarize(step: int, metrics: list, seconds: float) -> dict:
-    """Aggregate per-step metric dicts (host numpy) of one log interval."""
+    """Aggregate per-step metric dicts (host numpy) of one log interval. acc[d]: depth d's top-1 agreement with the
+    target; cond_acc[d]: the same given depths (TTT steps) < d of the anchor agree; chain_acc[d] (P-EAGLE): of the
+    anchors supervised at depths 0..d, the fraction with all of them right (what acceptance of d + 1 drafts
+    estimates)."""
     correct = np.sum([m["correct"] for m in metrics], axis=0)
     total = np.sum([m["total"] for m in metrics], axis=0)
     out = dict(step=step, loss=float(np.mean([m["loss"] for m in metrics])),
@@ -38,6 +42,9 @@ def summarize(step: int, metrics: list, seconds: float) -> dict:
         cc = np.sum([m["cond_correct"] for m in metrics], axis=0)
         ct = np.sum([m["cond_total"] for m in metrics], axis=0)
         out["cond_acc"] = [float(c / t) if t else float("nan") for c, t in zip(cc, ct)]
+        if "chain_total" in metrics[0]:
+            ch = np.sum([m["chain_total"] for m in metrics], axis=0)
+            out["chain_acc"] = [float(c / t) if t else float("nan") for c, t in zip(cc, ch)]
     return out
 
 

@@ -4,7 +4,9 @@ Targets: softmax over the draft vocabulary of the frozen target's head applied t
 state, `lm_head(norm(y_r))` restricted to the draft ids (`arange(Vd) + d2t`). Default loss: forward
 KL(p_target || q_draft) per element, weighted by loss_mask[r] (r = anchor + depth), summed over all
 depths and divided by (sum of weights + 1e-5). "ce" uses the target argmax as a hard label.
-Metrics: per-depth top-1 agreement counts (draft argmax == target argmax, loss-masked).
+Metrics: per-depth top-1 agreement counts (draft argmax == target argmax, loss-masked), and per-anchor chains
+(`anchor_grid` -> `chain_metrics`): each depth's agreement given the anchor's earlier depths agree, as acceptance
+at decode time requires.
 """
 from __future__ import annotations
 
@@ -24,8 +26,9 @@ from pjax.models.target import Target
 from pjax.train.cod import CodLayout, layout_from_arrays
 from pjax.train.masks import chain_slots, cod_mask
 
-__all__ = ["LOSS_TYPES", "cod_hidden", "cod_inputs", "draft_logits", "drafter_states", "element_terms",
-           "peagle_loss", "peagle_loss_and_metrics", "row_loss_terms", "vocab_terms"]
+__all__ = ["LOSS_TYPES", "anchor_grid", "chain_metrics", "cod_hidden", "cod_inputs", "depth_metrics", "draft_logits",
+           "drafter_states", "element_terms", "peagle_loss", "peagle_loss_and_metrics", "row_loss_terms",
+           "vocab_terms"]
 
 LOSS_EPS = 1e-5
 LOSS_TYPES = ("kl", "ce")
@@ -181,6 +184,40 @@ def depth_metrics(correct, weight, depth, num_depths: int):
     return c, t
 
 
+def anchor_grid(correct, weight, anchor_pos, depth, seq_len: int, num_depths: int):
+    """One row's supervised elements (correct, weight, anchor_pos, depth [N]) placed by (anchor, depth) as int32
+    grids (supervised [S, K], wrong [S, K]): supervised = an element there has weight > 0, wrong = such an element's
+    draft disagrees with the target. Elements of weight 0 or with an anchor outside [0, S) are left out. Grids of
+    disjoint element sets (the segments of a partitioned step) add up to the whole row's: an entry > 0 is set."""
+    k = num_depths
+    sup = (weight > 0) & (anchor_pos >= 0) & (anchor_pos < seq_len)
+    flat = jnp.where(sup, anchor_pos * k + depth, seq_len * k)  # past the end: dropped
+
+    def put(v):
+        grid = jnp.zeros((seq_len * k,), jnp.int32).at[flat].max(v.astype(jnp.int32), mode="drop")
+        return grid.reshape(seq_len, k)
+
+    return put(sup), put(sup & ~correct)
+
+
+def chain_metrics(supervised, wrong):
+    """(cond_correct, cond_total, chain_total) float32 [K] of `anchor_grid`s [..., S, K], summed over the anchors and
+    every leading axis. Over the anchors whose depths 0..d are all supervised: chain_total[d] counts them,
+    cond_total[d] those whose depths 0..d-1 are right, cond_correct[d] those whose depths 0..d are right. So
+    cond_correct / cond_total is depth d's accuracy given the earlier depths right (EAGLE-3's cond_acc) and
+    cond_correct / chain_total the whole chain's (what acceptance of d + 1 drafts estimates)."""
+    sup = supervised > 0
+    k = sup.shape[-1]
+    full = jnp.cumprod(sup.astype(jnp.int32), axis=-1) > 0
+    right = jnp.cumprod((sup & (wrong == 0)).astype(jnp.int32), axis=-1) > 0  # implies full
+    before = jnp.concatenate([jnp.ones_like(right[..., :1]), right[..., :-1]], axis=-1)
+
+    def count(x):
+        return jnp.sum(x.reshape(-1, k).astype(jnp.float32), axis=0)
+
+    return count(right), count(full & before), count(full)
+
+
 def _row(x, name, trailing):
     x = jnp.asarray(x)
     if x.ndim == trailing + 2 and x.shape[0] == 1:
@@ -211,7 +248,8 @@ def _check_prefix(anchor_pos, depth, s):
 def peagle_loss_and_metrics(drafter: Drafter, target: Target, input_ids, hidden_states, verifier_last_hidden_states,
                             loss_mask, document_ids, anchor_pos, depth, *, valid=None, num_depths=None,
                             loss_type="kl", attn_chunk=None, loss_chunk=None, implementation: str = "auto"):
-    """(loss, metrics) with metrics = dict(correct [K], total [K], weight_sum) — see `peagle_loss`."""
+    """(loss, metrics) with metrics = dict(correct [K], total [K], cond_correct [K], cond_total [K], chain_total [K],
+    weight_sum) — see `peagle_loss`, `depth_metrics`, `chain_metrics`."""
     ids, hs = _row(input_ids, "input_ids", 0), _row(hidden_states, "hidden_states", 1)
     vl, lm = _row(verifier_last_hidden_states, "verifier_last_hidden_states", 1), _row(loss_mask, "loss_mask", 0)
     doc = _row(document_ids, "document_ids", 0)
@@ -224,7 +262,9 @@ def peagle_loss_and_metrics(drafter: Drafter, target: Target, input_ids, hidden_
     wsum = jnp.sum(weight)
     total = jnp.sum(loss * weight) / (wsum + LOSS_EPS)
     c, t = depth_metrics(correct, weight, layout.depth, k)
-    return total, dict(correct=c, total=t, weight_sum=wsum)
+    grids = anchor_grid(correct, weight, layout.anchor_pos, layout.depth, ids.shape[0], k)
+    cc, ct, ch = chain_metrics(*grids)
+    return total, dict(correct=c, total=t, cond_correct=cc, cond_total=ct, chain_total=ch, weight_sum=wsum)
 
 
 def peagle_loss(drafter: Drafter, target: Target, input_ids, hidden_states, verifier_last_hidden_states, loss_mask,

@@ -28,7 +28,7 @@ from pjax.train.cod import cod_capacities, cod_sample, partition_segment, segmen
 from pjax.train.data import eagle_shift
 from pjax.train.eagle3 import eagle3_row_loss
 from pjax.train.target_features import target_features
-from pjax.train.losses import LOSS_EPS, cast_drafter, depth_metrics, row_loss_terms
+from pjax.train.losses import LOSS_EPS, anchor_grid, cast_drafter, chain_metrics, depth_metrics, row_loss_terms
 from pjax.train.optim import learning_rate_schedule, make_optimizer, merge_params, split_params, trainable_mask
 from pjax.train.config import TrainConfig
 from pjax.train.state import TrainState
@@ -77,12 +77,27 @@ def _peagle_row(dr, target, row, layout, cfg: TrainConfig, owned=None, denom=Non
     w = weight if owned is None else weight * owned.astype(weight.dtype)
     wsum = jnp.sum(weight) if denom is None else denom
     c, t = depth_metrics(correct, w, layout.depth, cfg.cod.num_depths)
-    return jnp.sum(loss * w) / (wsum + LOSS_EPS), dict(correct=c, total=t)
+    sup, wrong = anchor_grid(correct, w, layout.anchor_pos, layout.depth, row["input_ids"].shape[0],
+                             cfg.cod.num_depths)
+    return jnp.sum(loss * w) / (wsum + LOSS_EPS), dict(correct=c, total=t, supervised=sup, wrong=wrong)
+
+
+def _sum_rows(m: dict) -> dict:
+    """Row-summed per-depth counts; the per-row anchor grids [B, S, K] stay whole (a chain may span segments)."""
+    return {k: v if k in ("supervised", "wrong") else jnp.sum(v, 0) for k, v in m.items()}
+
+
+def _count_chains(m: dict) -> dict:
+    """The anchor grids of a step's rows -> cond_correct, cond_total, chain_total [K] (`chain_metrics`)."""
+    m = dict(m)
+    cc, ct, ch = chain_metrics(m.pop("supervised"), m.pop("wrong"))
+    return dict(m, cond_correct=cc, cond_total=ct, chain_total=ch)
 
 
 def loss_and_grads(params_t, frozen, shell: Drafter, target: Target, rows: dict, cfg: TrainConfig):
     """(mean row loss, grads over the trainable leaves, metrics). Partitioned when num_segments > 1:
-    one forward/backward per segment, run one after another in a loop, gradients summed."""
+    one forward/backward per segment, run one after another in a loop, gradients summed. metrics: correct, total,
+    cond_correct, cond_total [K] (P-EAGLE also chain_total [K], `pjax.train.losses.chain_metrics`), summed over rows."""
     dtype = None if cfg.compute_dtype is None else jnp.dtype(cfg.compute_dtype)
 
     def drafter_of(p):
@@ -106,9 +121,9 @@ def loss_and_grads(params_t, frozen, shell: Drafter, target: Target, rows: dict,
         def fn(p):
             dr = drafter_of(p)
             loss, m = jax.vmap(lambda r, lay: _peagle_row(dr, target, r, lay, cfg))(rows, layout)
-            return jnp.mean(loss), jax.tree.map(lambda x: jnp.sum(x, 0), m)
+            return jnp.mean(loss), _sum_rows(m)
         (loss, m), g = jax.value_and_grad(fn, has_aux=True)(params_t)
-        return loss, g, m
+        return loss, g, _count_chains(m)
 
     s, nseg = cfg.total_seq_len, cfg.num_segments
     caps = cod_capacities(s, cfg.cod)
@@ -122,7 +137,7 @@ def loss_and_grads(params_t, frozen, shell: Drafter, target: Target, rows: dict,
                 seg = jax.vmap(lambda lay: partition_segment(lay, s, nseg, index, caps))(rows["layout"])
                 loss, m = jax.vmap(lambda r, sg, dn: _peagle_row(dr, target, r, sg.layout, cfg, sg.owned, dn, end))(
                     rows, seg, denom)
-                return jnp.mean(loss), jax.tree.map(lambda x: jnp.sum(x, 0), m)
+                return jnp.mean(loss), _sum_rows(m)
             (loss, m), g = jax.value_and_grad(fn, has_aux=True)(p)
             return loss, g, m
         return run
@@ -137,7 +152,7 @@ def loss_and_grads(params_t, frozen, shell: Drafter, target: Target, rows: dict,
         out = jax.lax.switch(i, branches, params_t, rows, denom)
         return jax.tree.map(jnp.add, acc, out)
     loss, grads, metrics = jax.lax.fori_loop(0, nseg, body, init)
-    return loss, grads, metrics
+    return loss, grads, _count_chains(metrics)
 
 
 def train_step(state: TrainState, shell: Drafter, target: Target, batch: dict, cfg: TrainConfig):
@@ -155,7 +170,7 @@ def train_step(state: TrainState, shell: Drafter, target: Target, batch: dict, c
     metrics = dict(loss=loss, correct=m["correct"], total=m["total"], grad_norm=_global_norm(grads),
                    lr=learning_rate_schedule(cfg.optim, cfg.total_steps)(state.step),
                    tokens=jnp.sum((batch["document_ids"] != -1).astype(jnp.int32)))
-    for k in ("cond_correct", "cond_total"):
+    for k in ("cond_correct", "cond_total", "chain_total"):
         if k in m:
             metrics[k] = m[k]
     return new, metrics
