@@ -688,6 +688,9 @@ def _train_head(b: Build, work: Path, objective: str) -> dict:
     save_drafter(drafter_from_state(drafter, state), work / "head", dtype="float32")
     shutil.rmtree(work / "ckpt", ignore_errors=True)
     last = history[-1] if history else {}
+    if last:  # marginal, conditional (earlier depths right) and whole-chain accuracy per depth / step
+        b.log(f"{objective}: final " + " ".join(f"{k}[{' '.join(f'{a:.2f}' for a in last[k])}]"
+                                                  for k in ("acc", "cond_acc", "chain_acc") if k in last))
     return dict(steps=r.head_steps, tokens=tokens, layers=dcfg.layer.num_layers, aux_layer_ids=dcfg.aux_layer_ids,
                 final=last, history=history)
 
