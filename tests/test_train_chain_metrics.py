@@ -3,25 +3,18 @@ chain's (chain_acc), against a numpy reference written from the definition: on a
 train steps of a tiny model (single pass and partitioned), whose per-element correctness is recomputed with
 `row_loss_terms`."""
 import dataclasses
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pjax.config import LayerSpec, ModelConfig, RopeSpec
 from pjax.models.drafter import Drafter
-from pjax.models.target import init_target
-from pjax.train.cod import CodConfig
-from pjax.train.config import TrainConfig
-from pjax.train.data import ByteTokenizer, RowStream, text_document
-from pjax.train.heads import drafter_config_for_target, init_drafter_for_target
 from pjax.train.loop import summarize
 from pjax.train.losses import anchor_grid, chain_metrics, row_loss_terms, with_params
-from pjax.train.optim import OptimConfig
 from pjax.train.state import init_train_state
 from pjax.train.step import make_train_step, prepare_rows, shard_batch
+from tests.train_utils import byte_training_setup
 
 FAST = {"xla_backend_optimization_level": 0}
 
@@ -106,19 +99,8 @@ S, B, K = 64, 2, 4
 
 @pytest.fixture(scope="module")
 def setup():
-    tok = ByteTokenizer()
-    tcfg = ModelConfig("llama", tok.vocab_size, 32, 64, 4, tuple(LayerSpec(8, 2, RopeSpec()) for _ in range(2)))
-    target = init_target(tcfg, jax.random.key(0), scale=0.1)
     # a 3-token draft vocabulary: a random head agrees with the target often enough for chains 4 deep
-    dcfg = drafter_config_for_target(tcfg, num_layers=1, draft_vocab_size=3, mask_token_id=tok.mask_token_id,
-                                     num_depths=K, aux_layer_ids=(0, 1, 2))
-    drafter = init_drafter_for_target(target, dcfg, jax.random.key(1))
-    text = open(os.__file__).read()
-    docs = [text_document(text[i * 200:i * 200 + 90 + 37 * (i % 4)], tok, tok.bos_token_id) for i in range(30)]
-    stream = RowStream(docs, S, B, seed=1)
-    cfg = TrainConfig(total_seq_len=S, batch_rows=B, total_steps=4, cod=CodConfig(num_depths=K, max_anchors=40),
-                      optim=OptimConfig(lr=1e-3, warmup_steps=1))
-    return target, drafter, stream, cfg
+    return byte_training_setup(S, B, draft_vocab_size=3, num_depths=K, max_anchors=40)
 
 
 def test_train_step_chain_metrics(setup):

@@ -2,25 +2,21 @@
 parallel on 4 fake CPU devices == 1 device, and a tiny end-to-end run (target, then a P-EAGLE head)."""
 import dataclasses
 import functools
-import os
 
 import jax
 import numpy as np
 import pytest
 
-from pjax.config import LayerSpec, ModelConfig, RopeSpec
 from pjax.models.drafter import Drafter
 from pjax.models.pairing import check_pair
-from pjax.models.target import init_target
-from pjax.train.cod import CodConfig, cod_sample
-from pjax.train.data import ByteTokenizer, FeatureStream, RowStream, pack_documents, stack_rows, text_document
+from pjax.train.cod import cod_sample
+from pjax.train.data import FeatureStream, pack_documents, stack_rows
 from pjax.train.loop import train_drafter
-from pjax.train.optim import OptimConfig, split_params, trainable_mask
-from pjax.train.config import TrainConfig
-from pjax.train.heads import drafter_config_for_target, init_drafter_for_target
+from pjax.train.optim import split_params, trainable_mask
 from pjax.train.state import init_train_state
 from pjax.train.target_features import target_features
 from pjax.train.step import loss_and_grads, make_mesh, make_train_step, shard_batch, shard_target
+from tests.train_utils import byte_training_setup
 
 S, B = 64, 4
 FAST = {"xla_backend_optimization_level": 0}  # CPU: much faster compiles of these tiny programs
@@ -40,18 +36,7 @@ def tree_rel(a, b):
 
 @pytest.fixture(scope="module")
 def setup():
-    tok = ByteTokenizer()
-    tcfg = ModelConfig("llama", tok.vocab_size, 32, 64, 4, tuple(LayerSpec(8, 2, RopeSpec()) for _ in range(2)))
-    target = init_target(tcfg, jax.random.key(0), scale=0.1)
-    dcfg = drafter_config_for_target(tcfg, num_layers=1, draft_vocab_size=200, mask_token_id=tok.mask_token_id,
-                                     num_depths=4, aux_layer_ids=(0, 1, 2))
-    drafter = init_drafter_for_target(target, dcfg, jax.random.key(1))
-    text = open(os.__file__).read()
-    docs = [text_document(text[i * 200:i * 200 + 90 + 37 * (i % 4)], tok, tok.bos_token_id) for i in range(30)]
-    stream = RowStream(docs, S, B, seed=1)
-    cfg = TrainConfig(total_seq_len=S, batch_rows=B, total_steps=4, cod=CodConfig(num_depths=4, max_anchors=None),
-                      optim=OptimConfig(lr=1e-3, warmup_steps=1))
-    return target, drafter, stream, cfg
+    return byte_training_setup(S, B, draft_vocab_size=200, num_depths=4, max_anchors=None)
 
 
 def test_partitioned_grads_equal_single_pass(setup):
