@@ -14,8 +14,10 @@ checkpoint):
     tokenizer  byte-level BPE on the training split (`pjax.train.bpe`), Hugging Face layout
     tokens     every file encoded once: BOS + tokens + EOS
     target     next-token training (`pjax.train.target_lm`) for `target_tokens` tokens; held-out loss
-    regen      with --head-data regenerated: training-file prefixes continued by the target (else nothing)
-    peagle     P-EAGLE head (COD sampling, `peagle_depths` trained depths) on the head data
+    regen      with --head-data regenerated: training-file prefixes continued by the target, and held-out-file
+               prefixes for evaluation (else nothing)
+    peagle     P-EAGLE head (COD sampling, `peagle_depths` trained depths) on the head data; accuracy per depth on
+               held-out data (acc, cond_acc given the earlier depths right, chain_acc of the whole chain)
     eagle3     EAGLE-3 head (training-time test) on the same rows, same steps, rows per step and row length
     export     DIR/pair: target/ (Hugging Face), peagle/ and eagle3/ (speculators), prompts.jsonl, pair.json
     check      greedy decoding of a few benchmark prompts: plain vs each head (acceptance length, equality)
@@ -106,6 +108,10 @@ class Recipe:
     regen_new_tokens: int = 512
     regen_temperature: float = 0.0  # 0: greedy continuations (the benchmark's decoding)
     regen_batch: int = 256
+    # held-out evaluation of both heads: prefixes of held-out files continued the same way (corpus head data: the
+    # held-out files themselves), head_eval_batches batches of the training shape
+    regen_eval_prompts: int = 512
+    head_eval_batches: int = 8
     aux_layer_ids: Optional[tuple[int, ...]] = None  # None: the target's default (2, L//2, L-3)
     draft_vocab_size: Optional[int] = None  # None: the target's vocabulary
     # P-EAGLE head
@@ -135,7 +141,8 @@ TINY = dataclasses.replace(
     vocab_size=1024, tokenizer_sample_bytes=2_000_000, target_layers=4, target_hidden=64, target_heads=4,
     target_kv_heads=2, target_intermediate=176, target_seq_len=256, target_batch_rows=4, target_tokens=60 * 4 * 256,
     target_lr=3e-3, target_warmup=10, eval_rows=8, head_seq_len=256, head_batch_rows=4, head_steps=40,
-    regen_prompts=24, regen_prompt_tokens=64, regen_new_tokens=24, regen_batch=8,
+    regen_prompts=24, regen_prompt_tokens=64, regen_new_tokens=24, regen_batch=8, regen_eval_prompts=24,
+    head_eval_batches=2,
     head_data="corpus", peagle_layers=2, peagle_depths=8, peagle_max_anchors=None, peagle_lr=3e-3, eagle3_lr=3e-3,
     compute_dtype=None, export_dtype="float32", check_prompts=2, check_new_tokens=16)
 
@@ -152,13 +159,14 @@ SETTINGS = {
                "rope_theta", "target_seq_len", "target_batch_rows", "target_tokens", "target_minutes", "target_lr",
                "target_warmup", "target_weight_decay", "eval_rows", "compute_dtype", "remat", "seed"),
     "regen": ("head_data", "regen_prompts", "regen_prompt_tokens", "regen_new_tokens", "regen_temperature",
-              "regen_batch", "compute_dtype", "seed"),
+              "regen_batch", "regen_eval_prompts", "compute_dtype", "seed"),
     "peagle": ("head_seq_len", "head_batch_rows", "head_steps", "head_weight_decay", "head_warmup", "aux_layer_ids",
                "draft_vocab_size", "peagle_layers", "peagle_depths", "peagle_down_sample_ratio",
                "peagle_down_sample_ratio_min", "peagle_max_anchors", "peagle_segments", "peagle_lr",
-               "compute_dtype", "seed"),
+               "head_eval_batches", "compute_dtype", "seed"),
     "eagle3": ("head_seq_len", "head_batch_rows", "head_steps", "head_weight_decay", "head_warmup", "aux_layer_ids",
-               "draft_vocab_size", "eagle3_layers", "eagle3_ttt_steps", "eagle3_lr", "compute_dtype", "seed"),
+               "draft_vocab_size", "eagle3_layers", "eagle3_ttt_steps", "eagle3_lr", "head_eval_batches",
+               "compute_dtype", "seed"),
     "export": ("export_dtype",),
     "check": ("check_prompts", "check_new_tokens"),
 }
@@ -555,29 +563,24 @@ def load_code_target(b: Build, dtype=jnp.float32):
     return load_target(b.dir("target") / "model", dtype=dtype)
 
 
-def stage_regen(b: Build, work: Path) -> dict:
-    """With head_data "regenerated": prefixes of training files (BOS + 32..regen_prompt_tokens tokens, file and length
-    drawn with the seed) continued by the target (`pjax.generate`, regen_temperature; stops at EOS) -> documents whose
-    continuation is supervised. With "corpus": nothing to do."""
+def _continue(b: Build, target, docs, count: int, seed: int, label: str):
+    """`count` prefixes of `docs` (BOS + 32..regen_prompt_tokens tokens, file and length drawn with `seed`) continued
+    by the target (`pjax.generate`, regen_temperature; stops at EOS) -> (token arrays, loss masks: 1 on the
+    continuation, new tokens)."""
     import pjax
     r = b.recipe
-    if r.head_data not in ("corpus", "regenerated"):
-        raise RecipeError(f"--head-data {r.head_data!r}: expected 'corpus' or 'regenerated'")
-    if r.head_data == "corpus":
-        return dict(head_data="corpus")
-    docs = [d for d in documents(b, "train") if len(d.tokens) > 33]
-    rng = np.random.default_rng(r.seed + 4)
-    picks = rng.integers(0, len(docs), r.regen_prompts)
+    docs = [d for d in docs if len(d.tokens) > 33]
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(docs), count)
     lengths = [int(rng.integers(32, min(r.regen_prompt_tokens, len(docs[i].tokens) - 1) + 1)) for i in picks]
     prompts = [docs[i].tokens[:n].tolist() for i, n in zip(picks, lengths)]
-    target = load_code_target(b, jnp.dtype(r.compute_dtype or "float32"))
     eos = special_ids(b)["eos_token"]
-    bar = b.bar(len(prompts), "regenerate", unit="prompt")
+    bar = b.bar(len(prompts), label, unit="prompt")
     out_tokens, out_mask, t0, new = [], [], time.time(), 0
     for i in range(0, len(prompts), r.regen_batch):
         batch = prompts[i:i + r.regen_batch]
         res = pjax.generate(target, None, batch, max_new_tokens=r.regen_new_tokens, drafting="none",
-                            temperature=r.regen_temperature, seed=[r.seed + i + j for j in range(len(batch))],
+                            temperature=r.regen_temperature, seed=[seed + i + j for j in range(len(batch))],
                             eos_token_id=eos, implementation=b.implementation)
         for p, g in zip(batch, res.tokens):
             out_tokens.append(np.asarray(p + g, np.int32))
@@ -588,22 +591,51 @@ def stage_regen(b: Build, work: Path) -> dict:
             bar.set_postfix_str(f"{new / (time.time() - t0):.0f} new tok/s")
     if bar is not None:
         bar.close()
-    np.save(work / "tokens.npy", np.concatenate(out_tokens))
-    np.save(work / "loss_mask.npy", np.concatenate(out_mask))
-    np.save(work / "offsets.npy", np.concatenate([[0], np.cumsum([len(t) for t in out_tokens])]).astype(np.int64))
-    b.log(f"regen: {len(prompts)} continuations, {new / 1e6:.2f} M new tokens in {time.time() - t0:.0f} s")
-    return dict(head_data="regenerated", prompts=len(prompts), prompt_tokens=int(sum(lengths)), new_tokens=new,
-                seconds=round(time.time() - t0, 1))
+    return out_tokens, out_mask, new
 
 
-def head_documents(b: Build):
-    """The heads' training documents: the corpus' training files, or the regenerated continuations."""
+def _save_documents(work: Path, name: str, tokens, masks) -> None:
+    np.save(work / f"{name}tokens.npy", np.concatenate(tokens))
+    np.save(work / f"{name}loss_mask.npy", np.concatenate(masks))
+    np.save(work / f"{name}offsets.npy", np.concatenate([[0], np.cumsum([len(t) for t in tokens])]).astype(np.int64))
+
+
+def _load_documents(work: Path, name: str):
     from pjax.train.data import Document
-    if b.recipe.head_data == "corpus":
-        return documents(b, "train")
-    d = b.dir("regen")
-    toks, mask, offs = np.load(d / "tokens.npy"), np.load(d / "loss_mask.npy"), np.load(d / "offsets.npy")
+    toks, mask = np.load(work / f"{name}tokens.npy"), np.load(work / f"{name}loss_mask.npy")
+    offs = np.load(work / f"{name}offsets.npy")
     return [Document(toks[a:e], mask[a:e]) for a, e in zip(offs[:-1], offs[1:])]
+
+
+def stage_regen(b: Build, work: Path) -> dict:
+    """With head_data "regenerated": prefixes of training files continued by the target (`_continue`) -> documents
+    whose continuation is supervised; and regen_eval_prompts prefixes of held-out files, continued the same way, for
+    the heads' held-out evaluation. With "corpus": nothing to do."""
+    r = b.recipe
+    if r.head_data not in ("corpus", "regenerated"):
+        raise RecipeError(f"--head-data {r.head_data!r}: expected 'corpus' or 'regenerated'")
+    if r.head_data == "corpus":
+        return dict(head_data="corpus")
+    target = load_code_target(b, jnp.dtype(r.compute_dtype or "float32"))
+    t0 = time.time()
+    tokens, masks, new = _continue(b, target, documents(b, "train"), r.regen_prompts, r.seed + 4, "regenerate")
+    _save_documents(work, "", tokens, masks)
+    seconds = time.time() - t0
+    b.log(f"regen: {len(tokens)} continuations, {new / 1e6:.2f} M new tokens in {seconds:.0f} s")
+    held, held_masks, held_new = _continue(b, target, documents(b, "held_out"), r.regen_eval_prompts, r.seed + 5,
+                                           "regenerate held-out")
+    _save_documents(work, "held_out_", held, held_masks)
+    b.log(f"regen: {len(held)} held-out continuations, {held_new / 1e6:.2f} M new tokens")
+    prompt_tokens = int(sum(int(np.sum(m == 0)) for m in masks))
+    return dict(head_data="regenerated", prompts=len(tokens), prompt_tokens=prompt_tokens, new_tokens=new, seconds=round(seconds, 1), held_out_prompts=len(held), held_out_new_tokens=held_new)
+
+
+def head_documents(b: Build, split: str = "train"):
+    """The heads' training (split "train") or evaluation ("held_out") documents: the corpus' files of that split, or
+    the regenerated continuations of its prefixes."""
+    if b.recipe.head_data == "corpus":
+        return documents(b, split)
+    return _load_documents(b.dir("regen"), "" if split == "train" else "held_out_")
 
 
 def _head_config(b: Build, objective: str, target, docs):
@@ -630,7 +662,7 @@ def _head_config(b: Build, objective: str, target, docs):
 
 def _train_head(b: Build, work: Path, objective: str) -> dict:
     from pjax.checkpoint import save_drafter
-    from pjax.train import Checkpointer, RowStream, init_drafter_for_target, make_mesh, train_drafter
+    from pjax.train import Checkpointer, RowStream, evaluate_drafter, init_drafter_for_target, make_mesh, train_drafter
     from pjax.train.loop import format_metrics
     from pjax.train.state import drafter_from_state, init_train_state
     from pjax.train.step import replicate
@@ -685,14 +717,18 @@ def _train_head(b: Build, work: Path, objective: str) -> dict:
     if bar is not None:
         bar.close()
     ckpt.close()
+    held = evaluate_drafter(target, drafter, RowStream(head_documents(b, "held_out"), r.head_seq_len,
+                                                       r.head_batch_rows, seed=r.seed + 6),
+                            cfg, batches=r.head_eval_batches, state=state, mesh=mesh)
     save_drafter(drafter_from_state(drafter, state), work / "head", dtype="float32")
     shutil.rmtree(work / "ckpt", ignore_errors=True)
     last = history[-1] if history else {}
-    if last:  # marginal, conditional (earlier depths right) and whole-chain accuracy per depth / step
-        b.log(f"{objective}: final " + " ".join(f"{k}[{' '.join(f'{a:.2f}' for a in last[k])}]"
-                                                  for k in ("acc", "cond_acc", "chain_acc") if k in last))
+    for name, m in (("final (training batches)", last), ("held-out", held)):
+        if m:  # marginal, conditional (earlier depths right) and whole-chain accuracy per depth / step
+            b.log(f"{objective}: {name} " + " ".join(f"{k}[{' '.join(f'{a:.2f}' for a in m[k])}]"
+                                                    for k in ("acc", "cond_acc", "chain_acc") if k in m))
     return dict(steps=r.head_steps, tokens=tokens, layers=dcfg.layer.num_layers, aux_layer_ids=dcfg.aux_layer_ids,
-                final=last, history=history)
+                final=last, held_out=held, history=history)
 
 
 def stage_peagle(b: Build, work: Path) -> dict:

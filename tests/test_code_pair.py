@@ -201,6 +201,12 @@ def test_regenerated_head_data(build_dir, tmp_path):
         n = int(np.argmax(d.loss_mask))  # the prompt: BOS + a training file's first n - 1 tokens, unsupervised
         assert d.tokens[0] == bos and 32 <= n <= recipe.regen_prompt_tokens and d.loss_mask[n:].all()
     assert pjax.load_drafter(out / "peagle" / "head").config.model_kind == "peagle"
+    held = cp.head_documents(b, "held_out")  # evaluation prompts: prefixes of held-out files only
+    starts = {tuple(d.tokens[:32].tolist()) for d in cp.documents(b, "held_out")}
+    assert len(held) == recipe.regen_eval_prompts and summary["held_out_prompts"] == len(held)
+    assert all(tuple(d.tokens[:32].tolist()) in starts for d in held)
+    peagle = json.loads((out / "peagle" / "stage.json").read_text())["summary"]
+    assert len(peagle["held_out"]["chain_acc"]) == recipe.peagle_depths and peagle["held_out"]["tokens_per_s"] > 0
 
 
 def test_changed_settings_are_refused(build_dir, tmp_path):

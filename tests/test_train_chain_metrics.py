@@ -1,7 +1,7 @@
 """P-EAGLE chain metrics: each depth's accuracy given the anchor's earlier depths right (cond_acc) and the whole
 chain's (chain_acc), against a numpy reference written from the definition: on a hand-built layout, and on real
 train steps of a tiny model (single pass and partitioned), whose per-element correctness is recomputed with
-`row_loss_terms`."""
+`row_loss_terms`; held-out evaluation (`eval_step`, `evaluate_drafter`) reports the train step's metrics."""
 import dataclasses
 
 import jax
@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from pjax.models.drafter import Drafter
-from pjax.train.loop import summarize
+from pjax.train.loop import evaluate_drafter, summarize
 from pjax.train.losses import anchor_grid, chain_metrics, row_loss_terms, with_params
 from pjax.train.state import init_train_state
-from pjax.train.step import make_train_step, prepare_rows, shard_batch
+from pjax.train.step import eval_step, make_train_step, prepare_rows, shard_batch
 from tests.train_utils import byte_training_setup
 
 FAST = {"xla_backend_optimization_level": 0}
@@ -143,3 +143,31 @@ def test_train_step_chain_metrics(setup):
     summary = summarize(1, [jax.device_get(m)], 1.0)
     np.testing.assert_allclose(summary["cond_acc"], want[0] / want[1])
     np.testing.assert_allclose(summary["chain_acc"], want[0] / want[2])
+
+
+@pytest.mark.parametrize("objective", ["peagle", "eagle3"])
+def test_eval_step_reports_the_train_steps_metrics(setup, objective):
+    """eval_step on (state, batch) gives the loss and every count of train_step on the same pair (P-EAGLE: the same
+    COD layout), and evaluate_drafter summarises those of batches 0..n-1 as the training log does."""
+    target, drafter, stream, cfg = setup
+    cfg = dataclasses.replace(cfg, objective=objective, ttt_steps=3)
+    shell = Drafter(drafter.config, drafter.graphdef, None, drafter.d2t)
+    state = init_train_state(drafter, cfg)
+    batches = [shard_batch(stream.batch(i), None) for i in range(2)]
+    step = make_train_step(cfg, donate=False, compiler_options=FAST)
+    ev = jax.jit(lambda st, b: eval_step(st, shell, target, b, cfg), compiler_options=FAST)
+    trained = [jax.device_get(step(state, shell, target, b)[1]) for b in batches]
+    for b, t in zip(batches, trained):
+        e = jax.device_get(ev(state, b))
+        np.testing.assert_allclose(e["loss"], t["loss"], rtol=1e-6)
+        keys = [k for k in t if k not in ("loss", "lr", "grad_norm")]
+        assert {"correct", "total", "cond_correct", "cond_total", "tokens"} <= set(keys) <= set(e)
+        for k in keys:
+            np.testing.assert_array_equal(e[k], t[k], err_msg=k)
+    got = evaluate_drafter(target, drafter, stream, cfg, batches=2, compiler_options=FAST)
+    want = summarize(2, trained, 1.0)
+    for k in ("acc", "cond_acc") + (("chain_acc",) if objective == "peagle" else ()):
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-6, err_msg=k)
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-6)
+    with pytest.raises(ValueError, match="batches=0"):
+        evaluate_drafter(target, drafter, stream, cfg, batches=0)

@@ -13,7 +13,8 @@ steps: decode time per round of plain decoding, a P-EAGLE round (one drafter pas
 at batch 1 on the 445M shape (24 x 1024) and the 8B shape; --xla-sweep re-runs the measurement in subprocesses
 under each XLA_FLAGS set of FLAG_SETS (e.g. XLA command buffers, i.e. CUDA graphs, for the loop body) and prints one
 table. profile: one generation per case under the profiler (GPU): kernels per round, kernel-busy vs wall time of the
-device span, and the longest idle gaps (launch-bound steps, chunk boundaries). Weights are random bf16; acceptance is then ~0, so every round emits one token and has the same cost as a
+device span, the longest idle gaps (launch-bound steps, chunk boundaries) and the most launched kernels (launches
+per round, mean time each). Weights are random bf16; acceptance is then ~0, so every round emits one token and has the same cost as a
 round with accepted drafts (the same slots are computed). Compilation is excluded (a warm-up generation first).
 Prints markdown; writes JSON to --out (default $OUT/bench_generate.json when $OUT is set).
 """
@@ -158,16 +159,26 @@ def run_profile(args) -> list[dict]:
             continue
         busy = sum(e - s for s, e, _ in events)
         span = events[-1][1] - events[0][0]
+        kinds = {}  # kernel name -> [launches, busy ns], over the whole generation
+        for s, e, name in events:
+            k = kinds.setdefault(name, [0, 0])
+            k[0], k[1] = k[0] + 1, k[1] + e - s
+        per_round = max(stats["rounds"], 1)
+        top = sorted(kinds.items(), key=lambda kv: -kv[1][0])[:args.top_kernels]
         gaps = sorted(((events[i + 1][0] - events[i][1], i) for i in range(len(events) - 1)), reverse=True)[:5]
         row = {"shape": shape, "drafting": mode, "batch": batch, "chunk_seconds": chunk, "rounds": stats["rounds"],
                "device_chunks": stats["device_chunks"], "kernels": len(events),
                "kernels_per_round": len(events) / max(stats["rounds"], 1), "busy_ms": busy / 1e6,
                "span_ms": span / 1e6, "busy_fraction": busy / span,
-               "largest_gaps_us": [round(g / 1e3, 1) for g, _ in gaps]}
+               "largest_gaps_us": [round(g / 1e3, 1) for g, _ in gaps],
+               "kernels_by_name": [{"name": n, "per_round": c / per_round, "us_each": t / c / 1e3}
+                                   for n, (c, t) in top]}
         rows.append(row)
         print(f"{shape} {mode} b={batch}: {row['kernels_per_round']:.0f} kernels/round, busy {row['busy_ms']:.1f} of "
               f"{row['span_ms']:.1f} ms ({row['busy_fraction']:.0%}), {row['device_chunks']} chunks, largest gaps "
               f"{row['largest_gaps_us']} us", flush=True)
+        for k in row["kernels_by_name"]:
+            print(f"    {k['per_round']:7.1f} x {k['us_each']:7.2f} us  {k['name'][:110]}")
     return rows
 
 
@@ -210,6 +221,7 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--chunk-seconds", type=float, default=1.0)
+    ap.add_argument("--top-kernels", type=int, default=40, help="profile: kernel names listed per case")
     ap.add_argument("--batches", default="1,64", help="chunks: comma-separated batch sizes")
     ap.add_argument("--shapes", default="llama-445m,llama3.1-8b", help="steps: comma-separated shapes of SHAPES")
     ap.add_argument("--xla-sweep", action="store_true", help="steps under each XLA_FLAGS set (subprocesses)")

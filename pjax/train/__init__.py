@@ -10,7 +10,7 @@ from pjax.train.data import (FeatureStream, RowStream, build_vocab_mapping, chat
                              save_feature_sample, text_document, token_frequencies)
 from pjax.train.eagle3 import eagle3_loss
 from pjax.train.heads import drafter_config_for_target, init_drafter_for_target
-from pjax.train.loop import TrainResult, train_drafter
+from pjax.train.loop import TrainResult, evaluate_drafter, train_drafter
 from pjax.train.losses import draft_logits, peagle_loss
 from pjax.train.optim import OptimConfig
 from pjax.train.recipes import tiny_run
@@ -21,6 +21,6 @@ from pjax.train.target_lm import train_target_lm
 
 __all__ = ["Checkpointer", "CodConfig", "FeatureStream", "OptimConfig", "RowStream", "TrainConfig", "TrainResult",
            "TrainState", "build_vocab_mapping", "chat_document", "cod_sample", "draft_logits",
-           "drafter_config_for_target", "eagle3_loss", "init_drafter_for_target", "load_documents", "make_mesh",
+           "drafter_config_for_target", "eagle3_loss", "evaluate_drafter", "init_drafter_for_target", "load_documents", "make_mesh",
            "peagle_loss", "save_feature_sample", "target_features", "text_document", "tiny_run", "token_frequencies",
            "train_drafter", "train_target_lm"]

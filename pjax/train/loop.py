@@ -3,6 +3,7 @@ checkpointing with exact resume, export of the trained head."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Callable, Optional
 
@@ -15,7 +16,7 @@ from pjax.train.data import FeatureStream, RowStream
 from pjax.train.checkpoint import Checkpointer
 from pjax.train.config import TrainConfig
 from pjax.train.state import TrainState, drafter_from_state, init_train_state
-from pjax.train.step import make_mesh, make_train_step, replicate, shard_batch, shard_target
+from pjax.train.step import eval_step, make_mesh, make_train_step, replicate, shard_batch, shard_target
 
 
 @dataclasses.dataclass
@@ -120,3 +121,28 @@ def train_drafter(target: Target, drafter: Drafter, stream: RowStream | FeatureS
     if ckpt is not None:
         ckpt.close()
     return TrainResult(drafter_from_state(drafter, state), state, history)
+
+
+def evaluate_drafter(target: Target, drafter: Drafter, stream: RowStream | FeatureStream, cfg: TrainConfig, *,
+                     batches: int, state: Optional[TrainState] = None, mesh=None,
+                     compiler_options: Optional[dict] = None) -> dict:
+    """The training metrics of `drafter` (or of `state`'s params) on `batches` batches of `stream` without training
+    it: held-out accuracy per depth (acc, cond_acc, chain_acc as in `summarize`) and loss. Batches 0..batches-1 of
+    the stream (wrapping into its next epoch when it has fewer)."""
+    cfg.validate()
+    if stream.batch_rows != cfg.batch_rows or stream.total_seq_len != cfg.total_seq_len:
+        raise ValueError(f"stream yields {stream.batch_rows} x {stream.total_seq_len} batches but the config says "
+                         f"batch_rows={cfg.batch_rows}, total_seq_len={cfg.total_seq_len}")
+    if batches < 1:
+        raise ValueError(f"batches={batches}: expected at least 1")
+    mesh = make_mesh(jax.devices()[:1]) if mesh is None else mesh
+    state = replicate(init_train_state(drafter, cfg) if state is None else state, mesh)
+    target = replicate(target, mesh)
+    shell = replicate(Drafter(drafter.config, drafter.graphdef, None, drafter.d2t), mesh)
+    kw = {} if compiler_options is None else dict(compiler_options=compiler_options)
+    step = jax.jit(functools.partial(eval_step, cfg=cfg), **kw)
+    t0 = time.perf_counter()
+    metrics = [step(state, shell, target, shard_batch(stream.batch(i), mesh)) for i in range(batches)]
+    host = [dict(m, lr=np.float32(0), grad_norm=np.float32(0)) for m in jax.device_get(metrics)]
+    out = summarize(batches, host, time.perf_counter() - t0)
+    return {k: v for k, v in out.items() if k not in ("step", "lr", "grad_norm")}

@@ -94,10 +94,8 @@ def _count_chains(m: dict) -> dict:
     return dict(m, cond_correct=cc, cond_total=ct, chain_total=ch)
 
 
-def loss_and_grads(params_t, frozen, shell: Drafter, target: Target, rows: dict, cfg: TrainConfig):
-    """(mean row loss, grads over the trainable leaves, metrics). Partitioned when num_segments > 1:
-    one forward/backward per segment, run one after another in a loop, gradients summed. metrics: correct, total,
-    cond_correct, cond_total [K] (P-EAGLE also chain_total [K], `pjax.train.losses.chain_metrics`), summed over rows."""
+def _whole_row_loss(frozen, shell: Drafter, target: Target, rows: dict, cfg: TrainConfig):
+    """fn(trainable params) -> (mean row loss, row-summed metrics) over whole rows (no partitioning)."""
     dtype = None if cfg.compute_dtype is None else jnp.dtype(cfg.compute_dtype)
 
     def drafter_of(p):
@@ -113,18 +111,25 @@ def loss_and_grads(params_t, frozen, shell: Drafter, target: Target, rows: dict,
                 loss_type=cfg.loss_type, attn_chunk=cfg.attn_chunk, loss_chunk=cfg.loss_chunk,
                 implementation=cfg.implementation))(rows)
             return jnp.mean(loss), jax.tree.map(lambda x: jnp.sum(x, 0), m)
-        (loss, m), g = jax.value_and_grad(fn, has_aux=True)(params_t)
+        return fn, drafter_of
+
+    def fn(p):
+        dr = drafter_of(p)
+        loss, m = jax.vmap(lambda r, lay: _peagle_row(dr, target, r, lay, cfg))(rows, rows["layout"])
+        return jnp.mean(loss), _count_chains(_sum_rows(m))
+    return fn, drafter_of
+
+
+def loss_and_grads(params_t, frozen, shell: Drafter, target: Target, rows: dict, cfg: TrainConfig):
+    """(mean row loss, grads over the trainable leaves, metrics). Partitioned when num_segments > 1:
+    one forward/backward per segment, run one after another in a loop, gradients summed. metrics: correct, total,
+    cond_correct, cond_total [K] (P-EAGLE also chain_total [K], `pjax.train.losses.chain_metrics`), summed over rows."""
+    whole, drafter_of = _whole_row_loss(frozen, shell, target, rows, cfg)
+    if cfg.objective == "eagle3" or cfg.num_segments == 1:
+        (loss, m), g = jax.value_and_grad(whole, has_aux=True)(params_t)
         return loss, g, m
 
     layout = rows["layout"]
-    if cfg.num_segments == 1:
-        def fn(p):
-            dr = drafter_of(p)
-            loss, m = jax.vmap(lambda r, lay: _peagle_row(dr, target, r, lay, cfg))(rows, layout)
-            return jnp.mean(loss), _sum_rows(m)
-        (loss, m), g = jax.value_and_grad(fn, has_aux=True)(params_t)
-        return loss, g, _count_chains(m)
-
     s, nseg = cfg.total_seq_len, cfg.num_segments
     caps = cod_capacities(s, cfg.cod)
     denom = jax.vmap(lambda r, lay: jnp.sum(r["loss_mask"][lay.anchor_pos + lay.depth].astype(jnp.float32)
@@ -174,6 +179,18 @@ def train_step(state: TrainState, shell: Drafter, target: Target, batch: dict, c
         if k in m:
             metrics[k] = m[k]
     return new, metrics
+
+
+def eval_step(state: TrainState, shell: Drafter, target: Target, batch: dict, cfg: TrainConfig):
+    """The train step's loss and metrics on a batch, without gradients or an update (pure; held-out evaluation).
+    Whole rows at once (a forward keeps no activations for a backward); the COD layout is the one `train_step` would
+    draw at the state's step, so the metrics equal that step's. Returns the train step's metrics less lr/grad_norm."""
+    mask = trainable_mask(state.params, cfg.effective_optim)
+    params_t, frozen = split_params(state.params, mask)
+    rows = prepare_rows(target, shell, batch, cfg, jax.random.fold_in(jax.random.wrap_key_data(state.rng),
+                                                                       state.step))
+    loss, m = _whole_row_loss(frozen, shell, target, rows, cfg)[0](params_t)
+    return dict(m, loss=loss, tokens=jnp.sum((batch["document_ids"] != -1).astype(jnp.int32)))
 
 
 def _global_norm(tree):
