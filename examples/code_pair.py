@@ -130,8 +130,8 @@ class Recipe:
     compute_dtype: Optional[str] = "bfloat16"
     remat: bool = False
     export_dtype: str = "bfloat16"
-    check_prompts: int = 16
-    check_new_tokens: int = 128
+    check_prompts: int = 32
+    check_new_tokens: int = 256
     seed: int = 0
 
 
@@ -786,13 +786,38 @@ def stage_check(b: Build, work: Path) -> dict:
         drafter = pjax.load_drafter(pair / head, dtype=jnp.dtype(r.export_dtype), target=target)
         res = pjax.generate(target, drafter, prompts, drafting=drafting, num_speculative_tokens=k, **kw)
         same = sum(a == p for a, p in zip(res.tokens, plain.tokens))
+        forced = _teacher_forced(b, target, drafter, head, k, prompts, plain.tokens)
+        rates = res.stats["acceptance_rates"]
         out[head] = dict(k=k, mean_acceptance_length=res.stats["mean_acceptance_length"],
-                         acceptance_rates=res.stats["acceptance_rates"], identical_to_plain=same == len(prompts),
-                         identical_rows=same, tokens_per_s=res.stats["output_tokens_per_s"])
+                         acceptance_rates=rates, identical_to_plain=same == len(prompts),
+                         identical_rows=same, tokens_per_s=res.stats["output_tokens_per_s"], teacher_forced=forced)
         b.log(f"check {head}: K={k} mean acceptance length {res.stats['mean_acceptance_length']:.3f}, per-position "
-              f"{[round(x, 3) for x in res.stats['acceptance_rates']]}; {same}/{len(prompts)} rows identical to "
-              f"plain greedy decoding ({r.export_dtype})")
+              f"{[round(x, 3) for x in rates]}; {same}/{len(prompts)} rows identical to plain greedy decoding "
+              f"({r.export_dtype})")
+        conditional = [a / p if p else float("nan") for a, p in zip(rates, [1.0] + list(rates[:-1]))]
+        b.log(f"check {head}: decoding, position i accepted given i - 1 {_fmt(conditional)}; the same sequences "
+              f"teacher-forced: depth d right given depths < d {_fmt(forced['cond_acc'])}"
+              + (f", chain 0..d right {_fmt(forced['chain_acc'])}" if "chain_acc" in forced else ""))
     return out
+
+
+def _fmt(xs) -> str:
+    return "[" + " ".join(f"{x:.2f}" for x in xs) + "]"
+
+
+def _teacher_forced(b: Build, target, drafter, objective: str, k: int, prompts, outputs) -> dict:
+    """The head's training metrics (`pjax.train.evaluate_drafter`, every anchor at every depth) on prompt + output
+    sequences, the outputs supervised: what decoding them would accept if drafting and training agree."""
+    from pjax.train import CodConfig, RowStream, TrainConfig, evaluate_drafter
+    from pjax.train.data import Document
+    r = b.recipe
+    docs = [Document(np.asarray(p + o, np.int32), np.asarray([0] * len(p) + [1] * len(o), np.int8))
+            for p, o in zip(prompts, outputs) if o]
+    stream = RowStream(docs, r.head_seq_len, 1, shuffle=False)
+    cfg = TrainConfig(objective=objective, total_seq_len=r.head_seq_len, batch_rows=1, total_steps=1,
+                      cod=CodConfig(num_depths=k, down_sample_ratio=1.0, down_sample_ratio_min=1.0, max_anchors=None),
+                      ttt_steps=k, compute_dtype=r.compute_dtype, seed=r.seed, implementation=b.implementation)
+    return evaluate_drafter(target, drafter, stream, cfg, batches=stream.batches_per_epoch)
 
 
 RUN = {"corpus": stage_corpus, "tokenizer": stage_tokenizer, "tokens": stage_tokens, "target": stage_target,

@@ -60,6 +60,11 @@ def test_outputs(build_dir):
     assert pair["heads"]["peagle"]["steps"] == pair["heads"]["eagle3"]["steps"] == cp.TINY.head_steps
     assert pair["heads"]["peagle"]["tokens"] == pair["heads"]["eagle3"]["tokens"]
     assert pair["target"]["tokens"] >= cp.TINY.target_tokens
+    for head in ("peagle", "eagle3"):  # held-out and teacher-forced-on-the-check accuracy beside decoding's
+        assert len(pair["heads"][head]["held_out"]["cond_acc"]) == len(pair["heads"][head]["final"]["acc"])
+    check = json.loads((build_dir / "check" / "stage.json").read_text())["summary"]
+    assert len(check["peagle"]["teacher_forced"]["chain_acc"]) == cp.TINY.peagle_depths
+    assert len(check["eagle3"]["teacher_forced"]["cond_acc"]) == cp.TINY.eagle3_ttt_steps
 
 
 def test_target_matches_transformers(build_dir):
