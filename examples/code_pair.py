@@ -103,7 +103,7 @@ class Recipe:
     # "regenerated": training-file prefixes continued by the target (what the heads see when decoding: a depth-d label
     # is a token P-EAGLE cannot see, and at decode time it is the target's own); "corpus": the training rows
     head_data: str = "regenerated"
-    regen_prompts: int = 8192
+    regen_prompts: int = 32768
     regen_prompt_tokens: int = 512  # prefixes of 32..this many tokens (BOS included)
     regen_new_tokens: int = 512
     regen_temperature: float = 0.0  # 0: greedy continuations (the benchmark's decoding)

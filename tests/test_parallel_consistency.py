@@ -1,5 +1,5 @@
 """Train / inference consistency of P-EAGLE parallel drafting with a trained head, end to end: in every engine round
-(accepted and rejected drafts alike) the K parallel drafts equal the teacher-forced COD prediction (`draft_logits`,
+(accepted and rejected drafts alike, one row or several ragged rows) the K parallel drafts equal the teacher-forced COD prediction (`draft_logits`,
 anchor = the bonus token's position - 1, depths 0..K-1) on the final greedy sequence, and the training path
 (`cod_hidden` over a `cod_sample` layout, online target features, the EAGLE shift) gives the dense `draft_logits`
 values. Deep drafts that train well therefore draft the same way (the check behind the study of why a first pair's
@@ -68,6 +68,48 @@ def test_engine_drafts_equal_teacher_forced_cod(run):
             checked += 1
             accepted_rounds += rounds[i + 1][2] > 0
     assert checked >= 20 and accepted_rounds >= 3, (checked, accepted_rounds)
+
+
+def test_ragged_batch_drafts_equal_teacher_forced_cod(run):
+    """Three prompts of different lengths decoded together (rows accept different counts, so each round's real tokens
+    and mask slots sit at other offsets per row): every row's drafts still equal its teacher-forced COD prediction."""
+    target, dr = run.target, run.drafter
+    b = 3
+    spec = make_spec(target, dr, max_new_tokens=40, num_speculative_tokens=K, drafting="parallel")
+    samp = Sampling(jnp.zeros(b), jnp.zeros(b, jnp.int32), jnp.ones(b), jnp.zeros(b, jnp.uint32),
+                    jnp.full((b, 1), -1, jnp.int32))
+    fast = {"xla_backend_optimization_level": 0}
+    pre = jax.jit(prefill, static_argnames=("spec", "capacity"), compiler_options=fast)
+    step = jax.jit(spec_round, static_argnames=("spec",), compiler_options=fast)
+    prompts = [run.docs[i].tokens[100:100 + n].tolist() for i, n in zip(range(b), (40, 33, 47))]
+    toks = np.zeros((b, max(map(len, prompts))), np.int32)
+    for i, p in enumerate(prompts):
+        toks[i, :len(p)] = p
+    st = pre(target, dr, jnp.asarray(toks), jnp.asarray([len(p) for p in prompts]), samp, spec=spec, capacity=128)
+    rounds = [[(int(st.pos[i]), np.asarray(st.drafts[i]))] for i in range(b)]
+    accepted = []
+    while not bool(np.all(np.asarray(st.done))):
+        live, before = ~np.asarray(st.done), np.asarray(st.accepted)
+        st = step(target, dr, st, samp, spec=spec)
+        accepted.append(np.where(live, np.asarray(st.accepted) - before, -1))
+        for i in np.flatnonzero(live):
+            rounds[i].append((int(st.pos[i]), np.asarray(st.drafts[i])))
+    accepted = np.asarray(accepted)
+    assert (accepted[(accepted >= 0).all(1)] != accepted[(accepted >= 0).all(1)][:, :1]).any()  # rows diverge
+    checked = 0
+    for i in range(b):
+        seq = prompts[i] + np.asarray(st.out[i, :int(st.num_out[i])]).tolist()
+        s = len(seq)
+        sh = shifted(target, dr, seq)
+        pred = np.asarray(draft_to_target(dr, jnp.argmax(draft_logits(
+            dr, sh["hidden_states"][None], sh["input_ids"][None], sh["document_ids"][None],
+            jnp.asarray(np.tile(np.arange(s), K)), jnp.asarray(np.repeat(np.arange(K), s))), -1))).reshape(K, s).T
+        for r, (pos, drafts) in enumerate(rounds[i][:-1]):
+            if pos + K >= s:
+                break
+            np.testing.assert_array_equal(drafts, pred[pos - 1], err_msg=f"row {i} round {r} at position {pos}")
+            checked += 1
+    assert checked >= 20, checked
 
 
 def test_training_path_matches_dense_draft_logits(run):
