@@ -49,6 +49,12 @@ def summarize(step: int, metrics: list, seconds: float) -> dict:
     return out
 
 
+def _check_stream(stream, cfg: TrainConfig) -> None:
+    if stream.batch_rows != cfg.batch_rows or stream.total_seq_len != cfg.total_seq_len:
+        raise ValueError(f"stream yields {stream.batch_rows} x {stream.total_seq_len} batches but the config says "
+                         f"batch_rows={cfg.batch_rows}, total_seq_len={cfg.total_seq_len}")
+
+
 def format_metrics(m: dict) -> str:
     accs = " ".join(f"{a:.2f}" for a in m["acc"])
     return (f"step {m['step']} loss {m['loss']:.4f} acc[{accs}] tok/s {m['tokens_per_s']:.0f} "
@@ -70,9 +76,7 @@ def train_drafter(target: Target, drafter: Drafter, stream: RowStream | FeatureS
     parallelism; default one device. split_target: keep 1/n of each large target weight per device
     (`pjax.train.step.shard_target`) instead of a full copy on each. Returns the trained head, final state, metrics."""
     cfg.validate()
-    if stream.batch_rows != cfg.batch_rows or stream.total_seq_len != cfg.total_seq_len:
-        raise ValueError(f"stream yields {stream.batch_rows} x {stream.total_seq_len} batches but the config says "
-                         f"batch_rows={cfg.batch_rows}, total_seq_len={cfg.total_seq_len}")
+    _check_stream(stream, cfg)
     steps = cfg.total_steps if steps is None else int(steps)
     mesh = make_mesh(jax.devices()[:1]) if mesh is None else mesh  # explicit placement: restored == fresh state
     if split_target and mesh.devices.size == 1:
@@ -130,9 +134,7 @@ def evaluate_drafter(target: Target, drafter: Drafter, stream: RowStream | Featu
     it: held-out accuracy per depth (acc, cond_acc, chain_acc as in `summarize`) and loss. Batches 0..batches-1 of
     the stream (wrapping into its next epoch when it has fewer)."""
     cfg.validate()
-    if stream.batch_rows != cfg.batch_rows or stream.total_seq_len != cfg.total_seq_len:
-        raise ValueError(f"stream yields {stream.batch_rows} x {stream.total_seq_len} batches but the config says "
-                         f"batch_rows={cfg.batch_rows}, total_seq_len={cfg.total_seq_len}")
+    _check_stream(stream, cfg)
     if batches < 1:
         raise ValueError(f"batches={batches}: expected at least 1")
     mesh = make_mesh(jax.devices()[:1]) if mesh is None else mesh
