@@ -20,7 +20,8 @@ checkpoint):
                held-out data (acc, cond_acc given the earlier depths right, chain_acc of the whole chain)
     eagle3     EAGLE-3 head (training-time test) on the same rows, same steps, rows per step and row length
     export     DIR/pair: target/ (Hugging Face), peagle/ and eagle3/ (speculators), prompts.jsonl, pair.json
-    check      greedy decoding of a few benchmark prompts: plain vs each head (acceptance length, equality)
+    check      greedy decoding of benchmark prompts: plain vs each head (acceptance length, equality), and each head
+               teacher-forced over the same sequences beside its decoding acceptance
 No feature stage: the heads compute the target's features in each training step (stored, 4 x 1024 values per token
 of the full target would take 8 KB a token, 105 GB for the heads' 13 M tokens).
 
@@ -627,7 +628,8 @@ def stage_regen(b: Build, work: Path) -> dict:
     _save_documents(work, "held_out_", held, held_masks)
     b.log(f"regen: {len(held)} held-out continuations, {held_new / 1e6:.2f} M new tokens")
     prompt_tokens = int(sum(int(np.sum(m == 0)) for m in masks))
-    return dict(head_data="regenerated", prompts=len(tokens), prompt_tokens=prompt_tokens, new_tokens=new, seconds=round(seconds, 1), held_out_prompts=len(held), held_out_new_tokens=held_new)
+    return dict(head_data="regenerated", prompts=len(tokens), prompt_tokens=prompt_tokens, new_tokens=new,
+                seconds=round(seconds, 1), held_out_prompts=len(held), held_out_new_tokens=held_new)
 
 
 def head_documents(b: Build, split: str = "train"):
@@ -725,8 +727,8 @@ def _train_head(b: Build, work: Path, objective: str) -> dict:
     last = history[-1] if history else {}
     for name, m in (("final (training batches)", last), ("held-out", held)):
         if m:  # marginal, conditional (earlier depths right) and whole-chain accuracy per depth / step
-            b.log(f"{objective}: {name} " + " ".join(f"{k}[{' '.join(f'{a:.2f}' for a in m[k])}]"
-                                                    for k in ("acc", "cond_acc", "chain_acc") if k in m))
+            b.log(f"{objective}: {name} " + " ".join(f"{k}{_fmt(m[k])}" for k in ("acc", "cond_acc", "chain_acc")
+                                                     if k in m))
     return dict(steps=r.head_steps, tokens=tokens, layers=dcfg.layer.num_layers, aux_layer_ids=dcfg.aux_layer_ids,
                 final=last, held_out=held, history=history)
 

@@ -1,9 +1,9 @@
 """Train / inference consistency of P-EAGLE parallel drafting with a trained head, end to end: in every engine round
-(accepted and rejected drafts alike, one row or several ragged rows) the K parallel drafts equal the teacher-forced COD prediction (`draft_logits`,
-anchor = the bonus token's position - 1, depths 0..K-1) on the final greedy sequence, and the training path
-(`cod_hidden` over a `cod_sample` layout, online target features, the EAGLE shift) gives the dense `draft_logits`
-values. Deep drafts that train well therefore draft the same way (the check behind the study of why a first pair's
-deep drafts were rarely accepted: they were under-trained, not mis-drafted)."""
+(accepted and rejected drafts alike, one row or several ragged rows) the K parallel drafts equal the teacher-forced
+COD prediction (`draft_logits`, anchor = the bonus token's position - 1, depths 0..K-1) on the final greedy
+sequence, and the training path (`cod_hidden` over a `cod_sample` layout, online target features, the EAGLE shift)
+gives the dense `draft_logits` values. Deep drafts that train well therefore draft the same way (the check behind the
+study of why a first pair's deep drafts were rarely accepted: they were under-trained, not mis-drafted)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,14 +36,29 @@ def shifted(target, drafter, seq):
     return eagle_shift(toks[0], jnp.ones((s,), jnp.int32), doc[0], aux[0], final[0])
 
 
-def test_engine_drafts_equal_teacher_forced_cod(run):
-    target, dr = run.target, run.drafter
-    spec = make_spec(target, dr, max_new_tokens=48, num_speculative_tokens=K, drafting="parallel")
-    samp = Sampling(jnp.zeros(1), jnp.zeros(1, jnp.int32), jnp.ones(1), jnp.zeros(1, jnp.uint32),
-                    jnp.full((1, 1), -1, jnp.int32))
+def teacher_forced_drafts(target, dr, seq):
+    """[len(seq), K]: row p = the dense COD prediction of depths 0..K-1 at anchor p (target-vocabulary ids)."""
+    s = len(seq)
+    sh = shifted(target, dr, seq)
+    return np.asarray(draft_to_target(dr, jnp.argmax(draft_logits(
+        dr, sh["hidden_states"][None], sh["input_ids"][None], sh["document_ids"][None],
+        jnp.asarray(np.tile(np.arange(s), K)), jnp.asarray(np.repeat(np.arange(K), s))), -1))).reshape(K, s).T
+
+
+def engine_programs(target, dr, rows: int, max_new_tokens: int):
+    """(greedy Sampling for `rows` rows, jitted prefill, jitted spec_round, spec) of parallel drafting at K."""
+    spec = make_spec(target, dr, max_new_tokens=max_new_tokens, num_speculative_tokens=K, drafting="parallel")
+    samp = Sampling(jnp.zeros(rows), jnp.zeros(rows, jnp.int32), jnp.ones(rows), jnp.zeros(rows, jnp.uint32),
+                    jnp.full((rows, 1), -1, jnp.int32))
     fast = {"xla_backend_optimization_level": 0}
     pre = jax.jit(prefill, static_argnames=("spec", "capacity"), compiler_options=fast)
     step = jax.jit(spec_round, static_argnames=("spec",), compiler_options=fast)
+    return samp, pre, step, spec
+
+
+def test_engine_drafts_equal_teacher_forced_cod(run):
+    target, dr = run.target, run.drafter
+    samp, pre, step, spec = engine_programs(target, dr, 1, 48)
     checked, accepted_rounds = 0, 0
     for doc in run.docs[:3]:
         prompt = doc.tokens[100:140].tolist()
@@ -54,15 +69,9 @@ def test_engine_drafts_equal_teacher_forced_cod(run):
             st = step(target, dr, st, samp, spec=spec)
             rounds.append((int(st.pos[0]), np.asarray(st.drafts[0]), int(st.accepted[0]) - before))
         seq = prompt + np.asarray(st.out[0, :int(st.num_out[0])]).tolist()
-        s = len(seq)
-        sh = shifted(target, dr, seq)
-        a = np.tile(np.arange(s), K)
-        d = np.repeat(np.arange(K), s)
-        pred = np.asarray(draft_to_target(dr, jnp.argmax(draft_logits(
-            dr, sh["hidden_states"][None], sh["input_ids"][None], sh["document_ids"][None], jnp.asarray(a),
-            jnp.asarray(d)), -1))).reshape(K, s).T
+        pred = teacher_forced_drafts(target, dr, seq)
         for i, (pos, drafts, _) in enumerate(rounds[:-1]):
-            if pos + K >= s:
+            if pos + K >= len(seq):
                 break
             np.testing.assert_array_equal(drafts, pred[pos - 1], err_msg=f"round {i} at position {pos}")
             checked += 1
@@ -75,12 +84,7 @@ def test_ragged_batch_drafts_equal_teacher_forced_cod(run):
     and mask slots sit at other offsets per row): every row's drafts still equal its teacher-forced COD prediction."""
     target, dr = run.target, run.drafter
     b = 3
-    spec = make_spec(target, dr, max_new_tokens=40, num_speculative_tokens=K, drafting="parallel")
-    samp = Sampling(jnp.zeros(b), jnp.zeros(b, jnp.int32), jnp.ones(b), jnp.zeros(b, jnp.uint32),
-                    jnp.full((b, 1), -1, jnp.int32))
-    fast = {"xla_backend_optimization_level": 0}
-    pre = jax.jit(prefill, static_argnames=("spec", "capacity"), compiler_options=fast)
-    step = jax.jit(spec_round, static_argnames=("spec",), compiler_options=fast)
+    samp, pre, step, spec = engine_programs(target, dr, b, 40)
     prompts = [run.docs[i].tokens[100:100 + n].tolist() for i, n in zip(range(b), (40, 33, 47))]
     toks = np.zeros((b, max(map(len, prompts))), np.int32)
     for i, p in enumerate(prompts):
@@ -99,13 +103,9 @@ def test_ragged_batch_drafts_equal_teacher_forced_cod(run):
     checked = 0
     for i in range(b):
         seq = prompts[i] + np.asarray(st.out[i, :int(st.num_out[i])]).tolist()
-        s = len(seq)
-        sh = shifted(target, dr, seq)
-        pred = np.asarray(draft_to_target(dr, jnp.argmax(draft_logits(
-            dr, sh["hidden_states"][None], sh["input_ids"][None], sh["document_ids"][None],
-            jnp.asarray(np.tile(np.arange(s), K)), jnp.asarray(np.repeat(np.arange(K), s))), -1))).reshape(K, s).T
+        pred = teacher_forced_drafts(target, dr, seq)
         for r, (pos, drafts) in enumerate(rounds[i][:-1]):
-            if pos + K >= s:
+            if pos + K >= len(seq):
                 break
             np.testing.assert_array_equal(drafts, pred[pos - 1], err_msg=f"row {i} round {r} at position {pos}")
             checked += 1

@@ -14,7 +14,8 @@ at batch 1 on the 445M shape (24 x 1024) and the 8B shape; --xla-sweep re-runs t
 under each XLA_FLAGS set of FLAG_SETS (e.g. XLA command buffers, i.e. CUDA graphs, for the loop body) and prints one
 table. profile: one generation per case under the profiler (GPU): kernels per round, kernel-busy vs wall time of the
 device span, the longest idle gaps (launch-bound steps, chunk boundaries) and the most launched kernels (launches
-per round, mean time each). Weights are random bf16; acceptance is then ~0, so every round emits one token and has the same cost as a
+per round, mean time each).
+Weights are random bf16; acceptance is then ~0, so every round emits one token and has the same cost as a
 round with accepted drafts (the same slots are computed). Compilation is excluded (a warm-up generation first).
 Prints markdown; writes JSON to --out (default $OUT/bench_generate.json when $OUT is set).
 """

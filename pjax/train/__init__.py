@@ -21,6 +21,6 @@ from pjax.train.target_lm import train_target_lm
 
 __all__ = ["Checkpointer", "CodConfig", "FeatureStream", "OptimConfig", "RowStream", "TrainConfig", "TrainResult",
            "TrainState", "build_vocab_mapping", "chat_document", "cod_sample", "draft_logits",
-           "drafter_config_for_target", "eagle3_loss", "evaluate_drafter", "init_drafter_for_target", "load_documents", "make_mesh",
-           "peagle_loss", "save_feature_sample", "target_features", "text_document", "tiny_run", "token_frequencies",
-           "train_drafter", "train_target_lm"]
+           "drafter_config_for_target", "eagle3_loss", "evaluate_drafter", "init_drafter_for_target", "load_documents",
+           "make_mesh", "peagle_loss", "save_feature_sample", "target_features", "text_document", "tiny_run",
+           "token_frequencies", "train_drafter", "train_target_lm"]
