@@ -97,7 +97,7 @@ class Attention(nnx.Module):
         if isinstance(kv, LayerKV):
             if mask is not None:
                 raise ValueError("Attention: a KV cache is attended by position; a mask needs kv=None or a StepKV")
-            kv = kv.write(k, v, positions, valid, implementation=implementation)
+            kv = kv.write(k, v, positions, valid)
             out = cache_attention(q, kv.k, kv.v, positions, **kw)
         elif isinstance(kv, StepKV):
             if mask is None:

@@ -5,7 +5,6 @@ import jax
 import jax.numpy as jnp
 
 from pjax.config import ModelConfig
-from pjax.kernels.cache_write import cache_write
 
 __all__ = ["LayerKV", "init_cache"]
 
@@ -16,10 +15,15 @@ class LayerKV:
     def __init__(self, k, v):
         self.k, self.v = k, v
 
-    def write(self, k_new, v_new, positions, valid=None, *, implementation: str = "xla"):
-        """Write k_new/v_new [B, T, nkv, hd] at `positions` [B, T]; invalid tokens and positions outside the cache
-        are dropped (`pjax.kernels.cache_write`, under the kernel switch `implementation`)."""
-        return LayerKV(*cache_write(self.k, self.v, k_new, v_new, positions, valid, implementation=implementation))
+    def write(self, k_new, v_new, positions, valid=None):
+        """Scatter k_new/v_new [B, T, nkv, hd] at `positions` [B, T]; invalid rows are dropped."""
+        cap = self.k.shape[1]
+        idx = positions if valid is None else jnp.where(valid, positions, cap)
+        idx = jnp.where((idx < 0) | (idx >= cap), cap, idx)
+        rows = jnp.broadcast_to(jnp.arange(idx.shape[0])[:, None], idx.shape)
+        k = self.k.at[rows, idx].set(k_new.astype(self.k.dtype), mode="drop")
+        v = self.v.at[rows, idx].set(v_new.astype(self.v.dtype), mode="drop")
+        return LayerKV(k, v)
 
 
 jax.tree_util.register_pytree_node(LayerKV, lambda c: ((c.k, c.v), None), lambda _, kv: LayerKV(*kv))
