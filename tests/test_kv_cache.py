@@ -1,5 +1,5 @@
-"""LayerKV.write: every path (the batch-1 one-slot update and the general scatter) keeps exactly the valid in-range
-entries, against a NumPy reference."""
+"""LayerKV.write keeps exactly the valid in-range entries (batch 1 and batched, one and several new tokens), against a
+NumPy reference."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
