@@ -12,9 +12,8 @@ import pytest
 from pjax.decode.generate import make_spec
 from pjax.decode.state import Sampling
 from pjax.decode.step import prefill, spec_round
-from pjax.models.drafter import draft_to_target
 from pjax.models.pairing import check_pair
-from pjax.train import CodConfig, cod_sample, draft_logits, target_features
+from pjax.train import CodConfig, cod_sample, draft_logits, replay_rounds, target_features, teacher_forced_drafts
 from pjax.train.data import eagle_shift
 from pjax.train.losses import cod_hidden
 from pjax.train.recipes import tiny_run
@@ -26,23 +25,6 @@ K = 4
 def run():
     return tiny_run(target_steps=150, head_steps=120, batch_rows=4, seq_len=128, num_depths=K, log_every=40,
                     max_files=6, compiler_options={"xla_backend_optimization_level": 0})
-
-
-def shifted(target, drafter, seq):
-    s = len(seq)
-    toks = jnp.asarray(seq, jnp.int32)[None]
-    doc = jnp.zeros((1, s), jnp.int32)
-    aux, final = target_features(target, toks, doc, check_pair(target.config, drafter.config))
-    return eagle_shift(toks[0], jnp.ones((s,), jnp.int32), doc[0], aux[0], final[0])
-
-
-def teacher_forced_drafts(target, dr, seq):
-    """[len(seq), K]: row p = the dense COD prediction of depths 0..K-1 at anchor p (target-vocabulary ids)."""
-    s = len(seq)
-    sh = shifted(target, dr, seq)
-    return np.asarray(draft_to_target(dr, jnp.argmax(draft_logits(
-        dr, sh["hidden_states"][None], sh["input_ids"][None], sh["document_ids"][None],
-        jnp.asarray(np.tile(np.arange(s), K)), jnp.asarray(np.repeat(np.arange(K), s))), -1))).reshape(K, s).T
 
 
 def engine_programs(target, dr, rows: int, max_new_tokens: int):
@@ -69,11 +51,14 @@ def test_engine_drafts_equal_teacher_forced_cod(run):
             st = step(target, dr, st, samp, spec=spec)
             rounds.append((int(st.pos[0]), np.asarray(st.drafts[0]), int(st.accepted[0]) - before))
         seq = prompt + np.asarray(st.out[0, :int(st.num_out[0])]).tolist()
-        pred = teacher_forced_drafts(target, dr, seq)
+        pred = teacher_forced_drafts(target, dr, seq, K)
+        chain, starts = replay_rounds(pred, seq, len(prompt) - 1)
         for i, (pos, drafts, _) in enumerate(rounds[:-1]):
             if pos + K >= len(seq):
                 break
             np.testing.assert_array_equal(drafts, pred[pos - 1], err_msg=f"round {i} at position {pos}")
+            # the replay from teacher forcing starts its rounds where the engine did and accepts as many drafts
+            assert len(prompt) - 1 + starts[i] == pos - 1 and chain[starts[i]].sum() == rounds[i + 1][2], (i, pos)
             checked += 1
             accepted_rounds += rounds[i + 1][2] > 0
     assert checked >= 20 and accepted_rounds >= 3, (checked, accepted_rounds)
@@ -103,7 +88,7 @@ def test_ragged_batch_drafts_equal_teacher_forced_cod(run):
     checked = 0
     for i in range(b):
         seq = prompts[i] + np.asarray(st.out[i, :int(st.num_out[i])]).tolist()
-        pred = teacher_forced_drafts(target, dr, seq)
+        pred = teacher_forced_drafts(target, dr, seq, K)
         for r, (pos, drafts) in enumerate(rounds[i][:-1]):
             if pos + K >= len(seq):
                 break
