@@ -800,6 +800,11 @@ def stage_check(b: Build, work: Path) -> dict:
         b.log(f"check {head}: decoding, position i accepted given i - 1 {_fmt(conditional)}; the same sequences "
               f"teacher-forced: depth d right given depths < d {_fmt(forced['cond_acc'])}"
               + (f", chain 0..d right {_fmt(forced['chain_acc'])}" if "chain_acc" in forced else ""))
+        if drafting == "parallel":
+            out[head]["replay"] = rp = _replay(target, drafter, k, prompts, res.tokens, b.implementation)
+            b.log(f"check {head}: decoding replayed from the teacher-forced drafts of its own outputs, per-position "
+                  f"{_fmt(rp['acceptance_rates'])} over {rp['rounds']} rounds; every anchor of the same outputs: "
+                  f"chain 0..d right {_fmt(rp['every_anchor_chain'])} over {rp['anchors']} anchors")
     return out
 
 
@@ -820,6 +825,28 @@ def _teacher_forced(b: Build, target, drafter, objective: str, k: int, prompts, 
                       cod=CodConfig(num_depths=k, down_sample_ratio=1.0, down_sample_ratio_min=1.0, max_anchors=None),
                       ttt_steps=k, compute_dtype=r.compute_dtype, seed=r.seed, implementation=b.implementation)
     return evaluate_drafter(target, drafter, stream, cfg, batches=stream.batches_per_epoch)
+
+
+def _replay(target, drafter, k: int, prompts, outputs, implementation: str) -> dict:
+    """Greedy parallel decoding of prompt + output sequences replayed from the head's teacher-forced drafts
+    (`pjax.train.replay_rounds`): the replay's per-position acceptance (rounds whose draft i was accepted / rounds)
+    and the chain accuracy over every anchor, both over anchors whose k drafts lie inside the sequence. Replay vs
+    decoding = drafting vs training; every anchor vs replay = what the choice of round starts costs."""
+    from pjax.train import replay_rounds, teacher_forced_drafts
+    accepted, every = np.zeros(k), np.zeros(k)
+    rounds = anchors = 0
+    for p, o in zip(prompts, outputs):
+        seq = list(p) + list(o)
+        if len(seq) - k - 1 <= len(p) - 1:
+            continue
+        chain, starts = replay_rounds(teacher_forced_drafts(target, drafter, seq, k, implementation=implementation),
+                                      seq, len(p) - 1)
+        every += chain.sum(0)
+        anchors += len(chain)
+        accepted += chain[starts].sum(0)
+        rounds += len(starts)
+    return dict(rounds=rounds, anchors=anchors, acceptance_rates=(accepted / max(rounds, 1)).tolist(),
+                every_anchor_chain=(every / max(anchors, 1)).tolist())
 
 
 RUN = {"corpus": stage_corpus, "tokenizer": stage_tokenizer, "tokens": stage_tokens, "target": stage_target,

@@ -65,6 +65,9 @@ def test_outputs(build_dir):
     check = json.loads((build_dir / "check" / "stage.json").read_text())["summary"]
     assert len(check["peagle"]["teacher_forced"]["chain_acc"]) == cp.TINY.peagle_depths
     assert len(check["eagle3"]["teacher_forced"]["cond_acc"]) == cp.TINY.eagle3_ttt_steps
+    replay = check["peagle"]["replay"]  # decoding replayed from teacher forcing, beside every anchor's accuracy
+    assert replay["rounds"] > 0 and replay["anchors"] >= replay["rounds"]
+    assert len(replay["acceptance_rates"]) == len(replay["every_anchor_chain"]) == cp.TINY.peagle_depths
 
 
 def test_target_matches_transformers(build_dir):
