@@ -235,8 +235,8 @@ def _interrupt(script, args, sig):
             if not line and p.poll() is not None:
                 raise AssertionError(f"writer exited early: {p.stderr.read()}")
         p.send_signal(sig)
-        rc = p.wait(timeout=60)
-        return rc, p.stderr.read()
+        _, err = p.communicate(timeout=120)  # drains both pipes while waiting: a full pipe cannot stall the exit
+        return p.returncode, err
     finally:
         if p.poll() is None:
             p.kill()
