@@ -4,9 +4,9 @@
 scores): anchor a holds the target's feature at a and token a + 1, and depths 0..K-1 predict tokens a+2..a+K+1.
 The engine's drafts in each round are these predictions at the anchor just before the round's bonus token
 (tests/test_parallel_consistency.py). `replay_rounds` walks a sequence as greedy decoding does: a round accepts the
-drafts' matching prefix, the target's next token is the new bonus, and the next round's anchor is just before it. Comparing
-a replay with the engine's acceptance checks drafting against training; comparing it with the accuracy at every
-anchor measures what the choice of round starts costs.
+drafts' matching prefix, the target's next token is the new bonus, and the next round's anchor is just before it.
+Comparing a replay with the engine's acceptance checks drafting against training; comparing it with the accuracy at
+every anchor measures what the choice of round starts costs.
 """
 from __future__ import annotations
 
