@@ -836,9 +836,9 @@ def _replay(target, drafter, k: int, prompts, outputs, implementation: str) -> d
     accepted, every = np.zeros(k), np.zeros(k)
     rounds = anchors = 0
     for p, o in zip(prompts, outputs):
-        seq = list(p) + list(o)
-        if len(seq) - k - 1 <= len(p) - 1:
+        if len(o) <= k:  # no anchor has all k drafts inside the sequence
             continue
+        seq = list(p) + list(o)
         chain, starts = replay_rounds(teacher_forced_drafts(target, drafter, seq, k, implementation=implementation),
                                       seq, len(p) - 1)
         every += chain.sum(0)
