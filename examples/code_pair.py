@@ -14,8 +14,8 @@ checkpoint):
     tokenizer  byte-level BPE on the training split (`pjax.train.bpe`), Hugging Face layout
     tokens     every file encoded once: BOS + tokens + EOS
     target     next-token training (`pjax.train.target_lm`) for `target_tokens` tokens; held-out loss
-    regen      with --head-data regenerated: training-file prefixes continued by the target, and held-out-file
-               prefixes for evaluation (else nothing)
+    regen      with --head-data regenerated: training-file prompts continued by the target (half functions'
+               signatures and docstrings, half file prefixes), and held-out-file prompts for evaluation (else nothing)
     peagle     P-EAGLE head (COD sampling, `peagle_depths` trained depths) on the head data; accuracy per depth on
                held-out data (acc, cond_acc given the earlier depths right, chain_acc of the whole chain)
     eagle3     EAGLE-3 head (training-time test) on the same rows, same steps, rows per step and row length
@@ -25,9 +25,10 @@ checkpoint):
 No feature stage: the heads compute the target's features in each training step (stored, 4 x 1024 values per token
 of the full target would take 8 KB a token, 105 GB for the heads' 13 M tokens).
 
-Head data (--head-data): "regenerated" (default), training-file prefixes continued greedily by the target, the loss
-on the continuations: what a head sees when decoding (published heads train on target-regenerated responses, spec
-D.6). "corpus": rows of the corpus' training split with the target's own next-token distributions as the loss targets
+Head data (--head-data): "regenerated" (default), training-file prompts continued greedily by the target, the loss
+on the continuations: what a head sees when decoding (published heads train on target-regenerated responses to prompts
+like their users', spec D.6; here --regen-function-fraction of the prompts are functions' signatures and docstrings,
+the form of the benchmark's prompts, the rest file prefixes). "corpus": rows of the corpus' training split with the target's own next-token distributions as the loss targets
 (computed online in each step); it costs no generation stage, but a depth-d label is then a human-written token where
 at decode time it is the target's own.
 
@@ -109,6 +110,10 @@ class Recipe:
     regen_new_tokens: int = 512
     regen_temperature: float = 0.0  # 0: greedy continuations (the benchmark's decoding)
     regen_batch: int = 256
+    # this fraction of the prompts (training and evaluation alike): functions' signatures and docstrings from the
+    # split's files (`pjax.train.corpus.function_prompts`, the form a code drafter is asked to continue), the rest
+    # file prefixes
+    regen_function_fraction: float = 0.5
     # held-out evaluation of both heads: prefixes of held-out files continued the same way (corpus head data: the
     # held-out files themselves), head_eval_batches batches of the training shape
     regen_eval_prompts: int = 512
@@ -160,7 +165,7 @@ SETTINGS = {
                "rope_theta", "target_seq_len", "target_batch_rows", "target_tokens", "target_minutes", "target_lr",
                "target_warmup", "target_weight_decay", "eval_rows", "compute_dtype", "remat", "seed"),
     "regen": ("head_data", "regen_prompts", "regen_prompt_tokens", "regen_new_tokens", "regen_temperature",
-              "regen_batch", "regen_eval_prompts", "compute_dtype", "seed"),
+              "regen_batch", "regen_function_fraction", "regen_eval_prompts", "compute_dtype", "seed"),
     "peagle": ("head_seq_len", "head_batch_rows", "head_steps", "head_weight_decay", "head_warmup", "aux_layer_ids",
                "draft_vocab_size", "peagle_layers", "peagle_depths", "peagle_down_sample_ratio",
                "peagle_down_sample_ratio_min", "peagle_max_anchors", "peagle_segments", "peagle_lr",
@@ -564,17 +569,36 @@ def load_code_target(b: Build, dtype=jnp.float32):
     return load_target(b.dir("target") / "model", dtype=dtype)
 
 
-def _continue(b: Build, target, docs, count: int, seed: int, label: str):
-    """`count` prefixes of `docs` (BOS + 32..regen_prompt_tokens tokens, file and length drawn with `seed`) continued
-    by the target (`pjax.generate`, regen_temperature; stops at EOS) -> (token arrays, loss masks: 1 on the
-    continuation, new tokens)."""
+def _prompts(b: Build, split: str, count: int, seed: int) -> tuple[list[list[int]], int]:
+    """`count` regeneration prompts of the split, shuffled with `seed`: regen_function_fraction of them functions'
+    signatures and docstrings (`function_prompts`; BOS + the tokenized prompt, at most regen_prompt_tokens; fewer
+    when the split has fewer), the rest prefixes of its files (BOS + 32..regen_prompt_tokens tokens, file and length
+    drawn with `seed`). Returns (prompts, function prompts among them)."""
+    from pjax.train.corpus import function_prompts, read_texts
+    r = b.recipe
+    rng = np.random.default_rng(seed)
+    functions = []
+    want = int(round(count * r.regen_function_fraction))
+    if want:
+        tok = load_tokenizer(b)
+        for p in function_prompts(read_texts(b.dir("corpus") / f"{split}.jsonl")):
+            ids = tok.encode(p.prompt).ids
+            if len(ids) <= r.regen_prompt_tokens:
+                functions.append(ids)
+                if len(functions) == want:
+                    break
+    docs = [d for d in documents(b, split) if len(d.tokens) > 33]
+    picks = rng.integers(0, len(docs), count - len(functions))
+    lengths = [int(rng.integers(32, min(r.regen_prompt_tokens, len(docs[i].tokens) - 1) + 1)) for i in picks]
+    prompts = functions + [docs[i].tokens[:n].tolist() for i, n in zip(picks, lengths)]
+    return [prompts[i] for i in rng.permutation(len(prompts))], len(functions)
+
+
+def _continue(b: Build, target, prompts: list[list[int]], seed: int, label: str):
+    """The prompts continued by the target (`pjax.generate`, regen_temperature; stops at EOS) -> (token arrays, loss
+    masks: 1 on the continuation, new tokens)."""
     import pjax
     r = b.recipe
-    docs = [d for d in docs if len(d.tokens) > 33]
-    rng = np.random.default_rng(seed)
-    picks = rng.integers(0, len(docs), count)
-    lengths = [int(rng.integers(32, min(r.regen_prompt_tokens, len(docs[i].tokens) - 1) + 1)) for i in picks]
-    prompts = [docs[i].tokens[:n].tolist() for i, n in zip(picks, lengths)]
     eos = special_ids(b)["eos_token"]
     bar = b.bar(len(prompts), label, unit="prompt")
     out_tokens, out_mask, t0, new = [], [], time.time(), 0
@@ -609,27 +633,33 @@ def _load_documents(work: Path, name: str):
 
 
 def stage_regen(b: Build, work: Path) -> dict:
-    """With head_data "regenerated": prefixes of training files continued by the target (`_continue`) -> documents
-    whose continuation is supervised; and regen_eval_prompts prefixes of held-out files, continued the same way, for
-    the heads' held-out evaluation. With "corpus": nothing to do."""
+    """With head_data "regenerated": training-file prompts (`_prompts`) continued by the target (`_continue`) ->
+    documents whose continuation is supervised; and regen_eval_prompts held-out-file prompts, continued the same way,
+    for the heads' held-out evaluation. With "corpus": nothing to do."""
     r = b.recipe
     if r.head_data not in ("corpus", "regenerated"):
         raise RecipeError(f"--head-data {r.head_data!r}: expected 'corpus' or 'regenerated'")
     if r.head_data == "corpus":
         return dict(head_data="corpus")
+    if not 0.0 <= r.regen_function_fraction <= 1.0:
+        raise RecipeError(f"--regen-function-fraction {r.regen_function_fraction}: expected a fraction in [0, 1]")
     target = load_code_target(b, jnp.dtype(r.compute_dtype or "float32"))
     t0 = time.time()
-    tokens, masks, new = _continue(b, target, documents(b, "train"), r.regen_prompts, r.seed + 4, "regenerate")
+    prompts, functions = _prompts(b, "train", r.regen_prompts, r.seed + 4)
+    tokens, masks, new = _continue(b, target, prompts, r.seed + 4, "regenerate")
     _save_documents(work, "", tokens, masks)
     seconds = time.time() - t0
-    b.log(f"regen: {len(tokens)} continuations, {new / 1e6:.2f} M new tokens in {seconds:.0f} s")
-    held, held_masks, held_new = _continue(b, target, documents(b, "held_out"), r.regen_eval_prompts, r.seed + 5,
-                                           "regenerate held-out")
+    b.log(f"regen: {len(tokens)} continuations ({functions} of functions' signatures and docstrings), "
+          f"{new / 1e6:.2f} M new tokens in {seconds:.0f} s")
+    prompts, held_functions = _prompts(b, "held_out", r.regen_eval_prompts, r.seed + 5)
+    held, held_masks, held_new = _continue(b, target, prompts, r.seed + 5, "regenerate held-out")
     _save_documents(work, "held_out_", held, held_masks)
-    b.log(f"regen: {len(held)} held-out continuations, {held_new / 1e6:.2f} M new tokens")
+    b.log(f"regen: {len(held)} held-out continuations ({held_functions} of functions), {held_new / 1e6:.2f} M new "
+          "tokens")
     prompt_tokens = int(sum(int(np.sum(m == 0)) for m in masks))
-    return dict(head_data="regenerated", prompts=len(tokens), prompt_tokens=prompt_tokens, new_tokens=new,
-                seconds=round(seconds, 1), held_out_prompts=len(held), held_out_new_tokens=held_new)
+    return dict(head_data="regenerated", prompts=len(tokens), function_prompts=functions, prompt_tokens=prompt_tokens,
+                new_tokens=new, seconds=round(seconds, 1), held_out_prompts=len(held),
+                held_out_function_prompts=held_functions, held_out_new_tokens=held_new)
 
 
 def head_documents(b: Build, split: str = "train"):
@@ -973,8 +1003,8 @@ def main(argv=None) -> dict:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_deterministic_ops=true").strip()
     recipe = recipe_from_args(a)
     if not a.no_compilation_cache:
-        cache = Path(os.path.abspath(a.out)) / ".jax_cache"
-        jax.config.update("jax_compilation_cache_dir", str(cache))
+        from pjax.decode.compiled import use_compilation_cache
+        use_compilation_cache(Path(a.out) / ".jax_cache")
     stages = STAGES if a.stage is None else (("peagle", "eagle3") if a.stage == "heads" else (a.stage,))
     t0 = time.time()
     try:

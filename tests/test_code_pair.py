@@ -23,6 +23,7 @@ from speculators.models.peagle import PEagleDraftModel
 
 import pjax
 from pjax.train import draft_logits
+from pjax.train.corpus import function_prompts, read_texts
 from tests.hf_utils import rel_err
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -196,7 +197,7 @@ def test_target_minutes_fixes_the_steps_after_the_warmup(build_dir, tmp_path):
 def test_regenerated_head_data(build_dir, tmp_path):
     out = tmp_path / "build"
     _copy_stages(build_dir, out, cp._inputs("regen"))
-    recipe = dataclasses.replace(cp.TINY, head_data="regenerated", head_steps=4)
+    recipe = dataclasses.replace(cp.TINY, head_data="regenerated", head_steps=4, regen_prompt_tokens=160)
     assert cp.build(out, recipe, stages=("regen", "peagle"), progress=False, log=lambda s: None) == {
         "regen": "built", "peagle": "built"}
     summary = json.loads((out / "regen" / "stage.json").read_text())["summary"]
@@ -205,14 +206,27 @@ def test_regenerated_head_data(build_dir, tmp_path):
     docs = cp.head_documents(b)
     bos = cp.special_ids(b)["bos_token"]
     assert len(docs) == recipe.regen_prompts and sum(int(d.loss_mask.sum()) for d in docs) == summary["new_tokens"]
-    for d in docs:
-        n = int(np.argmax(d.loss_mask))  # the prompt: BOS + a training file's first n - 1 tokens, unsupervised
-        assert d.tokens[0] == bos and 32 <= n <= recipe.regen_prompt_tokens and d.loss_mask[n:].all()
+    tok = cp.load_tokenizer(b)
+
+    def kinds(split, docs):
+        """How many docs start with a function prompt of the split's files; every other one with a file prefix."""
+        texts = read_texts(out / "corpus" / f"{split}.jsonl")
+        functions = {tuple(tok.encode(p.prompt).ids) for p in function_prompts(texts)}
+        starts = {tuple(d.tokens[:32].tolist()) for d in cp.documents(b, split)}
+        found = 0
+        for d in docs:
+            n = int(np.argmax(d.loss_mask))  # the prompt (BOS first), unsupervised; the continuation supervised
+            assert d.tokens[0] == bos and n <= recipe.regen_prompt_tokens and d.loss_mask[n:].all()
+            if tuple(d.tokens[:n].tolist()) in functions:
+                found += 1
+            else:
+                assert n >= 32 and tuple(d.tokens[:32].tolist()) in starts
+        return found
+    assert kinds("train", docs) == summary["function_prompts"] == round(recipe.regen_prompts / 2)
     assert pjax.load_drafter(out / "peagle" / "head").config.model_kind == "peagle"
-    held = cp.head_documents(b, "held_out")  # evaluation prompts: prefixes of held-out files only
-    starts = {tuple(d.tokens[:32].tolist()) for d in cp.documents(b, "held_out")}
+    held = cp.head_documents(b, "held_out")  # evaluation prompts: of held-out files only
     assert len(held) == recipe.regen_eval_prompts and summary["held_out_prompts"] == len(held)
-    assert all(tuple(d.tokens[:32].tolist()) in starts for d in held)
+    assert kinds("held_out", held) == summary["held_out_function_prompts"] > 0
     peagle = json.loads((out / "peagle" / "stage.json").read_text())["summary"]
     assert len(peagle["held_out"]["chain_acc"]) == recipe.peagle_depths and peagle["held_out"]["tokens_per_s"] > 0
 

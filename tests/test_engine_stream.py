@@ -95,7 +95,8 @@ def test_progress_bar(models, capsys):
 
 def test_a_sweep_compiles_a_handful_of_programs(models):
     """Batch sizes 1-4, prompt lengths 2-14, max_new_tokens 3-8, stop lists of 0-3 ids, top-k / top-p on and off:
-    48 settings, at most 8 programs; the same sweep again compiles nothing."""
+    48 settings, at most 9 programs (3 row buckets x the target's prefill, the drafter's, the decode chunk); the same
+    sweep again compiles nothing."""
     target, drafter = models
     G = sys.modules["pjax.decode.generate"]
     settings = list(itertools.product([1, 2, 3, 4], [2, 9, 14], [3, 8], [None, [7, 8, 9]]))
@@ -109,5 +110,26 @@ def test_a_sweep_compiles_a_handful_of_programs(models):
                 **samplings[i % len(samplings)])
         return G.compile_count() - before
     first = sweep()
-    assert first <= 8, first
+    assert first <= 9, first
     assert sweep() == 0
+
+
+def test_a_k_sweep_compiles_the_target_prefill_once(models, monkeypatch):
+    """The target's prefill depends on no drafting setting: across K and drafting modes it compiles once, the
+    drafter's prefill and the decode chunk once per setting."""
+    target, drafter = models
+    G = sys.modules["pjax.decode.generate"]
+    built = []
+    orig = G._compiled
+
+    def record(name, *a):
+        exe, seconds = orig(name, *a)
+        if seconds:
+            built.append(name)
+        return exe, seconds
+    monkeypatch.setattr(G, "_compiled", record)
+    prompts = [[7, 8, 9, 10, 11, 12, 13], [1, 2]]
+    outs = [gen(target, drafter, prompts, max_new_tokens=6, drafting=d, num_speculative_tokens=k).tokens
+            for d, k in [("parallel", 2), ("parallel", 5), ("sequential", 4)]]
+    assert built.count("prefill_target") <= 1 and built.count("prefill_drafter") == 3 and built.count("chunk") == 3
+    assert outs[0] == outs[1] == outs[2] == gen(target, None, prompts, max_new_tokens=6, drafting="none").tokens

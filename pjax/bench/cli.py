@@ -56,6 +56,7 @@ from pjax.checkpoint.target import load_target
 from pjax.command import run_command
 from pjax.config import ConfigError
 from pjax.decode import make_spec
+from pjax.decode.compiled import use_compilation_cache
 from pjax.models.families import config_from_hf
 from pjax.dtypes import parse_dtype
 from pjax.kernels import IMPLEMENTATIONS
@@ -136,6 +137,9 @@ def build_parser(prog: str = "python -m pjax bench") -> argparse.ArgumentParser:
     s.add_argument("--simulate-acceptance", type=_floats, default=None, metavar="P1,...,PK",
                    help="simulated verdicts for timing random weights: draft i accepted with probability p_i (the "
                         "chain stops at the first rejection); at least max(--k) values, the first K used at K")
+    s.add_argument("--compilation-cache", default=None, metavar="DIR",
+                   help="keep compiled programs in DIR (JAX's persistent cache): a later run with the same models, "
+                        "shapes and settings loads them instead of compiling")
     s.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
                    help="start a configuration only while the time since start plus the longest configuration "
                         "so far fits in SECONDS (the rest are listed as not run)")
@@ -290,6 +294,8 @@ def run(args, argv) -> int:
         raise BenchError(f"--prompt-len {args.prompt_len}: must be >= 1")
     if args.rounds_per_step < 1:
         raise BenchError(f"--rounds-per-step {args.rounds_per_step}: must be >= 1")
+    if args.compilation_cache is not None:
+        use_compilation_cache(args.compilation_cache)
     shape = parse_random(args.target, "--target")
     if shape is not None and shape not in RANDOM_SHAPES:
         raise BenchError(f"--target {args.target}: unknown shape (expected one of "

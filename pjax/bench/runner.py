@@ -278,7 +278,8 @@ def run_bench(backend: Backend, sets: Sequence[PromptSet], settings: BenchSettin
             longest_config = max(longest_config, time.perf_counter() - t_config)
             log(f"{label}: {row['output_tokens_per_s']:.1f} output tok/s"
                 + (f", AL {row['mean_acceptance_length']:.2f}" if row["mean_acceptance_length"] else "")
-                + (f", exact {exact}/{len(requests)}" if exact is not None else ""))
+                + (f", exact {exact}/{len(requests)}" if exact is not None else "")
+                + f" (compiled in {compile_s:.1f} s, configuration {time.perf_counter() - t_config:.0f} s)")
     finally:
         if bar is not None:
             bar.close()

@@ -2,8 +2,9 @@
 is jitted once per compiler options and AOT-compiled once per (static settings, matmul precision, argument structure
 and shapes); `compile_count` counts the programs built, so tests and benchmarks see recompilations.
 
-Programs are named: "prefill", "chunk" (`decode_chunk`) and "round" (`spec_round`) are built in; a higher layer adds
-its own pure functions with `register_program` (the serving engine's admission).
+Programs are named: "prefill", its two parts "prefill_target" (shared by every K and drafting mode with the same
+target features) and "prefill_drafter", "chunk" (`decode_chunk`) and "round" (`spec_round`) are built in; a higher
+layer adds its own pure functions with `register_program` (the serving engine's admission).
 """
 from __future__ import annotations
 
@@ -15,13 +16,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pjax.decode.step import decode_chunk, prefill, spec_round
+from pjax.decode.step import decode_chunk, prefill, prefill_drafter, prefill_target, spec_round
 
-__all__ = ["compile_count", "compiled", "jitted", "matmul_precision", "register_program"]
+__all__ = ["compile_count", "compiled", "jitted", "matmul_precision", "register_program", "use_compilation_cache"]
 
 # name -> (function, static argument names, donated argument names)
 _PROGRAMS: dict[str, tuple[Callable, tuple[str, ...], tuple[str, ...]]] = {
     "prefill": (prefill, ("spec", "capacity", "cache_dtype"), ()),
+    "prefill_target": (prefill_target, ("spec", "capacity", "cache_dtype"), ()),
+    "prefill_drafter": (prefill_drafter, ("spec", "capacity", "cache_dtype"), ("state",)),
     "chunk": (decode_chunk, ("spec",), ("state",)),
     "round": (spec_round, ("spec",), ("state",)),
 }
@@ -78,6 +81,14 @@ def compiled(name, args, kwargs, options: tuple, precision: Optional[str]):
         _COMPILED.pop(next(iter(_COMPILED)))
     _COMPILED[key] = exe
     return exe, time.perf_counter() - t0
+
+
+def use_compilation_cache(path) -> None:
+    """Keep compiled programs in the directory `path` (JAX's persistent compilation cache, created if missing) so
+    that a later process with the same programs loads them instead of compiling."""
+    import os
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", os.path.abspath(path))
 
 
 def matmul_precision(target, drafter, allow_tf32: bool) -> Optional[str]:

@@ -21,6 +21,7 @@ from pjax.decode import inputs as I
 from pjax.decode.compiled import compile_count, jitted
 from pjax.decode.compiled import compiled as _compiled
 from pjax.decode.compiled import matmul_precision as _precision
+from pjax.decode.step import target_spec
 from pjax.decode.state import (DRAFT_SAMPLING, DRAFTING_MODES, STOP_HOST, STOP_INTERRUPTED, STOP_NAMES, EngineSpec,
                                Sampling)
 from pjax.dtypes import parse_dtype
@@ -210,14 +211,25 @@ class Generation:
             self._bar = tqdm(total=int(limits.sum()), desc=f"generate ({spec.drafting})", unit="tok",
                              dynamic_ncols=True)
 
-        pre_args = (target, drafter, jnp.asarray(padded), jnp.asarray(all_lengths), sampling)
-        exe, c = _compiled("prefill", pre_args, dict(spec=spec, capacity=capacity, cache_dtype=cdtype), self._options,
+        # prefill in two programs: the target's (one per rows and prompt bucket for every K and drafting mode with
+        # the same target features, so a sweep compiles it once), then the drafter's
+        prompts_d, lengths_d = jnp.asarray(padded), jnp.asarray(all_lengths)
+        statics = dict(capacity=capacity, cache_dtype=cdtype)
+        pre_t = (target, prompts_d, lengths_d, sampling)
+        exe, c = _compiled("prefill_target", pre_t, dict(spec=target_spec(spec), **statics), self._options,
                            self._precision)
         self._compile_s += c
         t0 = time.perf_counter()
-        self._state = exe(*pre_args)
+        self._state, aux = exe(*pre_t)
+        c = 0.0
+        if spec.drafting != "none":
+            pre_d = (drafter, self._state, aux, prompts_d, lengths_d, sampling)
+            exe, c = _compiled("prefill_drafter", pre_d, dict(spec=spec, **statics), self._options, self._precision)
+            self._compile_s += c
+            self._state = exe(*pre_d)
+        del aux
         self._snapshot()
-        self._prefill_s = time.perf_counter() - t0
+        self._prefill_s = time.perf_counter() - t0 - c
         self._t_first = time.perf_counter() - t_start - self._compile_s  # time to first token (compile excluded)
         loop_args = (target, drafter, self._state, sampling, jnp.int32(1))
         self._loop, c = _compiled("chunk", loop_args, dict(spec=spec), self._options, self._precision)

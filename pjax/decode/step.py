@@ -112,15 +112,22 @@ def _emit(state: DecodeState, tokens, count, new_pos, active, spec: EngineSpec, 
     return out, state.num_out + count, stop != RUNNING, stop
 
 
-def prefill(target, drafter, prompts, lengths, sampling: Sampling, *, spec: EngineSpec, capacity: int,
-            cache_dtype=None) -> DecodeState:
-    """Run the prompts, sample the first token, propose the first drafts.
+def target_spec(spec: EngineSpec) -> EngineSpec:
+    """The settings `prefill_target` depends on: `spec` without its drafting fields, so that every K and drafting
+    mode with the same aux_layer_ids shares one compiled target prefill."""
+    return dataclasses.replace(spec, num_speculative_tokens=0, drafting="none", draft_sampling="argmax",
+                               mask_token_id=0, simulate_acceptance=None)
 
-    prompts [B, Lp] i32 (right-padded), lengths [B] i32 (1 <= L <= Lp, L <= capacity); sampling [B].
+
+def prefill_target(target, prompts, lengths, sampling: Sampling, *, spec: EngineSpec, capacity: int,
+                   cache_dtype=None):
+    """The target's part of `prefill`: run the prompts, sample and emit the first token.
+
+    prompts [B, Lp] i32 (right-padded), lengths [B] i32 (1 <= L <= Lp, L <= capacity); sampling [B]; spec: a
+    `target_spec` (K = 0). Returns (state with K = 0 and no drafter cache, aux features [B, Lp, A*Ht] or None).
     The first generated token sits at position L; its randomness is keyed on (seed, L).
     """
     b, lp = prompts.shape
-    k = spec.k
     prompts = prompts.astype(jnp.int32)
     lengths = lengths.astype(jnp.int32)
     j = jnp.arange(lp, dtype=jnp.int32)[None]
@@ -132,11 +139,11 @@ def prefill(target, drafter, prompts, lengths, sampling: Sampling, *, spec: Engi
     last_h = jnp.take_along_axis(out.hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
     first_logits = logits_from_hidden(target, last_h)
     first = _sample_one(first_logits, sampling, lengths, spec)
-    n_buf = spec.out_len
+    k = spec.k
     state = DecodeState(
         target_cache=out.cache, drafter_cache=None, last=first, pos=lengths,
         drafts=jnp.zeros((b, k), jnp.int32), draft_probs=None,
-        out=jnp.full((b, n_buf), -1, jnp.int32), num_out=jnp.zeros((b,), jnp.int32),
+        out=jnp.full((b, spec.out_len), -1, jnp.int32), num_out=jnp.zeros((b,), jnp.int32),
         done=jnp.zeros((b,), bool), stop=jnp.zeros((b,), jnp.int32), rounds=jnp.zeros((b,), jnp.int32),
         num_drafts=jnp.zeros((b,), jnp.int32), num_draft_tokens=jnp.zeros((b,), jnp.int32),
         accepted=jnp.zeros((b,), jnp.int32), accepted_at=jnp.zeros((b, k), jnp.int32))
@@ -144,13 +151,40 @@ def prefill(target, drafter, prompts, lengths, sampling: Sampling, *, spec: Engi
     o, num_out, done, stop = _emit(state, first[:, None], jnp.ones((b,), jnp.int32), lengths, active, spec,
                                    capacity, sampling.eos, sampling.max_new,
                                    _finite_rows(first_logits[:, None], jnp.ones((b,), jnp.int32)))
-    state = dataclasses.replace(state, out=o, num_out=num_out, done=done, stop=stop)
+    return dataclasses.replace(state, out=o, num_out=num_out, done=done, stop=stop), out.aux
+
+
+def prefill_drafter(drafter, state: DecodeState, aux, prompts, lengths, sampling: Sampling, *, spec: EngineSpec,
+                    capacity: int, cache_dtype=None) -> DecodeState:
+    """The drafter's part of `prefill`: widen `prefill_target`'s state to K drafts and propose the first ones.
+
+    state, aux: `prefill_target`'s outputs for the same prompts [B, Lp] and lengths [B]; spec: the full settings
+    (drafting "parallel" or "sequential")."""
+    b, k = prompts.shape[0], spec.k
+    widen = lambda x, n, v: jnp.pad(x, ((0, 0), (0, n - x.shape[1])), constant_values=v)  # noqa: E731
+    state = dataclasses.replace(state, drafts=jnp.zeros((b, k), jnp.int32), out=widen(state.out, spec.out_len, -1),
+                                accepted_at=widen(state.accepted_at, k, 0))
+    dcache = init_drafter_cache(drafter, b, capacity, cache_dtype or drafter.dtype)
+    comb = combine(drafter, aux)
+    drafts, q, dcache = D.draft_prefill(drafter, dcache, comb, prompts.astype(jnp.int32), lengths.astype(jnp.int32),
+                                        state.last, ~state.done, sampling, spec)
+    return dataclasses.replace(state, drafter_cache=dcache, drafts=drafts, draft_probs=q)
+
+
+def prefill(target, drafter, prompts, lengths, sampling: Sampling, *, spec: EngineSpec, capacity: int,
+            cache_dtype=None) -> DecodeState:
+    """Run the prompts, sample the first token, propose the first drafts (`prefill_target`, then
+    `prefill_drafter` unless drafting is "none").
+
+    prompts [B, Lp] i32 (right-padded), lengths [B] i32 (1 <= L <= Lp, L <= capacity); sampling [B].
+    The first generated token sits at position L; its randomness is keyed on (seed, L).
+    """
+    state, aux = prefill_target(target, prompts, lengths, sampling, spec=target_spec(spec), capacity=capacity,
+                                cache_dtype=cache_dtype)
     if spec.drafting == "none":
         return state
-    dcache = init_drafter_cache(drafter, b, capacity, cache_dtype or drafter.dtype)
-    comb = combine(drafter, out.aux)
-    drafts, q, dcache = D.draft_prefill(drafter, dcache, comb, prompts, lengths, first, ~done, sampling, spec)
-    return dataclasses.replace(state, drafter_cache=dcache, drafts=drafts, draft_probs=q)
+    return prefill_drafter(drafter, state, aux, prompts, lengths, sampling, spec=spec, capacity=capacity,
+                           cache_dtype=cache_dtype)
 
 
 def verify(target, state: DecodeState, num_drafts, active, spec: EngineSpec):

@@ -21,6 +21,7 @@ of `min_body_lines`..`max_body_lines` non-blank lines; the prompt is the functio
 docstring) dedented to column 0 with a final newline, the reference is the rest of its body. A function whose body
 appears line for line (stripped, blank lines ignored) in a training file is dropped (it could be recalled, not
 predicted). Selection is deterministic: by sha256 of "NAME:QUALNAME", at most `per_file` per file.
+`function_prompts` draws prompts of the same form from training files (drafter training data shaped like its use).
 
 Files written by `collect_corpus` into its directory: `train.jsonl` and `held_out.jsonl` ({"path", "text"} per
 line, in collection order) and `manifest.json` (format "pjax-corpus" version 1: settings, per package its version,
@@ -43,7 +44,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence
 
 __all__ = ["CorpusError", "CorpusPackage", "DEFAULT_PACKAGES", "Prompt", "benchmark_prompts", "collect_corpus",
-           "corpus_sha256", "held_out", "package_roots", "read_texts", "write_prompts"]
+           "corpus_sha256", "function_prompts", "held_out", "package_roots", "read_texts", "write_prompts"]
 
 FORMAT = "pjax-corpus"
 VERSION = 1
@@ -337,6 +338,29 @@ def _candidate(name: str, qualname: str, node, lines: list[str], min_body: int, 
     return Prompt(f"{name}:{qualname}", prompt, reference, name, first)
 
 
+def _file_prompts(name: str, text: str, min_body: int, max_body: int, max_prompt_chars: int,
+                  max_reference_chars: int) -> list[Prompt]:
+    """The prompt-shaped functions of one file, in sha256 order of their ids ([] when it does not parse)."""
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return []
+    lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")  # the line breaks ast counts
+    found = [c for qual, node in _functions(tree)
+             if (c := _candidate(name, qual, node, lines, min_body, max_body, max_prompt_chars,
+                                 max_reference_chars)) is not None]
+    return sorted(found, key=lambda p: _order_key(p.id))
+
+
+def function_prompts(files: Iterable[tuple[str, str]], *, per_file: int = 4, min_body_lines: int = 3,
+                     max_body_lines: int = 40, max_prompt_chars: int = 1500) -> Iterator[Prompt]:
+    """Prompts of the benchmark's form (signature and docstring) from (name, text) files, at most `per_file` per
+    file, files taken in a deterministic order spread over packages (parsed lazily: take as many as needed). Training
+    data shaped like the prompts a code drafter is asked to continue; no decontamination (pass training files)."""
+    for name, text in sorted(files, key=lambda f: _order_key(f[0])):
+        yield from _file_prompts(name, text, min_body_lines, max_body_lines, max_prompt_chars, sys.maxsize)[:per_file]
+
+
 def benchmark_prompts(held_out_files: Iterable[tuple[str, str]], train_files: Iterable[tuple[str, str]], *,
                       max_prompts: int = 200, per_file: int = 2, min_body_lines: int = 3, max_body_lines: int = 40,
                       max_prompt_chars: int = 1500, max_reference_chars: int = 2000) -> list[Prompt]:
@@ -344,16 +368,9 @@ def benchmark_prompts(held_out_files: Iterable[tuple[str, str]], train_files: It
     file; see the module docstring. Files that do not parse with this Python are skipped."""
     by_file: dict[str, list[Prompt]] = {}
     for name, text in held_out_files:
-        try:
-            tree = ast.parse(text)
-        except (SyntaxError, ValueError):
-            continue
-        lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")  # the line breaks ast counts
-        found = [c for qual, node in _functions(tree)
-                 if (c := _candidate(name, qual, node, lines, min_body_lines, max_body_lines, max_prompt_chars,
-                                     max_reference_chars)) is not None]
+        found = _file_prompts(name, text, min_body_lines, max_body_lines, max_prompt_chars, max_reference_chars)
         if found:
-            by_file[name] = sorted(found, key=lambda p: _order_key(p.id))
+            by_file[name] = found
     # decontamination: the normalized body as consecutive normalized lines of a training file
     bodies = {p.id: _normalized(p.reference.splitlines()) for ps in by_file.values() for p in ps}
     firsts: dict[str, list[str]] = {}
