@@ -352,7 +352,7 @@ def _file_prompts(name: str, text: str, min_body: int, max_body: int, max_prompt
     return sorted(found, key=lambda p: _order_key(p.id))
 
 
-def function_prompts(files: Iterable[tuple[str, str]], *, per_file: int = 4, min_body_lines: int = 3,
+def function_prompts(files: Iterable[tuple[str, str]], *, per_file: int = 8, min_body_lines: int = 3,
                      max_body_lines: int = 40, max_prompt_chars: int = 1500) -> Iterator[Prompt]:
     """Prompts of the benchmark's form (signature and docstring) from (name, text) files, at most `per_file` per
     file, files taken in a deterministic order spread over packages (parsed lazily: take as many as needed). Training
