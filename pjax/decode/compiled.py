@@ -84,10 +84,9 @@ def compiled(name, args, kwargs, options: tuple, precision: Optional[str]):
 
 
 def use_compilation_cache(path) -> None:
-    """Keep compiled programs in the directory `path` (JAX's persistent compilation cache, created if missing) so
-    that a later process with the same programs loads them instead of compiling."""
+    """Keep compiled programs in the directory `path` (JAX's persistent compilation cache, created on the first
+    write) so that a later process with the same programs loads them instead of compiling."""
     import os
-    os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", os.path.abspath(path))
 
 
