@@ -24,7 +24,7 @@ __all__ = ["compile_count", "compiled", "jitted", "matmul_precision", "register_
 _PROGRAMS: dict[str, tuple[Callable, tuple[str, ...], tuple[str, ...]]] = {
     "prefill": (prefill, ("spec", "capacity", "cache_dtype"), ()),
     "prefill_target": (prefill_target, ("spec", "capacity", "cache_dtype"), ()),
-    "prefill_drafter": (prefill_drafter, ("spec", "capacity", "cache_dtype"), ("state",)),
+    "prefill_drafter": (prefill_drafter, ("spec", "capacity", "cache_dtype"), ()),
     "chunk": (decode_chunk, ("spec",), ("state",)),
     "round": (spec_round, ("spec",), ("state",)),
 }

@@ -226,7 +226,7 @@ class Generation:
             pre_d = (drafter, self._state, aux, prompts_d, lengths_d, sampling)
             exe, c = _compiled("prefill_drafter", pre_d, dict(spec=spec, **statics), self._options, self._precision)
             self._compile_s += c
-            self._state = exe(*pre_d)
+            self._state = dataclasses.replace(self._state, **exe(*pre_d))
         del aux
         self._snapshot()
         self._prefill_s = time.perf_counter() - t0 - c

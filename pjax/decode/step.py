@@ -155,20 +155,21 @@ def prefill_target(target, prompts, lengths, sampling: Sampling, *, spec: Engine
 
 
 def prefill_drafter(drafter, state: DecodeState, aux, prompts, lengths, sampling: Sampling, *, spec: EngineSpec,
-                    capacity: int, cache_dtype=None) -> DecodeState:
-    """The drafter's part of `prefill`: widen `prefill_target`'s state to K drafts and propose the first ones.
+                    capacity: int, cache_dtype=None) -> dict:
+    """The drafter's part of `prefill`: the first drafts, and the state's K-sized fields.
 
     state, aux: `prefill_target`'s outputs for the same prompts [B, Lp] and lengths [B]; spec: the full settings
-    (drafting "parallel" or "sequential")."""
+    (drafting "parallel" or "sequential"). Returns the fields to replace in `state` (drafter_cache, drafts [B, K],
+    draft_probs, and out / accepted_at widened to K): nothing of the target's state passes through, so the
+    compiled program neither copies nor donates its KV cache."""
     b, k = prompts.shape[0], spec.k
     widen = lambda x, n, v: jnp.pad(x, ((0, 0), (0, n - x.shape[1])), constant_values=v)  # noqa: E731
-    state = dataclasses.replace(state, drafts=jnp.zeros((b, k), jnp.int32), out=widen(state.out, spec.out_len, -1),
-                                accepted_at=widen(state.accepted_at, k, 0))
     dcache = init_drafter_cache(drafter, b, capacity, cache_dtype or drafter.dtype)
     comb = combine(drafter, aux)
     drafts, q, dcache = D.draft_prefill(drafter, dcache, comb, prompts.astype(jnp.int32), lengths.astype(jnp.int32),
                                         state.last, ~state.done, sampling, spec)
-    return dataclasses.replace(state, drafter_cache=dcache, drafts=drafts, draft_probs=q)
+    return dict(drafter_cache=dcache, drafts=drafts, draft_probs=q, out=widen(state.out, spec.out_len, -1),
+                accepted_at=widen(state.accepted_at, k, 0))
 
 
 def prefill(target, drafter, prompts, lengths, sampling: Sampling, *, spec: EngineSpec, capacity: int,
@@ -183,8 +184,8 @@ def prefill(target, drafter, prompts, lengths, sampling: Sampling, *, spec: Engi
                                 cache_dtype=cache_dtype)
     if spec.drafting == "none":
         return state
-    return prefill_drafter(drafter, state, aux, prompts, lengths, sampling, spec=spec, capacity=capacity,
-                           cache_dtype=cache_dtype)
+    return dataclasses.replace(state, **prefill_drafter(drafter, state, aux, prompts, lengths, sampling, spec=spec,
+                                                        capacity=capacity, cache_dtype=cache_dtype))
 
 
 def verify(target, state: DecodeState, num_drafts, active, spec: EngineSpec):

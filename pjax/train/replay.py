@@ -10,6 +10,9 @@ every anchor measures what the choice of round starts costs.
 """
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -25,15 +28,29 @@ __all__ = ["replay_rounds", "teacher_forced_drafts"]
 
 def teacher_forced_drafts(target: Target, drafter: Drafter, seq, k: int, *, implementation: str = "auto"):
     """seq [S] token ids -> [S, k] target-vocabulary ids: row a = the head's predictions of tokens a+2..a+k+1 from
-    anchor a (depths 0..k-1; the target's features of the whole sequence, one document)."""
+    anchor a (depths 0..k-1; the target's features of the whole sequence, one document). One compiled program per
+    power-of-two length: the sequence is padded at its end (a separate document), which no anchor of it attends."""
     s = len(seq)
-    toks, doc = jnp.asarray(seq, jnp.int32)[None], jnp.zeros((1, s), jnp.int32)
-    aux, final = target_features(target, toks, doc, check_pair(target.config, drafter.config),
+    n = max(64, 1 << (s - 1).bit_length())
+    toks = np.zeros(n, np.int32)
+    toks[:s] = np.asarray(seq, np.int32)
+    doc = np.where(np.arange(n) < s, 0, -1).astype(np.int32)
+    return np.asarray(_dense_drafts(target, drafter, jnp.asarray(toks), jnp.asarray(doc), k=k,
+                                    implementation=implementation))[:s]
+
+
+@functools.partial(jax.jit, static_argnames=("k", "implementation"))
+def _dense_drafts(target, drafter, toks, doc, *, k: int, implementation: str):
+    """toks, doc [N] -> [N, k] (`teacher_forced_drafts` of one padded row)."""
+    n = toks.shape[0]
+    aux, final = target_features(target, toks[None], doc[None], check_pair(target.config, drafter.config),
                                  implementation=implementation)
-    sh = eagle_shift(toks[0], jnp.ones((s,), jnp.int32), doc[0], aux[0], final[0])
+    sh = eagle_shift(toks, (doc >= 0).astype(jnp.int32), doc, aux[0], final[0])
+    anchors = jnp.tile(jnp.arange(n, dtype=jnp.int32), k)
+    depths = jnp.repeat(jnp.arange(k, dtype=jnp.int32), n)
     logits = draft_logits(drafter, sh["hidden_states"][None], sh["input_ids"][None], sh["document_ids"][None],
-                          jnp.asarray(np.tile(np.arange(s), k)), jnp.asarray(np.repeat(np.arange(k), s)))
-    return np.asarray(draft_to_target(drafter, jnp.argmax(logits, -1))).reshape(k, s).T
+                          anchors, depths)
+    return draft_to_target(drafter, jnp.argmax(logits, -1)).reshape(k, n).T
 
 
 def replay_rounds(drafts, seq, first: int):
