@@ -28,9 +28,9 @@ of the full target would take 8 KB a token, 105 GB for the heads' 13 M tokens).
 Head data (--head-data): "regenerated" (default), training-file prompts continued greedily by the target, the loss
 on the continuations: what a head sees when decoding (published heads train on target-regenerated responses to prompts
 like their users', spec D.6; here --regen-function-fraction of the prompts are functions' signatures and docstrings,
-the form of the benchmark's prompts, the rest file prefixes). "corpus": rows of the corpus' training split with the target's own next-token distributions as the loss targets
-(computed online in each step); it costs no generation stage, but a depth-d label is then a human-written token where
-at decode time it is the target's own.
+the form of the benchmark's prompts, the rest file prefixes). "corpus": rows of the corpus' training split with the
+target's own next-token distributions as the loss targets (computed online in each step); it costs no generation
+stage, but a depth-d label is then a human-written token where at decode time it is the target's own.
 
 Output rule: DIR is created with a pjax marker; an existing directory that is not a build of this recipe is refused.
 A stage built with other settings (or whose inputs were rebuilt) is refused unless --force, which rebuilds it.

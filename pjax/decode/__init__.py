@@ -1,10 +1,13 @@
-"""Speculative decoding engine: prefill, jitted rounds (verify -> accept -> draft), `generate` and the streaming
-`Generation`; `prefill_single` / `round_single` are the single-sequence research API (jax.vmap them)."""
+"""Speculative decoding engine: prefill (`prefill_target` then `prefill_drafter`), jitted rounds (verify -> accept ->
+draft), `generate` and the streaming `Generation`; `prefill_single` / `round_single` are the single-sequence research
+API (jax.vmap them)."""
 from pjax.decode.generate import (Chunk, GenerateResult, Generation, GenerationInterrupted, compile_count, generate,
                                   make_spec)
 from pjax.decode.state import STOP_NAMES, DecodeState, EngineSpec, Sampling
-from pjax.decode.step import decode_loop, prefill, prefill_single, round_single, spec_round, verify
+from pjax.decode.step import (decode_loop, prefill, prefill_drafter, prefill_single, prefill_target, round_single,
+                              spec_round, target_spec, verify)
 
 __all__ = ["STOP_NAMES", "Chunk", "DecodeState", "EngineSpec", "GenerateResult", "Generation",
            "GenerationInterrupted", "Sampling", "compile_count", "decode_loop", "generate", "make_spec", "prefill",
-           "prefill_single", "round_single", "spec_round", "verify"]
+           "prefill_drafter", "prefill_single", "prefill_target", "round_single", "spec_round", "target_spec",
+           "verify"]
