@@ -102,6 +102,7 @@ class Recipe:
     head_steps: int = 800
     head_weight_decay: float = 0.01
     head_warmup: Optional[int] = None  # None: 1% of the steps (speculators)
+    head_optimizer: str = "adamw"  # or "muon" (speculators' CLI default: Muon on the weight matrices, `pjax.train.optim`)
     # "regenerated": training-file prefixes continued by the target (what the heads see when decoding: a depth-d label
     # is a token P-EAGLE cannot see, and at decode time it is the target's own); "corpus": the training rows
     head_data: str = "regenerated"
@@ -166,12 +167,12 @@ SETTINGS = {
                "target_warmup", "target_weight_decay", "eval_rows", "compute_dtype", "remat", "seed"),
     "regen": ("head_data", "regen_prompts", "regen_prompt_tokens", "regen_new_tokens", "regen_temperature",
               "regen_batch", "regen_function_fraction", "regen_eval_prompts", "compute_dtype", "seed"),
-    "peagle": ("head_seq_len", "head_batch_rows", "head_steps", "head_weight_decay", "head_warmup", "aux_layer_ids",
-               "draft_vocab_size", "peagle_layers", "peagle_depths", "peagle_down_sample_ratio",
+    "peagle": ("head_seq_len", "head_batch_rows", "head_steps", "head_weight_decay", "head_warmup", "head_optimizer",
+               "aux_layer_ids", "draft_vocab_size", "peagle_layers", "peagle_depths", "peagle_down_sample_ratio",
                "peagle_down_sample_ratio_min", "peagle_max_anchors", "peagle_segments", "peagle_lr",
                "head_eval_batches", "compute_dtype", "seed"),
-    "eagle3": ("head_seq_len", "head_batch_rows", "head_steps", "head_weight_decay", "head_warmup", "aux_layer_ids",
-               "draft_vocab_size", "eagle3_layers", "eagle3_ttt_steps", "eagle3_lr", "head_eval_batches",
+    "eagle3": ("head_seq_len", "head_batch_rows", "head_steps", "head_weight_decay", "head_warmup", "head_optimizer",
+               "aux_layer_ids", "draft_vocab_size", "eagle3_layers", "eagle3_ttt_steps", "eagle3_lr", "head_eval_batches",
                "compute_dtype", "seed"),
     "export": ("export_dtype",),
     "check": ("check_prompts", "check_new_tokens"),
@@ -637,12 +638,8 @@ def stage_regen(b: Build, work: Path) -> dict:
     documents whose continuation is supervised; and regen_eval_prompts held-out-file prompts, continued the same way,
     for the heads' held-out evaluation. With "corpus": nothing to do."""
     r = b.recipe
-    if r.head_data not in ("corpus", "regenerated"):
-        raise RecipeError(f"--head-data {r.head_data!r}: expected 'corpus' or 'regenerated'")
     if r.head_data == "corpus":
         return dict(head_data="corpus")
-    if not 0.0 <= r.regen_function_fraction <= 1.0:
-        raise RecipeError(f"--regen-function-fraction {r.regen_function_fraction}: expected a fraction in [0, 1]")
     target = load_code_target(b, jnp.dtype(r.compute_dtype or "float32"))
     t0 = time.time()
     prompts, functions = _prompts(b, "train", r.regen_prompts, r.seed + 4)
@@ -687,7 +684,7 @@ def _head_config(b: Build, objective: str, target, docs):
                       down_sample_ratio_min=r.peagle_down_sample_ratio_min, max_anchors=r.peagle_max_anchors),
         ttt_steps=r.eagle3_ttt_steps, num_segments=r.peagle_segments if peagle else 1,
         optim=OptimConfig(lr=r.peagle_lr if peagle else r.eagle3_lr, warmup_steps=r.head_warmup,
-                          weight_decay=r.head_weight_decay, train_embeddings=peagle),
+                          weight_decay=r.head_weight_decay, train_embeddings=peagle, optimizer=r.head_optimizer),
         compute_dtype=r.compute_dtype, seed=r.seed, implementation=b.implementation)
     return dcfg, d2t, cfg
 
@@ -923,12 +920,23 @@ def run_stage(b: Build, stage: str) -> str:
     return "built"
 
 
+def check_recipe(r: Recipe) -> None:
+    """RecipeError naming the flag of a choice no stage can take (before any stage runs)."""
+    if r.head_data not in ("corpus", "regenerated"):
+        raise RecipeError(f"--head-data {r.head_data!r}: expected 'corpus' or 'regenerated'")
+    if r.head_optimizer not in ("adamw", "muon"):
+        raise RecipeError(f"--head-optimizer {r.head_optimizer!r}: expected 'adamw' or 'muon'")
+    if not 0.0 <= r.regen_function_fraction <= 1.0:
+        raise RecipeError(f"--regen-function-fraction {r.regen_function_fraction}: expected a fraction in [0, 1]")
+
+
 def build(out, recipe: Recipe = FULL, *, stages=STAGES, force: bool = False, progress: bool = True,
           max_minutes: Optional[float] = None, save_minutes: float = 4.0, implementation: str = "auto",
           log: Callable[[str], None] = print,
           should_stop: Optional[Callable[[], bool]] = None) -> dict:
     """Run `stages` (in recipe order) of the build at `out`; returns {stage: "done" | "built"}. Raises Incomplete
     when the time limit (or `should_stop`) stopped it (the same call continues), RecipeError when it cannot go on."""
+    check_recipe(recipe)
     out = open_build(out, force=force)
     deadline = None if max_minutes is None else time.time() + 60 * max_minutes
     b = Build(out, recipe, force=force, progress=progress, deadline=deadline, save_seconds=60 * save_minutes,

@@ -236,6 +236,11 @@ def test_changed_settings_are_refused(build_dir, tmp_path):
         cp.build(build_dir, dataclasses.replace(cp.TINY, eagle3_ttt_steps=2), stages=("eagle3",), progress=False)
     with pytest.raises(cp.RecipeError, match="needs corpus, tokenizer, tokens, target, regen first"):
         cp.build(tmp_path / "empty", cp.TINY, stages=("peagle",), progress=False)
+    for bad, flag in ((dict(head_optimizer="sgd"), "--head-optimizer 'sgd'"), (dict(head_data="web"), "--head-data"),
+                      (dict(regen_function_fraction=1.5), "--regen-function-fraction 1.5")):
+        with pytest.raises(cp.RecipeError, match=flag):  # before any stage runs: nothing is created
+            cp.build(tmp_path / "bad", dataclasses.replace(cp.TINY, **bad), progress=False)
+        assert not (tmp_path / "bad").exists()
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("x")
@@ -245,8 +250,10 @@ def test_changed_settings_are_refused(build_dir, tmp_path):
 
 def test_flags():
     a = cp.parse_args(["--out", "x", "--tiny", "--peagle-depths", "12", "--peagle-max-anchors", "none",
-                       "--aux-layer-ids", "1", "2", "3", "--no-remat", "--target-tokens", "5e7"])
+                       "--aux-layer-ids", "1", "2", "3", "--no-remat", "--target-tokens", "5e7", "--head-optimizer",
+                       "muon", "--regen-function-fraction", "0.25"])
     r = cp.recipe_from_args(a)
     assert r == dataclasses.replace(cp.TINY, peagle_depths=12, peagle_max_anchors=None, aux_layer_ids=(1, 2, 3),
-                                    remat=False, target_tokens=50_000_000)
+                                    remat=False, target_tokens=50_000_000, head_optimizer="muon",
+                                    regen_function_fraction=0.25)
     assert cp.recipe_from_args(cp.parse_args(["--out", "x"])) == cp.FULL

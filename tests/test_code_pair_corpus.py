@@ -125,6 +125,20 @@ def test_benchmark_prompts():
     assert C.benchmark_prompts([("bad.py", "def f(:\n")], []) == []
 
 
+def test_function_prompts():
+    """Training data of the benchmark's form: the same prompts as `benchmark_prompts` (no decontamination), at most
+    per_file a file, files in a fixed order independent of the order given, drawn lazily."""
+    files = [("alpha/core.py", MODULE), ("beta/core.py", MODULE), ("bad.py", "def f(:\n")]
+    bench = {p.prompt for p in C.benchmark_prompts([("alpha/core.py", MODULE)], [], per_file=5)}
+    got = list(C.function_prompts(files))
+    assert len(got) == 4 and {p.prompt for p in got} == bench
+    assert [p.id for p in got] == [p.id for p in C.function_prompts(files[::-1])]
+    assert sorted({p.source for p in got}) == ["alpha/core.py", "beta/core.py"]
+    assert [p.source for p in C.function_prompts(files, per_file=1)] == [got[0].source, got[2].source]
+    lazy = C.function_prompts(iter(files))
+    assert next(lazy).id == got[0].id
+
+
 def test_write_prompts(tmp_path):
     prompts = C.benchmark_prompts([("alpha/core.py", MODULE)], [], per_file=5)
     path = C.write_prompts(prompts, tmp_path / "p.jsonl")

@@ -1,12 +1,14 @@
-"""Optimiser: optax AdamW with warmup + cosine/linear decay and global-norm clipping over the
-trainable part of the drafter params (speculators: everything but `lm_head`, which is a frozen copy of
-the target's head rows; embeddings trainable for P-EAGLE, frozen for EAGLE-3)."""
+"""Optimiser: optax AdamW, or Muon on the weight matrices and AdamW on the rest (speculators' `--optimizer muon`,
+its CLI default), with warmup + cosine/linear decay and global-norm clipping over the trainable part of the drafter
+params (speculators: everything but `lm_head`, which is a frozen copy of the target's head rows; embeddings
+trainable for P-EAGLE, frozen for EAGLE-3)."""
 from __future__ import annotations
 
 import dataclasses
 from typing import Optional
 
 import jax
+import jax.numpy as jnp
 import optax
 
 
@@ -23,6 +25,14 @@ class OptimConfig:
     grad_clip: Optional[float] = 1.0
     train_embeddings: bool = True
     train_lm_head: bool = False
+    # "adamw" | "muon": Muon (torch.optim.Muon: Nesterov momentum, 5 Newton-Schulz steps in bf16, lr scaled by
+    # 0.2 sqrt(max(rows, cols)) to match AdamW's update RMS, decoupled weight decay) on every 2-D weight with both
+    # sides > 1 except embeddings and lm_head (`muon_mask`); AdamW (lr, weight_decay) on the rest
+    optimizer: str = "adamw"
+    muon_lr: Optional[float] = None  # None: lr (speculators)
+    muon_momentum: float = 0.95
+    muon_weight_decay: float = 0.1
+    muon_ns_steps: int = 5
 
 
 def learning_rate_schedule(cfg: OptimConfig, total_steps: int):
@@ -43,12 +53,66 @@ def learning_rate_schedule(cfg: OptimConfig, total_steps: int):
     return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warm), decay], [warm])
 
 
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic Newton-Schulz iteration (torch.optim.Muon)
+MUON_EPS = 1e-7
+ADAMW_NAMES = ("embed_tokens", "lm_head")  # 2-D but updated by AdamW under Muon (speculators' convention)
+
+
+def newton_schulz(g, steps: int = 5, eps: float = MUON_EPS):
+    """[A, B] -> an approximately orthogonalised [A, B] (U S' V^T with S' ~ 1), computed in bfloat16 on the wide
+    orientation, as torch.optim.Muon."""
+    a, b, c = NS_COEFFICIENTS
+    bf, f32 = jnp.bfloat16, jnp.float32
+    mm = lambda u, v: jnp.matmul(u, v, preferred_element_type=f32)  # noqa: E731  (bf16 operands, f32 sums)
+    tall = g.shape[0] > g.shape[1]
+    x = (g.T if tall else g).astype(bf)
+    x = (x / jnp.maximum(jnp.linalg.norm(x.astype(f32)).astype(bf), eps)).astype(bf)
+    for _ in range(steps):  # each product-and-add rounded to bf16 once, as torch.addmm
+        gram = mm(x, x.T).astype(bf)
+        update = (b * gram.astype(f32) + c * mm(gram, gram)).astype(bf)
+        x = (a * x.astype(f32) + mm(update, x)).astype(bf)
+    return (x.T if tall else x).astype(g.dtype)
+
+
+def scale_by_muon(momentum: float, ns_steps: int) -> optax.GradientTransformation:
+    """Muon's direction for 2-D leaves: Nesterov momentum (buf <- lerp(buf, g, 1 - m); u = lerp(g, buf, m)),
+    Newton-Schulz, times 0.2 sqrt(max(A, B)) (the learning rate and weight decay come after in the chain)."""
+    def init(params):
+        return jax.tree.map(jnp.zeros_like, params)
+
+    def update(updates, buf, params=None):
+        buf = jax.tree.map(lambda b, g: b + (1 - momentum) * (g - b), buf, updates)
+        out = jax.tree.map(lambda g, b: 0.2 * max(g.shape) ** 0.5 * newton_schulz(g + momentum * (b - g), ns_steps),
+                           updates, buf)
+        return out, buf
+    return optax.GradientTransformation(init, update)
+
+
+def muon_mask(params):
+    """Same tree as params: True where Muon updates the leaf (2-D, both sides > 1, not an embedding or lm_head)."""
+    def muon(path, leaf):
+        names = [str(getattr(k, "key", k)) for k in path]
+        return leaf.ndim == 2 and min(leaf.shape) > 1 and not any(n in ADAMW_NAMES for n in names)
+    return jax.tree_util.tree_map_with_path(muon, params)
+
+
 def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
     parts = []
     if cfg.grad_clip is not None and cfg.grad_clip > 0:
         parts.append(optax.clip_by_global_norm(cfg.grad_clip))
-    parts.append(optax.adamw(learning_rate_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                             weight_decay=cfg.weight_decay))
+    adamw = optax.adamw(learning_rate_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                        weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adamw":
+        parts.append(adamw)
+    elif cfg.optimizer == "muon":
+        lr = learning_rate_schedule(dataclasses.replace(cfg, lr=cfg.lr if cfg.muon_lr is None else cfg.muon_lr),
+                                    total_steps)
+        muon = optax.chain(scale_by_muon(cfg.muon_momentum, cfg.muon_ns_steps),
+                           optax.add_decayed_weights(cfg.muon_weight_decay), optax.scale_by_learning_rate(lr))
+        labels = lambda params: jax.tree.map(lambda m: "muon" if m else "adamw", muon_mask(params))  # noqa: E731
+        parts.append(optax.multi_transform({"muon": muon, "adamw": adamw}, labels))
+    else:
+        raise ValueError(f"optimizer {cfg.optimizer!r} is not one of 'adamw', 'muon'")
     return optax.chain(*parts)
 
 
