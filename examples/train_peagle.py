@@ -52,6 +52,8 @@ def _args(argv=None, objective="peagle"):
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--warmup-steps", type=int, default=None)
     p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+                   help="muon: Muon on the weight matrices, AdamW on the rest (speculators' --optimizer muon)")
     p.add_argument("--loss", choices=("kl", "ce"), default="kl")
     p.add_argument("--compute-dtype", default=None, help="e.g. bfloat16 (master weights stay float32)")
     p.add_argument("--checkpoint-dir", default=None)
@@ -162,7 +164,7 @@ def target_job(argv=None, objective="peagle"):
                       cod=CodConfig(a.num_depths, a.down_sample_ratio, a.down_sample_ratio_min, a.max_anchors),
                       ttt_steps=a.ttt_steps, loss_type=a.loss, num_segments=a.segments,
                       optim=OptimConfig(lr=a.lr or 6e-4, warmup_steps=a.warmup_steps, weight_decay=a.weight_decay,
-                                        train_embeddings=a.objective == "peagle"),
+                                        train_embeddings=a.objective == "peagle", optimizer=a.optimizer),
                       compute_dtype=a.compute_dtype, seed=a.seed)
     stream = RowStream(docs, seq, rows, seed=a.seed)
     if a.split_target and not a.all_devices:
