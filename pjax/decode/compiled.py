@@ -18,7 +18,8 @@ import numpy as np
 
 from pjax.decode.step import decode_chunk, prefill, prefill_drafter, prefill_target, spec_round
 
-__all__ = ["compile_count", "compiled", "jitted", "matmul_precision", "register_program", "use_compilation_cache"]
+__all__ = ["clear_compiled", "compile_count", "compiled", "jitted", "matmul_precision", "register_program",
+           "use_compilation_cache"]
 
 # name -> (function, static argument names, donated argument names)
 _PROGRAMS: dict[str, tuple[Callable, tuple[str, ...], tuple[str, ...]]] = {
@@ -62,6 +63,12 @@ def compile_count() -> int:
 
 def _donate() -> bool:
     return jax.default_backend() != "cpu"  # CPU ignores donation (and warns)
+
+
+def clear_compiled() -> None:
+    """Drop every program compiled here (with `jax.clear_caches()`, a long-lived process that compiles many programs
+    frees their memory and code mappings)."""
+    _COMPILED.clear()
 
 
 def compiled(name, args, kwargs, options: tuple, precision: Optional[str]):
