@@ -9,6 +9,7 @@ layer adds its own pure functions with `register_program` (the serving engine's 
 from __future__ import annotations
 
 import functools
+import os
 import time
 from typing import Callable, Optional, Sequence
 
@@ -93,7 +94,6 @@ def compiled(name, args, kwargs, options: tuple, precision: Optional[str]):
 def use_compilation_cache(path) -> None:
     """Keep compiled programs in the directory `path` (JAX's persistent compilation cache, created on the first
     write) so that a later process with the same programs loads them instead of compiling."""
-    import os
     jax.config.update("jax_compilation_cache_dir", os.path.abspath(path))
 
 

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pjax.decode.inputs import bucket_length
 from pjax.models.drafter import Drafter, draft_to_target
 from pjax.models.pairing import check_pair
 from pjax.models.target import Target
@@ -31,7 +32,7 @@ def teacher_forced_drafts(target: Target, drafter: Drafter, seq, k: int, *, impl
     anchor a (depths 0..k-1; the target's features of the whole sequence, one document). One compiled program per
     power-of-two length: the sequence is padded at its end (a separate document), which no anchor of it attends."""
     s = len(seq)
-    n = max(64, 1 << (s - 1).bit_length())
+    n = bucket_length(s)
     toks = np.zeros(n, np.int32)
     toks[:s] = np.asarray(seq, np.int32)
     doc = np.where(np.arange(n) < s, 0, -1).astype(np.int32)
