@@ -102,6 +102,8 @@ def test_end_to_end(ckpt, tmp_path, capsys, scheduling):
         assert r["output_tokens_per_s"] == pytest.approx(r["output_tokens"] / r["duration_s"])
         assert 0 < r["ttft_ms_median"] and 0 < r["tpot_ms_median"] <= r["tpot_ms_p99"]
         assert r["compile_s_during_timing"] == 0.0  # prepare compiled every program of the run
+        by_program = r["compile_by_program"]  # where the compile seconds went, program by program
+        assert sum(v["seconds"] for v in by_program.values()) == pytest.approx(r["compile_s"], abs=0.01 * 4)
         assert r["hardware"] and r["jax_version"] and r["date"] and r["dtype"] == "float32"
         assert set(r["categories"]) == {"writing", "roleplay"}  # the even spread over categories
         if r["drafting"] == "none":
@@ -116,6 +118,10 @@ def test_end_to_end(ckpt, tmp_path, capsys, scheduling):
         assert r["mean_acceptance_length"] == pytest.approx(1 + sum(rates))  # chain: accepted = sum over positions
         assert r["num_draft_tokens"] == k * r["num_drafts"] > 0
         assert r["mean_acceptance_length"] == pytest.approx(1 + r["num_accepted_tokens"] / r["num_drafts"])
+    first = rows[0]["compile_by_program"]  # the first configuration compiles (programs shared with the other test
+    assert first and all(v["programs"] >= 1 and v["seconds"] > 0 for v in first.values())  # may be cached)
+    if scheduling == "static":  # parallel K = 1 adds the drafter's prefill
+        assert "prefill_drafter" in rows[1]["compile_by_program"]
     reqs = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
     assert len(reqs) == 12 and {q["prompt_id"] for q in reqs} == {"81", "91"}
     for q in reqs:

@@ -19,8 +19,8 @@ import numpy as np
 
 from pjax.decode.step import decode_chunk, prefill, prefill_drafter, prefill_target, spec_round
 
-__all__ = ["clear_compiled", "compile_count", "compiled", "jitted", "matmul_precision", "register_program",
-           "use_compilation_cache"]
+__all__ = ["clear_compiled", "compile_count", "compile_stats", "compiled", "jitted", "matmul_precision",
+           "register_program", "use_compilation_cache"]
 
 # name -> (function, static argument names, donated argument names)
 _PROGRAMS: dict[str, tuple[Callable, tuple[str, ...], tuple[str, ...]]] = {
@@ -55,11 +55,19 @@ def jitted(name: str, donate: bool, options: tuple = ()):
 _COMPILED: dict = {}
 _MAX_COMPILED = 64  # executables kept (oldest dropped first)
 _COMPILES = [0]
+_BY_NAME: dict[str, list] = {}  # program name -> [programs compiled, seconds]
 
 
 def compile_count() -> int:
     """Programs compiled by this process's generations so far (tests and benchmarks count recompilations)."""
     return _COMPILES[0]
+
+
+def compile_stats() -> dict[str, tuple[int, float]]:
+    """Programs compiled so far and their compile seconds (a persistent-cache hit counts its loading), by program
+    name: {"prefill_target": (2, 3.1), "chunk": (1, 9.8), ...}. Differences of two calls show where a run's
+    compilation went."""
+    return {name: (n, s) for name, (n, s) in _BY_NAME.items()}
 
 
 def _donate() -> bool:
@@ -84,11 +92,15 @@ def compiled(name, args, kwargs, options: tuple, precision: Optional[str]):
     t0 = time.perf_counter()
     with jax.default_matmul_precision(precision):
         exe = jitted(name, _donate(), options).lower(*args, **kwargs).compile()
+    seconds = time.perf_counter() - t0
     _COMPILES[0] += 1
+    entry = _BY_NAME.setdefault(name, [0, 0.0])
+    entry[0] += 1
+    entry[1] += seconds
     if len(_COMPILED) >= _MAX_COMPILED:
         _COMPILED.pop(next(iter(_COMPILED)))
     _COMPILED[key] = exe
-    return exe, time.perf_counter() - t0
+    return exe, seconds
 
 
 def use_compilation_cache(path) -> None:
