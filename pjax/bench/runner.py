@@ -206,7 +206,8 @@ def _compiled_since(before: dict) -> dict:
 
 
 def _programs_text(by_program: dict) -> str:
-    """": prefill_drafter 30.1 s (5 programs), chunk 9.8 s (1)" (largest first), or "" when nothing was compiled."""
+    """": <name> <seconds> s (<n> programs), <name> <seconds> s (<n>), ..." (largest first), or "" when nothing was
+    compiled."""
     parts = [f"{name} {v['seconds']:.1f} s ({v['programs']}{' programs' if not i else ''})"
              for i, (name, v) in enumerate(sorted(by_program.items(), key=lambda kv: -kv[1]["seconds"]))]
     return (": " + ", ".join(parts)) if parts else ""

@@ -65,7 +65,7 @@ def compile_count() -> int:
 
 def compile_stats() -> dict[str, tuple[int, float]]:
     """Programs compiled so far and their compile seconds (a persistent-cache hit counts its loading), by program
-    name: {"prefill_target": (2, 3.1), "chunk": (1, 9.8), ...}. Differences of two calls show where a run's
+    name: {"prefill_target": (programs, seconds), "chunk": (...), ...}. Differences of two calls show where a run's
     compilation went."""
     return {name: (n, s) for name, (n, s) in _BY_NAME.items()}
 
