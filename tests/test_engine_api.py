@@ -87,6 +87,9 @@ def test_prefill_draft_layout_matches_spec_example():
     assert fr[0, :n].tolist() == [0, 1, 2, 3, 4, -1, -1]
     assert pos[0, :n].tolist() == list(range(7))
     assert not valid[0, n:].any()
+    assert tok.shape == (1, 8 + 16)  # mask slots padded to 16: the same shapes for K = 2..17
+    assert prefill_draft_inputs(a, jnp.asarray([5]), jnp.asarray([15]), 17, mask_token_id=99)[0].shape == (1, 24)
+    assert prefill_draft_inputs(a, jnp.asarray([5]), jnp.asarray([15]), 1, mask_token_id=99)[0].shape == (1, 8)
 
 
 def test_select_drafts_maps_draft_vocab(models):

@@ -17,6 +17,7 @@ from pjax.models.drafter import (draft_logits_from_hidden, draft_to_target, draf
 
 # counter-hash stream for draft sampling (distinct from the acceptance streams)
 DRAFT_STREAM = 0x44
+MASK_SLOT_STEP = 16  # the drafter's prefill pads its mask slots to a multiple of this (`prefill_mask_slots`)
 
 
 def select_drafts(drafter, logits, sampling: Sampling, positions, spec: EngineSpec):
@@ -127,15 +128,22 @@ def draft_round(drafter, cache, comb, verify_tokens, num_accepted, next_token, s
                            sampling, spec, q1)
 
 
+def prefill_mask_slots(k: int) -> int:
+    """Slots the drafter's prefill pass adds after the prompt for K drafts: K - 1 rounded up to a multiple of
+    MASK_SLOT_STEP (0 for K = 1), so the pass has the same shapes for K = 2..17 (a K sweep reuses its compiled
+    kernels and the GPU's autotuned matrix products)."""
+    return -(-(k - 1) // MASK_SLOT_STEP) * MASK_SLOT_STEP
+
+
 def prefill_draft_inputs(prompts, lengths, first_token, k: int, mask_token_id: int):
     """Drafter slots after prefill: slot j < L-1: (prompt[j+1], feature j); slot L-1: (first token,
     feature L-1); slots L..L+K-2: mask token / mask feature; positions = slot index; rest padding.
 
     prompts [B, Lp], lengths [B], first_token [B] -> tokens, feature_row (-1 = mask), positions, valid [B, S]
-    with S = Lp + K - 1.
+    with S = Lp + prefill_mask_slots(K).
     """
     b, lp = prompts.shape
-    s = lp + k - 1
+    s = lp + prefill_mask_slots(k)
     j = jnp.arange(s, dtype=jnp.int32)[None, :]
     L = lengths[:, None]
     nxt = jnp.take_along_axis(prompts, jnp.clip(j + 1, 0, lp - 1), axis=1) if s > 0 else prompts
