@@ -54,13 +54,12 @@ def jitted(name: str, donate: bool, options: tuple = ()):
 
 _COMPILED: dict = {}
 _MAX_COMPILED = 64  # executables kept (oldest dropped first)
-_COMPILES = [0]
 _BY_NAME: dict[str, list] = {}  # program name -> [programs compiled, seconds]
 
 
 def compile_count() -> int:
     """Programs compiled by this process's generations so far (tests and benchmarks count recompilations)."""
-    return _COMPILES[0]
+    return sum(n for n, _ in _BY_NAME.values())
 
 
 def compile_stats() -> dict[str, tuple[int, float]]:
@@ -93,7 +92,6 @@ def compiled(name, args, kwargs, options: tuple, precision: Optional[str]):
     with jax.default_matmul_precision(precision):
         exe = jitted(name, _donate(), options).lower(*args, **kwargs).compile()
     seconds = time.perf_counter() - t0
-    _COMPILES[0] += 1
     entry = _BY_NAME.setdefault(name, [0, 0.0])
     entry[0] += 1
     entry[1] += seconds
