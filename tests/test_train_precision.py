@@ -9,6 +9,7 @@ import pytest
 from jax._src import source_info_util
 
 from pjax.config import LayerSpec, ModelConfig, RopeSpec
+from pjax.kernels.rows import take_rows
 from pjax.models.drafter import Drafter
 from pjax.models.target import init_target
 from pjax.train.cod import CodConfig
@@ -76,3 +77,50 @@ def test_head_step_runs_bf16_matmuls_over_f32_masters(target, objective):
     bf16_target = target.astype("bfloat16")  # the frozen target as the heads' training runs it
     dots = dot_operand_dtypes(jax.make_jaxpr(step)(state, shell, bf16_target, batch))
     assert dots and all(d == ("bfloat16", "bfloat16") for d in dots), sorted(set(dots))
+
+
+def scatter_add_dtypes(jaxpr) -> list[str]:
+    """Operand dtype of every floating scatter-add in a closed jaxpr, sub-jaxprs included."""
+    out = []
+
+    def walk(j):
+        for eqn in j.eqns:
+            if eqn.primitive.name == "scatter-add" and jnp.issubdtype(eqn.invars[0].aval.dtype, jnp.floating):
+                out.append(str(eqn.invars[0].aval.dtype))
+            for sub in _subjaxprs(eqn):
+                walk(sub)
+    walk(jaxpr.jaxpr)
+    return out
+
+
+def test_take_rows_sums_repeated_rows_in_float32():
+    # a bf16 sum stalls at 256 when adding ones (256 + 1 rounds back to 256): what x[idx]'s gradient does
+    x = jnp.zeros((3, 4), jnp.bfloat16)
+    idx = jnp.zeros((1027,), jnp.int32).at[:3].set(jnp.array([1, 2, 2]))
+    plain = jax.grad(lambda x: x[idx].astype(jnp.float32).sum())(x)
+    ours = jax.grad(lambda x: take_rows(x, idx).astype(jnp.float32).sum())(x)
+    assert float(plain[0, 0]) == 256.0  # the defect take_rows exists for
+    assert ours.dtype == jnp.bfloat16 and ours[:, 0].tolist() == [1024.0, 1.0, 2.0]
+    assert jnp.array_equal(take_rows(x, idx), x[idx])
+    oob = take_rows(jnp.ones((3, 2)), jnp.array([0, 3]))  # jnp.take: out of range reads NaN, gets no gradient
+    assert jnp.isnan(oob[1]).all() and not jnp.isnan(oob[0]).any()
+    g = jax.grad(lambda x: jnp.nansum(take_rows(x, jnp.array([0, 3]))))(jnp.ones((3, 2)))
+    assert g.tolist() == [[1.0, 1.0], [0.0, 0.0], [0.0, 0.0]]
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_bf16_peagle_step_accumulates_gathered_rows_in_float32(target, remat):
+    """Every deeper COD element embeds the one mask token and chain keys are read by several queries: a bf16
+    scatter-add for those gradients loses precision (above) and on the GPU runs as contended compare-and-swap loops
+    (85 of 233 ms of the code pair's head step). Every floating scatter-add of the step must be float32."""
+    dcfg = drafter_config_for_target(target.config, num_layers=2, draft_vocab_size=100, mask_token_id=255,
+                                     num_depths=3, aux_layer_ids=(0, 1, 2))
+    drafter = init_drafter_for_target(target, dcfg, jax.random.key(1))
+    shell = Drafter(drafter.config, drafter.graphdef, None, drafter.d2t)
+    cfg = TrainConfig(total_seq_len=64, batch_rows=1, total_steps=10, cod=CodConfig(num_depths=3), remat=remat,
+                      optim=OptimConfig(lr=1e-3, warmup_steps=1), compute_dtype="bfloat16", implementation="xla")
+    batch = {k: jnp.zeros((1, 64), jnp.int32) for k in ("tokens", "loss_mask", "document_ids")}
+    jaxpr = jax.make_jaxpr(make_train_step(cfg, donate=False))(init_train_state(drafter, cfg), shell,
+                                                               target.astype("bfloat16"), batch)
+    dtypes = scatter_add_dtypes(jaxpr)
+    assert dtypes and set(dtypes) == {"float32"}, dtypes

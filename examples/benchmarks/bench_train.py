@@ -15,6 +15,9 @@
    (Llama-3.1-8B, random bf16 weights) computes its features inside the step over one 16,384-token row (3 documents),
    then a 4-layer head (32K draft vocabulary, K = 8 depths, COD ratios 0.7 / 0.2, no anchor cap) trains on the COD
    layout in a single pass (no sequence partitioning), bf16 over float32 masters, AdamW. tokens/s, peak memory.
+   `--head-shape code-pair --rows 8 --lengths 2048 --no-remat [--objective eagle3] --profile 20`: the code pair's head
+   step (338M target, 4-layer P-EAGLE or 1-layer EAGLE-3 head, 32K vocabulary, 8 rows x 2,048 tokens) and where its
+   kernel time goes.
 
 Each configuration runs in its own process (peak memory per configuration; an out-of-memory error loses only that
 row; a configuration past --timeout seconds is reported as such). Random weights and synthetic tokens. Prints a
@@ -38,8 +41,9 @@ LM_SHAPES = {  # (layers, H, I, heads, kv heads, head dim, vocab), rows, tokens 
     "445m": ((24, 1024, 4096, 16, 8, 64, 32768), 16, 2048),
     "tiny": ((2, 64, 128, 4, 2, 16, 260), 2, 128),
 }
-HEAD_SHAPES = {  # target (layers, H, I, heads, kv heads, head dim, vocab), head layers, draft vocab
+HEAD_SHAPES = {  # target (layers, H, I, heads, kv heads, head dim, vocab), P-EAGLE head layers, draft vocab
     "llama3.1-8b": ((32, 4096, 14336, 32, 8, 128, 128256), 4, 32000),
+    "code-pair": ((24, 1024, 2816, 16, 4, 64, 32768), 4, 32768),  # examples/code_pair.py's target and heads
     "tiny": ((4, 64, 128, 4, 2, 16, 260), 2, 200),
 }
 LM_IMPLEMENTATIONS = ("auto", "pallas", "xla")
@@ -58,6 +62,14 @@ def _args(argv=None):
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--remat", action="store_true", help="target LM: rematerialise each decoder layer")
     p.add_argument("--split-target", action="store_true", help="head training: target split over the devices")
+    p.add_argument("--head-shape", choices=[k for k in HEAD_SHAPES if k != "tiny"], default="llama3.1-8b",
+                   help="head training: the target and head (code-pair: run with --rows 8 --lengths 2048 --no-remat, "
+                        "the code pair's step)")
+    p.add_argument("--objective", choices=["peagle", "eagle3"], default="peagle",
+                   help="head training: P-EAGLE (4 layers, COD) or EAGLE-3 (1 layer, 3 training-time-test steps)")
+    p.add_argument("--no-remat", action="store_true", help="head training: no per-layer rematerialisation")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="also trace two steps and list the N kernels (by name) that take the most time")
     p.add_argument("--num-depths", type=int, default=8)
     p.add_argument("--max-anchors", type=int, default=0, help="0 = unlimited (paper / Automodel); 512 = speculators")
     p.add_argument("--timeout", type=int, default=300, help="seconds per configuration")
@@ -152,17 +164,20 @@ def run_head(a, length, segments):
     from pjax.train import CodConfig, OptimConfig, TrainConfig, drafter_config_for_target, init_drafter_for_target
     from pjax.train.state import init_train_state
     from pjax.train.step import make_mesh, make_train_step, replicate, shard_batch, shard_target
-    shape = "tiny" if a.tiny else "llama3.1-8b"
+    shape = "tiny" if a.tiny else a.head_shape
     tshape, head_layers, vd = HEAD_SHAPES[shape]
+    peagle = a.objective == "peagle"
     tcfg = _model_config(*tshape)
     target = init_target(tcfg, jax.random.key(0), jnp.float32 if a.tiny else jnp.bfloat16)
     aux = tcfg.default_aux_layer_ids() if tcfg.num_layers >= 8 else (1, 2, 3)
-    dcfg = drafter_config_for_target(tcfg, num_layers=head_layers, draft_vocab_size=vd, mask_token_id=tshape[-1] - 1,
-                                     aux_layer_ids=aux, num_depths=a.num_depths)
+    dcfg = drafter_config_for_target(tcfg, num_layers=head_layers if peagle else 1, draft_vocab_size=vd,
+                                     mask_token_id=tshape[-1] - 1, aux_layer_ids=aux, model_kind=a.objective,
+                                     num_depths=a.num_depths if peagle else None)
     drafter = init_drafter_for_target(target, dcfg, jax.random.key(1))
-    cfg = TrainConfig(total_seq_len=length, batch_rows=a.rows, total_steps=1000,
+    cfg = TrainConfig(objective=a.objective, total_seq_len=length, batch_rows=a.rows, total_steps=1000,
                       cod=CodConfig(num_depths=a.num_depths, max_anchors=a.max_anchors or None),
-                      num_segments=segments, optim=OptimConfig(lr=1e-4, warmup_steps=10),
+                      num_segments=segments if peagle else 1, remat=not a.no_remat,
+                      optim=OptimConfig(lr=1e-4, warmup_steps=10, train_embeddings=peagle),
                       compute_dtype=None if a.tiny else "bfloat16")
     mesh = make_mesh(jax.devices()[:a.rows]) if a.rows <= jax.device_count() else make_mesh()
     step = make_train_step(cfg, mesh)
@@ -183,7 +198,25 @@ def run_head(a, length, segments):
     return dict(kind="head", length=length, segments=segments, rows=a.rows, step_s=med,
                 tokens_per_s=a.rows * length / med, compile_s=first, peak_gib=_memory(), loss=float(m["loss"]),
                 elements=int(np.sum(jax.device_get(m["total"]))), split_target=a.split_target,
-                device=str(jax.devices()[0].device_kind), shape=shape)
+                device=str(jax.devices()[0].device_kind), shape=shape, objective=a.objective, remat=not a.no_remat,
+                kernels=_kernel_times(one, a.profile))
+
+
+def _kernel_times(step_fn, top: int):
+    """[(kernel name, ms per step, launches per step)] of the `top` kernels taking the most time over two traced
+    steps (names with their numeric suffixes folded); [] without --profile or without a GPU."""
+    if not top:
+        return []
+    import collections
+    import re
+    from devtime import _gpu_kernel_events, trace_calls
+    events = _gpu_kernel_events(trace_calls(step_fn, (), calls=2)) or []
+    agg = collections.defaultdict(lambda: [0.0, 0])
+    for start, end, name in events:
+        k = agg[re.sub(r"[_.]\d+", "", name)[:90]]
+        k[0] += (end - start) / 2e6
+        k[1] += 1
+    return [(name, ms, n // 2) for name, (ms, n) in sorted(agg.items(), key=lambda x: -x[1][0])[:top]]
 
 
 def _configs(a):
@@ -205,7 +238,8 @@ def _label(r):
     if r["kind"] == "lm":
         return f"target LM 16x2048, attention {r['implementation']}" if r.get("shape") != "tiny" else \
             f"target LM (tiny), attention {r['implementation']}"
-    return f"head training, {r['length']} tokens/row, {r['segments']} segment(s)"
+    what = f"{r.get('shape', 'llama3.1-8b')} {r.get('objective', 'peagle')}{'' if r.get('remat', True) else ' no remat'}"
+    return f"head training ({what}), {r['rows']} x {r['length']} tokens, {r['segments']} segment(s)"
 
 
 def main(argv=None):
@@ -244,6 +278,11 @@ def main(argv=None):
         peak = "n/a" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
         print(f"| {_label(r)} | {r['step_s'] * 1e3:.1f} | {r['tokens_per_s']:.0f} | {mfu} | {peak} | "
               f"{r['compile_s']:.0f} |")
+    for r in results:
+        if r.get("kernels"):
+            print(f"\n{_label(r)}: kernel time per step by name (two traced steps)")
+            for name, ms, n in r["kernels"]:
+                print(f"  {ms:8.2f} ms {n:5d}x  {name}")
     if a.out:
         out = Path(a.out)
         out.parent.mkdir(parents=True, exist_ok=True)

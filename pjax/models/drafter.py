@@ -21,6 +21,7 @@ from flax import nnx
 
 from pjax.config import ConfigError, LayerSpec, ModelConfig
 from pjax.dtypes import parse_dtype
+from pjax.kernels.rows import take_rows
 from pjax.models.attention import Attention
 from pjax.models.cache import LayerKV, init_cache
 from pjax.models.casting import astype, matching_module
@@ -157,6 +158,11 @@ class DrafterModel(nnx.Module):
             g = jnp.concatenate([norm(c) for norm, c in zip(self.fc_norm, chunks)], axis=-1)
         return self.fc(g)
 
+    def embed(self, tokens):
+        """tokens [...] -> [..., H]: nnx.Embed's lookup with its gradient summed in float32 (`take_rows`: training
+        layouts embed the mask token thousands of times a row)."""
+        return take_rows(self.embed_tokens.embedding[...], tokens)
+
     def __call__(self, tokens, hidden_in, positions, cache=None, *, valid=None, mask=None, implementation: str = "auto"):
         """tokens, positions [B, T]; hidden_in [B, T, H] (combined); mask None, an `AttentionMask` (training layouts)
         or a per-layer sequence of those. Returns (normed [B, T, H], prenorm [B, T, H], cache)."""
@@ -164,7 +170,7 @@ class DrafterModel(nnx.Module):
         masks = list(mask) if isinstance(mask, (list, tuple)) else [mask] * n
         if len(masks) != n:
             raise ValueError(f"got {len(masks)} per-layer masks for {n} draft layers")
-        e = self.embed_tokens(tokens)
+        e = self.embed(tokens)
         new_cache = [] if cache is not None else None
         h = hidden_in.astype(e.dtype)
         for i, layer in enumerate(self.layers):

@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from pjax.kernels.flash_attention.chunking import chunk_size, chunked_map
+from pjax.kernels.rows import take_rows
 from pjax.models.drafter import (Drafter, combine, draft_logits_from_hidden, draft_to_target, drafter_forward,
                                  no_parallel_reason)
 from pjax.models.layers import head_logits
@@ -85,7 +86,7 @@ def cod_inputs(drafter: Drafter, input_ids, hidden_states, layout: CodLayout, *,
     r = a + d
     real = d == 0
     tokens = input_ids[r]
-    feats = combine(drafter, hidden_states)[r]
+    feats = take_rows(combine(drafter, hidden_states), r)
     if no_parallel_reason(cfg):
         if not require_mask:
             return tokens.astype(jnp.int32), feats, r.astype(jnp.int32)
@@ -112,7 +113,7 @@ def drafter_states(drafter: Drafter, tokens, hidden_in, positions, mask, *, rema
         return drafter_forward(drafter, tokens, hidden_in, positions, mask=mask, implementation=implementation)[0]
     module = drafter.module
     graphdefs, states = zip(*(nnx.split(layer) for layer in module.layers))
-    e = module.embed_tokens(tokens)
+    e = module.embed(tokens)
 
     def branch(i):
         def run(states, e, h):

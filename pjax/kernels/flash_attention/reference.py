@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from pjax.kernels.flash_attention.chunking import chunk_size, chunked_map
 from pjax.kernels.flash_attention.mask import AttentionMask, bounds_visible, query_bounds
+from pjax.kernels.rows import take_rows
 
 __all__ = ["DEFAULT_CHUNK_ELEMENTS", "MASK_VALUE", "attention", "chain_partial", "check_inputs", "check_qkv",
            "masked_softmax", "merge_partials"]
@@ -128,8 +129,8 @@ def _partial(q, k, v, lo, hi, mask: AttentionMask, chain_k, chain_v, *, scale, s
             values.append(("bkgcs,bskd->bckgd", v))
         if mask.has_chain:
             idx = jnp.moveaxis(x["ci"], 0, 1)  # [b, c, E]
-            ck = jax.vmap(lambda kk, ii: kk[ii])(chain_k, idx)  # [b, c, E, nkv, hd]
-            cv = jax.vmap(lambda vv, ii: vv[ii])(chain_v, idx)
+            ck = jax.vmap(take_rows)(chain_k, idx)  # [b, c, E, nkv, hd]
+            cv = jax.vmap(take_rows)(chain_v, idx)
             sc = jnp.einsum("bckgd,bcekd->bkgce", qg, ck, preferred_element_type=jnp.float32) * scale
             parts.append((sc, jnp.moveaxis(x["cv"], 0, 1)[:, None, None]))
             values.append(("bkgce,bcekd->bckgd", cv))
