@@ -57,8 +57,11 @@ def test_target_lm_step_runs_bf16_matmuls_over_f32_masters(target):
     tokens = jnp.zeros((2, 64), jnp.int32)
     docs = jnp.zeros((2, 64), jnp.int32)
     fn = jax.value_and_grad(lambda p: lm_loss(p, target, tokens, docs, compute_dtype="bfloat16"))
-    dots = dot_operand_dtypes(jax.make_jaxpr(fn)(target.params))
+    jaxpr = jax.make_jaxpr(fn)(target.params)
+    dots = dot_operand_dtypes(jaxpr)
     assert dots and all(d == ("bfloat16", "bfloat16") for d in dots), sorted(set(dots))
+    scatters = scatter_add_dtypes(jaxpr)  # the embedding's gradient: frequent tokens repeat (test_take_rows_...)
+    assert scatters and set(scatters) == {"float32"}, scatters
     grads = fn(target.params)[1]
     assert {str(g.dtype) for g in jax.tree.leaves(grads)} == {"float32"}
 

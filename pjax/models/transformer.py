@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pjax.config import LayerSpec, ModelConfig
+from pjax.kernels.rows import take_rows
 from pjax.models.attention import Attention
 from pjax.models.cache import LayerKV
 from pjax.models.layers import MLP, RMSNorm, head_logits
@@ -71,7 +72,9 @@ class Transformer(nnx.Module):
             cfg.hidden_size, cfg.vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
 
     def embed(self, tokens):
-        x = self.embed_tokens(tokens)
+        """tokens [...] -> [..., H]: nnx.Embed's lookup, its gradient summed in float32 (`take_rows`: frequent tokens
+        repeat thousands of times a training batch), times the family's embedding scale."""
+        x = take_rows(self.embed_tokens.embedding[...], tokens)
         if self.cfg.embed_scale is not None:
             x = x * jnp.asarray(self.cfg.embed_scale, x.dtype)
         return x
