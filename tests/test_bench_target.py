@@ -1,19 +1,14 @@
 """Smoke test of examples/benchmarks/bench_target.py --tiny on CPU, with its byte accounting checked
 against hand-counted parameter sizes."""
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.example_utils import load_example
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_target", ROOT / "examples/benchmarks/bench_target.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_example("benchmarks/bench_target.py")
 
 
 def test_bench_target_tiny(tmp_path):

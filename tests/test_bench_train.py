@@ -1,17 +1,12 @@
 """Smoke test of examples/benchmarks/bench_train.py --tiny on CPU: each head objective and the remat switch reach the
 step that is timed (one process per configuration, as on the GPU), and the result rows say what ran."""
-import importlib.util
 import json
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.example_utils import load_example
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_train", ROOT / "examples/benchmarks/bench_train.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_example("benchmarks/bench_train.py")
 
 
 def test_bench_train_heads_tiny(tmp_path):

@@ -3,10 +3,8 @@ logits) and speculators (heads, same logits); greedy speculative decoding throug
 decoding; a re-run does nothing; a training stage stopped mid-way and resumed gives the same weights bit for bit;
 changed settings are refused without --force."""
 import dataclasses
-import importlib.util
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import jax
@@ -24,17 +22,12 @@ from speculators.models.peagle import PEagleDraftModel
 import pjax
 from pjax.train import draft_logits
 from pjax.train.corpus import function_prompts, read_texts
+from tests.example_utils import load_example
 from tests.hf_utils import rel_err
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_recipe():
-    spec = importlib.util.spec_from_file_location("code_pair", ROOT / "examples" / "code_pair.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses resolve the module's annotations through sys.modules
-    spec.loader.exec_module(mod)
-    return mod
+    return load_example("code_pair.py")
 
 
 cp = load_recipe()

@@ -3,8 +3,6 @@ independence, jax.vmap over the single-sequence round, host loop == device loop,
 --tiny smoke run. Reference values are computed independently (plain greedy runs, exact counts)."""
 import dataclasses
 import functools
-import importlib.util
-import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -17,11 +15,10 @@ from pjax.decode import Sampling, make_spec, prefill_single, round_single
 from pjax.decode.state import DecodeState
 from pjax.decode.step import _emit
 from tests.engine_utils import FAST, make_drafter
+from tests.example_utils import load_example
 
 V, H = 61, 32
 PROMPTS = [[5, 17, 3], [9, 1, 44, 60, 2, 71 % V, 33, 8, 50, 12, 4], [30, 31, 32, 33, 34, 35]]
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
 
 def tiny_target(seed=0, layers=2, vocab=V):
     rope = RopeSpec(theta=10000.0)
@@ -240,9 +237,7 @@ def test_vmap_single_round_equals_batched_engine(models):
 # ------------------------------------------------------------------------------------------- benchmark
 
 def test_bench_engine_tiny(tmp_path, monkeypatch):
-    spec = importlib.util.spec_from_file_location("bench_engine", ROOT / "examples/benchmarks/bench_engine.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_example("benchmarks/bench_engine.py")
     monkeypatch.setenv("OUT", str(tmp_path))
     result = mod.main(["--tiny", "--ks", "2", "--calls", "1", "--rounds", "2"])
     assert (tmp_path / "bench_engine.json").exists()

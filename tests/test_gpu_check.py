@@ -1,18 +1,11 @@
 """examples/benchmarks/gpu_check.py on CPU: the P-EAGLE head section (its float64 reference of the drafter forward
 agrees with pjax's forward under every implementation) and the exit status (1 when a row misses its bound)."""
-import importlib.util
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.example_utils import load_example
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "examples/benchmarks/gpu_check.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+    return load_example("benchmarks/gpu_check.py")
 
 
 def test_drafter_section_passes_and_a_missed_bound_fails(tmp_path, monkeypatch):

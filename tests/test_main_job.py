@@ -6,17 +6,13 @@ Bounds measured 2026-11-24 (CPU, JAX 0.10.2, seed 0): 120 target + 60 head steps
 K = 4; the same target with a one-step head gives 1.00. Fewer target steps (30-80) leave a degenerate target that
 repeats one byte, where any head reaches the maximum (5.0), so the target is trained long enough to tell heads apart.
 """
-import importlib.util
-from pathlib import Path
 
 import pjax
+from tests.example_utils import load_example
 
 
 def test_main_job_short(tmp_path):
-    path = Path(__file__).resolve().parents[1] / "examples" / "train_peagle.py"
-    spec = importlib.util.spec_from_file_location("train_peagle", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_example("train_peagle.py")
     out = tmp_path / "head"
     report = mod.tiny_job(["--target-steps", "120", "--steps", "60", "--no-progress", "--out", str(out)])
     assert report["identical_to_plain"] is True
