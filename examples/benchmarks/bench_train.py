@@ -209,14 +209,18 @@ def _kernel_times(step_fn, top: int):
         return []
     import collections
     import re
-    from devtime import _gpu_kernel_events, trace_calls
-    events = _gpu_kernel_events(trace_calls(step_fn, (), calls=2)) or []
+    from devtime import profile_calls
+    traced = profile_calls(step_fn, (), calls=2)
+    if traced is None:
+        return []
+    calls = traced[1]
     agg = collections.defaultdict(lambda: [0.0, 0])
-    for start, end, name in events:
-        k = agg[re.sub(r"[_.]\d+", "", name)[:90]]
-        k[0] += (end - start) / 2e6
-        k[1] += 1
-    return [(name, ms, n // 2) for name, (ms, n) in sorted(agg.items(), key=lambda x: -x[1][0])[:top]]
+    for kernels in calls:
+        for name, _, duration_ns in kernels:
+            k = agg[re.sub(r"[_.]\d+", "", name)[:90]]
+            k[0] += duration_ns / 1e6 / len(calls)
+            k[1] += 1
+    return [(name, ms, n // len(calls)) for name, (ms, n) in sorted(agg.items(), key=lambda x: -x[1][0])[:top]]
 
 
 def _configs(a):
