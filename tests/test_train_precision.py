@@ -19,32 +19,16 @@ from pjax.train.optim import OptimConfig
 from pjax.train.state import init_train_state
 from pjax.train.step import make_train_step
 from pjax.train.target_lm import lm_loss
+from tests.kernel_jaxpr import equations
 
 
 def dot_operand_dtypes(jaxpr) -> list[tuple[str, str]]:
     """(lhs, rhs) dtype names of every dot_general in a closed jaxpr, sub-jaxprs (scan, remat, custom VJP) included,
     except the attention reference's (pjax.kernels: on a GPU, training attention runs the flash kernel or cuDNN,
     whose precision gpu_check measures)."""
-    out = []
-
-    def walk(j):
-        for eqn in j.eqns:
-            if eqn.primitive.name == "dot_general" and "pjax/kernels/" not in str(source_info_util.summarize(
-                    eqn.source_info)):
-                out.append(tuple(str(v.aval.dtype) for v in eqn.invars[:2]))
-            for sub in _subjaxprs(eqn):
-                walk(sub)
-    walk(jaxpr.jaxpr)
-    return out
-
-
-def _subjaxprs(eqn):
-    for v in eqn.params.values():
-        for x in (v if isinstance(v, (list, tuple)) else [v]):
-            if hasattr(x, "jaxpr") and hasattr(x, "consts"):
-                yield x.jaxpr
-            elif hasattr(x, "eqns"):
-                yield x
+    return [tuple(str(v.aval.dtype) for v in eqn.invars[:2]) for eqn, _ in equations(jaxpr.jaxpr)
+            if eqn.primitive.name == "dot_general"
+            and "pjax/kernels/" not in str(source_info_util.summarize(eqn.source_info))]
 
 
 @pytest.fixture(scope="module")
@@ -84,16 +68,8 @@ def test_head_step_runs_bf16_matmuls_over_f32_masters(target, objective):
 
 def scatter_add_dtypes(jaxpr) -> list[str]:
     """Operand dtype of every floating scatter-add in a closed jaxpr, sub-jaxprs included."""
-    out = []
-
-    def walk(j):
-        for eqn in j.eqns:
-            if eqn.primitive.name == "scatter-add" and jnp.issubdtype(eqn.invars[0].aval.dtype, jnp.floating):
-                out.append(str(eqn.invars[0].aval.dtype))
-            for sub in _subjaxprs(eqn):
-                walk(sub)
-    walk(jaxpr.jaxpr)
-    return out
+    return [str(eqn.invars[0].aval.dtype) for eqn, _ in equations(jaxpr.jaxpr)
+            if eqn.primitive.name == "scatter-add" and jnp.issubdtype(eqn.invars[0].aval.dtype, jnp.floating)]
 
 
 def test_take_rows_sums_repeated_rows_in_float32():
