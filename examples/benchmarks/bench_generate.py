@@ -296,10 +296,14 @@ def fused_kernel_rows(args, shape: str, target) -> list[dict]:
         inputs = [dict(x=rnd(1, t, cfg.hidden_size), pos=jnp.asarray(rs.integers(0, 4096, (1, t)), jnp.int32),
                        o=rnd(1, t, cfg.num_heads * spec.head_dim), h=rnd(1, t, cfg.intermediate_size))
                   for _ in range(copies)]
-        for name, (nbytes, xla_op, _) in fused_ops(cfg, DEFAULT).items():
+        for name, (nbytes, xla_op, pallas_op) in fused_ops(cfg, DEFAULT).items():
             xla_us, xla_k, _ = _device_us(xla_op, target, inputs, args.calls)
+            outs = [np.concatenate([np.asarray(a, np.float32).reshape(-1) for a in jax.tree.leaves(
+                jax.jit(lambda tg, i, op=op: op(tg.module.layers[0], i))(target, inputs[0]))]) for op in (xla_op,
+                                                                                                    pallas_op)]
+            rel_err = float(np.abs(outs[1] - outs[0]).max() / np.abs(outs[0]).max())  # bf16: ~1e-2 = an ulp or two
             row = {"shape": shape, "op": name, "rows": t, "weight_mb": nbytes / 1e6, "roofline_us": nbytes / 4.3e6,
-                   "xla_us": xla_us, "xla_kernels": xla_k, "pallas": {}}
+                   "xla_us": xla_us, "xla_kernels": xla_k, "pallas_rel_err": rel_err, "pallas": {}}
             for vname, config in variants.items():
                 _, _, pallas_op = fused_ops(cfg, config)[name]
                 try:
@@ -311,7 +315,8 @@ def fused_kernel_rows(args, shape: str, target) -> list[dict]:
             rows.append(row)
             p = row["pallas"].get("default", {"us": float("nan"), "kernels": float("nan"), "tb_per_s": float("nan")})
             print(f"| {name} | {t} | {row['weight_mb']:.1f} | {row['roofline_us']:.2f} | {xla_us:.2f} ({xla_k:.0f}) | "
-                  f"{p['us']:.2f} ({p['kernels']:.0f}) | {xla_us / p['us']:.2f} | {p['tb_per_s']:.2f} |", flush=True)
+                  f"{p['us']:.2f} ({p['kernels']:.0f}) | {xla_us / p['us']:.2f} | {p['tb_per_s']:.2f} | {rel_err:.1e} |",
+                  flush=True)
     if args.sweep:
         print("\n| op | rows | " + " | ".join(variants) + " |  (Pallas us per call)")
         print("|---|---|" + "---|" * len(variants))
@@ -330,8 +335,9 @@ def run_fused(args) -> dict:
         target, peagle = models(shape, head_layers[shape], peagle=True)
         if args.only in ("all", "kernels"):
             print(f"\n{shape}, bf16, batch 1: device us per call (kernels per call)")
-            print("| op | rows | weight MB | roofline us (4.3 TB/s) | XLA us | Pallas us | XLA / Pallas | Pallas TB/s |")
-            print("|---|---|---|---|---|---|---|---|", flush=True)
+            print("| op | rows | weight MB | roofline us (4.3 TB/s) | XLA us | Pallas us | XLA / Pallas | Pallas TB/s | "
+                  "Pallas vs XLA max err / max |XLA| |")
+            print("|---|---|---|---|---|---|---|---|---|", flush=True)
             out["kernels"] += fused_kernel_rows(args, shape, target)
         if args.only not in ("all", "steps"):
             continue
