@@ -194,6 +194,28 @@ def test_unsupported_shapes_fall_back_or_raise():
         assert pallas_kernel_names(lambda: fused_linear.linear_residual(x[:4], w, res[:4], implementation=impl)) == []
 
 
+def test_gradients_are_the_references():
+    """The ops are differentiable through the kernels (their VJP is the reference's), as a few-row training step
+    through layers that take them needs: gradients equal the XLA path's."""
+    x, nw, w, w2, res = _linear_case(3, 48, 96, jnp.float32)
+    args, qk = _qkv_case(3, 64, jnp.float32, qk_norm=True)
+    losses = {
+        "norm_swiglu": (lambda i: lambda x_, n_, g_: jnp.sum(jnp.sin(fused_linear.norm_swiglu(
+            x_, n_, g_, w2, eps=1e-5, implementation=i))), (x, nw, w)),
+        "linear_residual": (lambda i: lambda x_, w_, r_: jnp.sum(jnp.sin(fused_linear.linear_residual(
+            x_, w_, r_, implementation=i))), (x, w, res)),
+        "norm_qkv": (lambda i: lambda x_, q_, qn_: sum(jnp.sum(jnp.sin(o)) for o in fused_linear.norm_qkv(
+            x_, args[1], q_, *args[3:], head_dim=64, eps=1e-5, q_norm=qn_, k_norm=qk["k_norm"], implementation=i)),
+                     (args[0], args[2], qk["q_norm"])),
+    }
+    with jax.default_matmul_precision("highest"):
+        for name, (loss, primals) in losses.items():
+            assert pallas_kernel_names(jax.grad(loss("pallas"), (0, 1, 2)), *primals), name
+            for got, want in zip(jax.grad(loss("pallas"), (0, 1, 2))(*primals),
+                                 jax.grad(loss("xla"), (0, 1, 2))(*primals)):
+                np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5, err_msg=name)
+
+
 @pytest.mark.parametrize("m", [1, 16])
 def test_kernels_lower_to_triton(m):
     """The kernels lower for CUDA at the benchmark's 445M Llama shape (bf16), a Qwen3-8B-like q/k-norm shape and a

@@ -24,17 +24,27 @@ def use_kernel(implementation: str, *, rows: int, k: int, widths, dtypes, head_d
                                op="fused_linear")
 
 
+def _with_reference_vjp(kernel, ref, *args):
+    """kernel(*args), differentiable: its VJP is the reference's (a pallas_call has no autodiff rule; training steps
+    with few rows reach the kernels too)."""
+    f = jax.custom_vjp(kernel)
+    f.defvjp(lambda *a: (kernel(*a), a), lambda a, g: jax.vjp(ref, *a)[1](g))
+    return f(*args)
+
+
 @functools.partial(jax.jit, static_argnames=("eps", "fp32_multiply", "implementation"))
 def norm_linear(x, norm_weight, w, *, eps: float, fp32_multiply: bool = False, implementation: str = "auto"):
     """rms_norm(x, norm_weight) @ w: x [M, K], norm_weight [K], w [K, N] -> [M, N] (`reference.norm_linear`).
     implementation (`pjax.kernels.dispatch`, shapes the kernel takes: `use_kernel`): one kernel, the norm in its
-    prologue."""
+    prologue. Differentiable (the kernels' VJP is the reference's), as are the other ops."""
     from pjax.kernels.fused_linear import pallas
     reference.check_inputs("norm_linear", x, {"w": w}, {"norm_weight": (norm_weight, x.shape[1])})
+    kw = dict(eps=eps, fp32_multiply=fp32_multiply)
     if use_kernel(implementation, rows=x.shape[0], k=x.shape[1], widths=(w.shape[1],),
                   dtypes=(x.dtype, norm_weight.dtype, w.dtype)):
-        return pallas.norm_linear(x, norm_weight, w, eps=eps, fp32_multiply=fp32_multiply)
-    return reference.norm_linear(x, norm_weight, w, eps=eps, fp32_multiply=fp32_multiply)
+        return _with_reference_vjp(functools.partial(pallas.norm_linear, **kw),
+                                   functools.partial(reference.norm_linear, **kw), x, norm_weight, w)
+    return reference.norm_linear(x, norm_weight, w, **kw)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "fp32_multiply", "implementation"))
@@ -47,7 +57,9 @@ def norm_swiglu(x, norm_weight, w_gate, w_up, *, eps: float, fp32_multiply: bool
                            {"norm_weight": (norm_weight, x.shape[1])})
     if use_kernel(implementation, rows=x.shape[0], k=x.shape[1], widths=(w_gate.shape[1], w_up.shape[1]),
                   dtypes=(x.dtype, norm_weight.dtype, w_gate.dtype, w_up.dtype)):
-        return pallas.norm_swiglu(x, norm_weight, w_gate, w_up, eps=eps, fp32_multiply=fp32_multiply)
+        kw = dict(eps=eps, fp32_multiply=fp32_multiply)
+        return _with_reference_vjp(functools.partial(pallas.norm_swiglu, **kw),
+                                   functools.partial(reference.norm_swiglu, **kw), x, norm_weight, w_gate, w_up)
     return reference.norm_swiglu(x, norm_weight, w_gate, w_up, eps=eps, fp32_multiply=fp32_multiply)
 
 
@@ -60,12 +72,14 @@ def norm_qkv(x, norm_weight, w_q, w_k, w_v, cos, sin, *, head_dim: int, eps: flo
     three products from the weights as stored."""
     from pjax.kernels.fused_linear import pallas
     reference.check_qkv(x, norm_weight, w_q, w_k, w_v, cos, sin, head_dim, q_norm, k_norm)
-    kw = dict(head_dim=head_dim, eps=eps, fp32_multiply=fp32_multiply, q_norm=q_norm, k_norm=k_norm)
+    kw = dict(head_dim=head_dim, eps=eps, fp32_multiply=fp32_multiply)
+    args = (x, norm_weight, w_q, w_k, w_v, cos, sin, q_norm, k_norm)
     dtypes = [a.dtype for a in (x, norm_weight, w_q, w_k, w_v, q_norm, k_norm) if a is not None]
     if use_kernel(implementation, rows=x.shape[0], k=x.shape[1], widths=(w_q.shape[1], w_k.shape[1]), dtypes=dtypes,
                   head_dim=head_dim, qk_norm=q_norm is not None):
-        return pallas.norm_qkv(x, norm_weight, w_q, w_k, w_v, cos, sin, **kw)
-    return reference.norm_qkv(x, norm_weight, w_q, w_k, w_v, cos, sin, **kw)
+        run = lambda op: lambda *a: op(*a[:7], q_norm=a[7], k_norm=a[8], **kw)  # noqa: E731
+        return _with_reference_vjp(run(pallas.norm_qkv), run(reference.norm_qkv), *args)
+    return reference.norm_qkv(*args[:7], q_norm=q_norm, k_norm=k_norm, **kw)
 
 
 @functools.partial(jax.jit, static_argnames=("implementation",))
@@ -76,5 +90,5 @@ def linear_residual(x, w, residual, *, implementation: str = "auto"):
     reference.check_inputs("linear_residual", x, {"w": w}, rows={"residual": (residual, w.shape[1])})
     if use_kernel(implementation, rows=x.shape[0], k=x.shape[1], widths=(w.shape[1],),
                   dtypes=(x.dtype, w.dtype, residual.dtype)):
-        return pallas.linear_residual(x, w, residual)
+        return _with_reference_vjp(pallas.linear_residual, reference.linear_residual, x, w, residual)
     return reference.linear_residual(x, w, residual)
