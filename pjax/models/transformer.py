@@ -59,7 +59,8 @@ class DecoderLayer(nnx.Module):
         the attention and the KV-cache write, which stay as they are. Covered: pre-norm layers with a dense SwiGLU
         MLP and no biases (Llama, Qwen3; not MoE, sandwich norms, layer scalars, GPT-OSS / Gemma-4 activations,
         k = v or v-norm), for B x T rows and shapes the kernels take (`fused_linear.use_kernel`) where
-        `implementation` resolves to them ("pallas"; "auto" on a GPU). Elsewhere the layer runs its XLA ops."""
+        `implementation` resolves to them ("pallas"; "auto" on a GPU up to `FusedLinearConfig.auto_max_rows`).
+        Elsewhere the layer runs its XLA ops."""
         attn, mlp = self.self_attn, self.mlp
         if (self.sandwich or self.layer_scalar is not None or not isinstance(mlp, MLP) or not mlp.fusable
                 or not attn.fusable):

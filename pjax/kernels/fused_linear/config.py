@@ -17,7 +17,8 @@ class FusedLinearConfig:
     max_rows: int = 16  # rows (B x T) the kernels take: one [16, bk] x [bk, bn] tensor-core dot per tile (Triton's
     #                     dot needs 16 rows; fewer rows are padded in registers, never in memory). More rows (prefill,
     #                     large verify batches) are compute-heavy enough for XLA's cuBLAS GEMMs: the reference
-    auto_max_rows: int = 16  # "auto" on a GPU takes the kernels up to this many rows (to be set from measurements)
+    auto_max_rows: int = 0  # "auto" on a GPU takes the kernels up to this many rows: 0 until they are measured on a
+    #                         GPU ("pallas" takes them); set from `bench_generate.py fused`
     block_k: int = 256  # weight rows per pipeline step (the largest power of two <= this dividing K): a [256, 16]
     #                     bf16 tile is 8 KiB, so `stages` of them keep ~24-48 KiB of weights in flight per program,
     #                     about what one SM must have outstanding for its share of HBM bandwidth (Little's law:
