@@ -4,6 +4,7 @@
     PYTHONPATH=. python examples/benchmarks/bench_generate.py steps    # ms per round: none / P-EAGLE / EAGLE-3
     PYTHONPATH=. python examples/benchmarks/bench_generate.py steps --xla-sweep   # the same under XLA flag sets
     PYTHONPATH=. python examples/benchmarks/bench_generate.py profile  # where a generation's device time goes
+    PYTHONPATH=. python examples/benchmarks/bench_generate.py fused    # the fused layer kernels: xla vs pallas
     ... --tiny                                                          # CPU smoke run (tiny shapes)
 
 chunks: for the 8B shape at batch 1 and 64, output tokens/s of one device call for the whole generation
@@ -15,6 +16,12 @@ under each XLA_FLAGS set of FLAG_SETS (e.g. XLA command buffers, i.e. CUDA graph
 table. profile: one generation per case under the profiler (GPU): kernels per round, kernel-busy vs wall time of the
 device span, the longest idle gaps (launch-bound steps, chunk boundaries) and the most launched kernels (launches
 per round, mean time each).
+fused: the fused few-row layer kernels (pjax.kernels.fused_linear) on the 445M shape (--fused-shapes), in one process:
+(1) per op at 1 / 8 / 16 rows (decode, K = 7 verify, a 16-slot draft), the device time of the model's XLA ops against
+the Pallas kernel that replaces them (one copy per layer's weights in one program, so weights come from HBM, not
+L2), with the weight bytes' roofline at 4.3 TB/s; --sweep adds the kernels under the tile variants of FUSED_SWEEP;
+(2) ms per round of plain decoding and P-EAGLE / EAGLE-3 K = 7 rounds at batch 1 for each of --implementations,
+with kernels per round and the GPU's busy fraction from one traced generation each.
 Weights are random bf16; acceptance is then ~0, so every round emits one token and has the same cost as a
 round with accepted drafts (the same slots are computed). Compilation is excluded (a warm-up generation first).
 Prints markdown; writes JSON to --out (default $OUT/bench_generate.json when $OUT is set).
@@ -43,7 +50,12 @@ from pjax.models.drafter import DrafterConfig  # noqa: E402
 SHAPES = {  # name: (layers, hidden, intermediate, heads, kv heads, head dim, vocab)
     "llama3.1-8b": (32, 4096, 14336, 32, 8, 128, 128256),
     "llama-445m": (24, 1024, 3840, 16, 16, 64, 32000),
-    "tiny": (2, 64, 128, 4, 2, 16, 257),
+    "tiny": (2, 64, 128, 4, 2, 32, 257),  # head_dim 32: RoPE halves of 16, the smallest the fused kernels take
+}
+FUSED_SWEEP = {  # `fused --sweep`: FusedLinearConfig variants timed for every kernel (pjax.kernels.fused_linear.config)
+    "block_k=128": dict(block_k=128), "block_k=512": dict(block_k=512), "stages=3": dict(stages=3),
+    "stages=6": dict(stages=6), "min_block_n=32": dict(min_block_n=32), "programs_per_sm=1": dict(programs_per_sm=1),
+    "programs_per_sm=4": dict(programs_per_sm=4), "warps=2": dict(warps=2), "warps=8": dict(warps=8),
 }
 FLAG_SETS = {  # XLA_FLAGS variants for --xla-sweep (each in its own process)
     "default": "",
@@ -131,13 +143,27 @@ def run_steps(args) -> list[dict]:
     return rows
 
 
-def run_profile(args) -> list[dict]:
-    """Per case: one traced generation; kernel count per round, busy / span, the longest gaps between kernels."""
+def traced_generation(target, drafter, ps, **kw):
+    """One generation under the profiler (after a warm-up one): (GPU kernel events [(start, end, name)] or None on a
+    CPU, the generation's stats)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import tempfile
 
     from devtime import _gpu_kernel_events
     from jax.profiler import ProfileData
+    pjax.generate(target, drafter, ps, **kw)  # compile + warm
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        try:
+            stats = pjax.generate(target, drafter, ps, **kw).stats
+        finally:
+            jax.profiler.stop_trace()
+        files = sorted(Path(d).rglob("*.xplane.pb"))
+        return (_gpu_kernel_events(ProfileData.from_file(str(files[-1]))) if files else None), stats
+
+
+def run_profile(args) -> list[dict]:
+    """Per case: one traced generation; kernel count per round, busy / span, the longest gaps between kernels."""
     cases = ([("tiny", "none", 1, None), ("tiny", "parallel", 1, 1e-4)] if args.tiny else
              [("llama-445m", "none", 1, None), ("llama-445m", "parallel", 1, None), ("llama3.1-8b", "parallel", 1,
                                                                                        args.chunk_seconds)])
@@ -146,15 +172,7 @@ def run_profile(args) -> list[dict]:
         target, drafter = models(shape, {"tiny": 1, "llama-445m": 2, "llama3.1-8b": 4}[shape])
         ps = prompts(batch, args.prompt_len, SHAPES[shape][-1])
         kw = dict(max_new_tokens=args.new_tokens, num_speculative_tokens=args.k, drafting=mode, chunk_seconds=chunk)
-        pjax.generate(target, drafter if mode != "none" else None, ps, **kw)  # compile + warm
-        with tempfile.TemporaryDirectory() as d:
-            jax.profiler.start_trace(d)
-            try:
-                stats = pjax.generate(target, drafter if mode != "none" else None, ps, **kw).stats
-            finally:
-                jax.profiler.stop_trace()
-            files = sorted(Path(d).rglob("*.xplane.pb"))
-            events = _gpu_kernel_events(ProfileData.from_file(str(files[-1]))) if files else None
+        events, stats = traced_generation(target, drafter if mode != "none" else None, ps, **kw)
         if not events:
             print(f"{shape} {mode}: no GPU trace (CPU run)")
             continue
@@ -181,6 +199,169 @@ def run_profile(args) -> list[dict]:
         for k in row["kernels_by_name"]:
             print(f"    {k['per_round']:7.1f} x {k['us_each']:7.2f} us  {k['name'][:110]}")
     return rows
+
+
+def _device_us(op, target, inputs, calls: int):
+    """(us per copy, kernels per copy, {kernel name: median us}) of op(layer i, inputs[i]) for every copy i in one
+    jitted program (copy i uses layer i's weights). Without a GPU (smoke runs): host time per copy, no kernels."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from devtime import profile_calls
+    r = len(inputs)
+    prog = jax.jit(lambda t, ins: [op(t.module.layers[i], ins[i]) for i in range(r)])
+    prof = profile_calls(prog, (target, inputs), calls=calls)
+    if prof is None:
+        ts = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            jax.block_until_ready(prog(target, inputs))
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts) / r * 1e6, float("nan"), {}
+    spans, kernels = prof
+    by_name = {}
+    for ks in kernels:
+        for name, _, dur in ks:
+            by_name.setdefault(name, []).append(dur / 1e3)
+    return (statistics.median(spans) / r / 1e3, len(kernels[0]) / r,
+            {n: statistics.median(d) for n, d in by_name.items() if n.startswith("pjax_")})
+
+
+def fused_ops(cfg: ModelConfig, config):
+    """name -> (weight bytes, the decoder layer's XLA ops, the Pallas kernel(s) under `config`), as functions of
+    (layer, inputs): x [B, T, H] the residual stream, pos [B, T], o [B, T, nh x hd] the attention output, h [B, T, I]
+    the MLP activation."""
+    from pjax.kernels.fused_linear import pallas as fl
+    from pjax.models.layers import activation, rope_tables
+    spec = cfg.layers[0]
+    hd, nh, nkv, h, inter = spec.head_dim, cfg.num_heads, spec.num_kv_heads, cfg.hidden_size, cfg.intermediate_size
+    flat = lambda a: a.reshape(-1, a.shape[-1])  # noqa: E731
+
+    def xla_qkv(lay, i):
+        return lay.self_attn.qkv(lay.input_layernorm(i["x"]), i["pos"])
+
+    def pallas_qkv(lay, i):
+        a, n = lay.self_attn, lay.input_layernorm
+        cos, sin = rope_tables(a.rope, hd, i["pos"])
+        qk = {} if a.q_norm is None else dict(q_norm=a.q_norm.weight[...], k_norm=a.k_norm.weight[...])
+        return fl.norm_qkv(flat(i["x"]), n.weight[...], a.q_proj.kernel[...], a.k_proj.kernel[...],
+                           a.v_proj.kernel[...], flat(cos), flat(sin), head_dim=hd, eps=n.eps,
+                           fp32_multiply=n.fp32_multiply, **qk, config=config)
+
+    def xla_swiglu(lay, i):
+        xn = lay.post_attention_layernorm(i["x"])
+        return activation("silu", lay.mlp.gate_proj(xn), lay.mlp.up_proj(xn), cfg)
+
+    def pallas_swiglu(lay, i):
+        n = lay.post_attention_layernorm
+        return fl.norm_swiglu(flat(i["x"]), n.weight[...], lay.mlp.gate_proj.kernel[...], lay.mlp.up_proj.kernel[...],
+                              eps=n.eps, fp32_multiply=n.fp32_multiply, config=config)
+
+    def xla_layer(lay, i):  # the layer without its attention: the attention output stands in by q
+        q, _, _ = xla_qkv(lay, i)
+        x = i["x"] + lay.self_attn.o_proj(q.reshape(i["o"].shape))
+        return x + lay.mlp(lay.post_attention_layernorm(x))
+
+    def pallas_layer(lay, i):
+        q, _, _ = pallas_qkv(lay, i)
+        x = fl.linear_residual(q, lay.self_attn.o_proj.kernel[...], flat(i["x"]), config=config)
+        return fl.linear_residual(pallas_swiglu(lay, dict(x=x)), lay.mlp.down_proj.kernel[...], x, config=config)
+
+    b = 2  # bytes per bf16 weight
+    return {
+        "norm + q/k/v + RoPE": (b * h * (nh + 2 * nkv) * hd, xla_qkv, pallas_qkv),
+        "o-proj + residual": (b * nh * hd * h, lambda lay, i: i["x"] + lay.self_attn.o_proj(i["o"]),
+                              lambda lay, i: fl.linear_residual(flat(i["o"]), lay.self_attn.o_proj.kernel[...],
+                                                                flat(i["x"]), config=config)),
+        "norm + gate/up + SwiGLU": (b * 2 * h * inter, xla_swiglu, pallas_swiglu),
+        "down-proj + residual": (b * inter * h, lambda lay, i: i["x"] + lay.mlp.down_proj(i["h"]),
+                                 lambda lay, i: fl.linear_residual(flat(i["h"]), lay.mlp.down_proj.kernel[...],
+                                                                   flat(i["x"]), config=config)),
+        "layer without attention": (b * h * ((nh + 2 * nkv) * hd + nh * hd + 3 * inter), xla_layer, pallas_layer),
+    }
+
+
+def fused_kernel_rows(args, shape: str, target) -> list[dict]:
+    """Per op and row count: the XLA ops vs the Pallas kernel (and --sweep's tile variants), device us per call."""
+    import dataclasses
+
+    from pjax.kernels.fused_linear.config import DEFAULT
+    cfg = target.config
+    spec = cfg.layers[0]
+    copies = min(cfg.num_layers, 2 if args.tiny else 8)  # 8 x 32 MB of 445M layer weights: well past the 50 MB L2
+    rows, variants = [], {"default": DEFAULT}
+    if args.sweep:
+        variants.update({n: dataclasses.replace(DEFAULT, **kw) for n, kw in FUSED_SWEEP.items()})
+    for t in ((1, 3) if args.tiny else (1, 8, 16)):
+        rs = np.random.default_rng(t)
+        rnd = lambda *shape_: jnp.asarray(rs.normal(size=shape_), jnp.bfloat16)  # noqa: E731
+        inputs = [dict(x=rnd(1, t, cfg.hidden_size), pos=jnp.asarray(rs.integers(0, 4096, (1, t)), jnp.int32),
+                       o=rnd(1, t, cfg.num_heads * spec.head_dim), h=rnd(1, t, cfg.intermediate_size))
+                  for _ in range(copies)]
+        for name, (nbytes, xla_op, pallas_op) in fused_ops(cfg, DEFAULT).items():
+            xla_us, xla_k, _ = _device_us(xla_op, target, inputs, args.calls)
+            outs = [np.concatenate([np.asarray(a, np.float32).reshape(-1) for a in jax.tree.leaves(
+                jax.jit(lambda tg, i, op=op: op(tg.module.layers[0], i))(target, inputs[0]))]) for op in (xla_op,
+                                                                                                    pallas_op)]
+            rel_err = float(np.abs(outs[1] - outs[0]).max() / np.abs(outs[0]).max())  # bf16: ~1e-2 = an ulp or two
+            row = {"shape": shape, "op": name, "rows": t, "weight_mb": nbytes / 1e6, "roofline_us": nbytes / 4.3e6,
+                   "xla_us": xla_us, "xla_kernels": xla_k, "pallas_rel_err": rel_err, "pallas": {}}
+            for vname, config in variants.items():
+                _, _, pallas_op = fused_ops(cfg, config)[name]
+                try:
+                    us, k, named = _device_us(pallas_op, target, inputs, args.calls)
+                except Exception as e:  # a tile variant that does not compile: report it, time the others
+                    print(f"  {name} rows={t} {vname}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+                    continue
+                row["pallas"][vname] = {"us": us, "kernels": k, "kernel_us": named, "tb_per_s": nbytes / us / 1e6}
+            rows.append(row)
+            p = row["pallas"].get("default", {"us": float("nan"), "kernels": float("nan"), "tb_per_s": float("nan")})
+            print(f"| {name} | {t} | {row['weight_mb']:.1f} | {row['roofline_us']:.2f} | {xla_us:.2f} ({xla_k:.0f}) | "
+                  f"{p['us']:.2f} ({p['kernels']:.0f}) | {xla_us / p['us']:.2f} | {p['tb_per_s']:.2f} | {rel_err:.1e} |",
+                  flush=True)
+    if args.sweep:
+        print("\n| op | rows | " + " | ".join(variants) + " |  (Pallas us per call)")
+        print("|---|---|" + "---|" * len(variants))
+        for r in rows:
+            cells = " | ".join(f"{r['pallas'][v]['us']:.2f}" if v in r["pallas"] else "failed" for v in variants)
+            print(f"| {r['op']} | {r['rows']} | {cells} |")
+    return rows
+
+
+def run_fused(args) -> dict:
+    """The fused layer kernels: per-op device time against the XLA ops they replace, then whole rounds."""
+    out = {"kernels": [], "steps": []}
+    head_layers = {"tiny": 2, "llama-445m": 2, "llama3.1-8b": 4}
+    impls = args.implementations.split(",")
+    for shape in (["tiny"] if args.tiny else args.fused_shapes.split(",")):
+        target, peagle = models(shape, head_layers[shape], peagle=True)
+        if args.only in ("all", "kernels"):
+            print(f"\n{shape}, bf16, batch 1: device us per call (kernels per call)")
+            print("| op | rows | weight MB | roofline us (4.3 TB/s) | XLA us | Pallas us | XLA / Pallas | Pallas TB/s | "
+                  "Pallas vs XLA max err / max |XLA| |")
+            print("|---|---|---|---|---|---|---|---|---|", flush=True)
+            out["kernels"] += fused_kernel_rows(args, shape, target)
+        if args.only not in ("all", "steps"):
+            continue
+        _, eagle3 = models(shape, 1, peagle=False)
+        ps = prompts(1, args.prompt_len, SHAPES[shape][-1])
+        kw = dict(max_new_tokens=min(args.new_tokens, 16) if args.tiny else args.new_tokens, chunk_seconds=None)
+        print(f"\n{shape}, batch 1, {kw['max_new_tokens']} new tokens, K = {args.k}, median of {args.repeats}")
+        print("| drafting | implementation | ms per round | vs xla | kernels per round | GPU busy |")
+        print("|---|---|---|---|---|---|", flush=True)
+        for mode, drafter, k in (("none", None, 0), ("parallel", peagle, args.k), ("sequential", eagle3, args.k)):
+            base = None
+            for impl in impls:
+                run_kw = dict(kw, drafting=mode, num_speculative_tokens=max(k, 1), implementation=impl)
+                m = timed(target, drafter, ps, repeats=args.repeats, **run_kw)
+                events, stats = traced_generation(target, drafter, ps, **run_kw)
+                if events:
+                    busy = sum(e - s for s, e, _ in events) / (events[-1][1] - events[0][0])
+                    m.update(kernels_per_round=len(events) / max(stats["rounds"], 1), busy_fraction=busy)
+                base = base or m["decode_ms_per_round"]
+                out["steps"].append({"shape": shape, "drafting": mode, "k": k, "implementation": impl, **m})
+                print(f"| {mode} K={k} | {impl} | {m['decode_ms_per_round']:.3f} | "
+                      f"{base / m['decode_ms_per_round']:.2f}x | {m.get('kernels_per_round', float('nan')):.1f} | "
+                      f"{m.get('busy_fraction', float('nan')):.0%} |", flush=True)
+    return out
 
 
 def sweep(argv: list[str]) -> dict:
@@ -215,7 +396,7 @@ def sweep(argv: list[str]) -> dict:
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=("chunks", "steps", "profile"))
+    ap.add_argument("what", choices=("chunks", "steps", "profile", "fused"))
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
     ap.add_argument("--k", type=int, default=7)
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -226,12 +407,18 @@ def main(argv=None):
     ap.add_argument("--batches", default="1,64", help="chunks: comma-separated batch sizes")
     ap.add_argument("--shapes", default="llama-445m,llama3.1-8b", help="steps: comma-separated shapes of SHAPES")
     ap.add_argument("--xla-sweep", action="store_true", help="steps under each XLA_FLAGS set (subprocesses)")
+    ap.add_argument("--fused-shapes", default="llama-445m", help="fused: comma-separated shapes of SHAPES")
+    ap.add_argument("--implementations", default="xla,auto,pallas", help="fused: kernel switches compared per round")
+    ap.add_argument("--only", choices=("all", "kernels", "steps"), default="all", help="fused: one part only")
+    ap.add_argument("--sweep", action="store_true", help="fused: also time the kernels under FUSED_SWEEP's tiles")
+    ap.add_argument("--calls", type=int, default=20, help="fused: profiled calls per op timing")
     ap.add_argument("--out", default=None, help="JSON output path (default $OUT/bench_generate.json)")
     args = ap.parse_args(argv)
     if args.xla_sweep:
         result = {"sweep": sweep(argv)}
     else:
-        result = {args.what: {"chunks": run_chunks, "steps": run_steps, "profile": run_profile}[args.what](args)}
+        result = {args.what: {"chunks": run_chunks, "steps": run_steps, "profile": run_profile,
+                              "fused": run_fused}[args.what](args)}
     result["meta"] = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
                       "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": argv}
     out = args.out or (os.path.join(os.environ["OUT"], "bench_generate.json") if os.environ.get("OUT") else None)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pjax.config import LayerSpec, ModelConfig
+from pjax.kernels import fused_linear
 from pjax.kernels.cache_attention import cache_attention
 from pjax.kernels.flash_attention import AttentionMask, attention, position_mask
 from pjax.models.cache import LayerKV
@@ -81,6 +82,27 @@ class Attention(nnx.Module):
         cos, sin = rope_tables(self.rope, self.head_dim, positions)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
+    @property
+    def fusable(self) -> bool:
+        """The fused few-row kernels cover this attention's projections: no biases, separate v_proj, no v-norm (the
+        q/k-norm is covered)."""
+        return not self.q_proj.use_bias and self.v_proj is not None and not self.v_norm
+
+    def fused_qkv(self, x, norm: RMSNorm, positions, implementation: str):
+        """`qkv(norm(x), positions)` as one fused kernel (`pjax.kernels.fused_linear.norm_qkv`: the norm, the three
+        products from the weights as stored, q/k-norm and RoPE). x [B, T, H]; only where `fusable` and the caller's
+        decision (`DecoderLayer.fused`) took the kernels."""
+        b, t, h = x.shape
+        cos, sin = rope_tables(self.rope, self.head_dim, positions)
+        half = self.head_dim // 2
+        qk = {} if self.q_norm is None else dict(q_norm=self.q_norm.weight[...], k_norm=self.k_norm.weight[...])
+        q, k, v = fused_linear.norm_qkv(
+            x.reshape(b * t, h), norm.weight[...], self.q_proj.kernel[...], self.k_proj.kernel[...],
+            self.v_proj.kernel[...], cos.reshape(b * t, half), sin.reshape(b * t, half), head_dim=self.head_dim,
+            eps=norm.eps, fp32_multiply=norm.fp32_multiply, **qk, implementation=implementation)
+        return (q.reshape(b, t, self.num_heads, self.head_dim), k.reshape(b, t, self.num_kv_heads, self.head_dim),
+                v.reshape(b, t, self.num_kv_heads, self.head_dim))
+
     def __call__(self, x, positions, kv=None, *, valid=None, mask: Optional[AttentionMask] = None,
                  implementation: str = "auto"):
         """Returns (attention output [B, T, H], updated kv).
@@ -92,6 +114,13 @@ class Attention(nnx.Module):
         K/V join the earlier passes' and the queries attend under `mask` (context: pass 0; chain: all passes).
         """
         q, k, v = self.qkv(x, positions)
+        out, kv = self.attend(q, k, v, positions, kv, valid=valid, mask=mask, implementation=implementation)
+        return self.o_proj(out), kv
+
+    def attend(self, q, k, v, positions, kv=None, *, valid=None, mask: Optional[AttentionMask] = None,
+               implementation: str = "auto"):
+        """The attention of `__call__` from projected q [B, T, nh, hd], k, v [B, T, nkv, hd]: (out [B, T, nh x hd]
+        before the o-projection, updated kv)."""
         sinks = None if self.sinks is None else self.sinks[...]
         kw = dict(scale=self.scale, window=self.window, sinks=sinks, implementation=implementation)
         if isinstance(kv, LayerKV):
@@ -113,5 +142,5 @@ class Attention(nnx.Module):
             out = attention(q, k[:, :n], v[:, :n], mask, **chain, **kw)
         else:
             raise TypeError(f"Attention: kv must be None, a LayerKV or a StepKV, found {type(kv).__name__}")
-        b, t = x.shape[:2]
-        return self.o_proj(out.reshape(b, t, -1)), kv
+        b, t = q.shape[:2]
+        return out.reshape(b, t, -1), kv
