@@ -152,8 +152,8 @@ def _target_pass(target, prompts, lengths, cache, spec: EngineSpec, packed_len):
         last_h = jnp.take_along_axis(out.hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
         return last_h, out.aux, out.cache
     tokens, positions, segment, rows, starts = pack_prompts(prompts, lengths, packed_len)
-    out = forward(target, tokens, positions, cache, valid=segment >= 0, mask=document_mask(segment), cache_rows=rows,
-                  **kw)
+    out = forward(target, tokens, positions, cache, valid=segment >= 0, mask=document_mask(segment, span=lp),
+                  cache_rows=rows, **kw)
     last_h = out.hidden[0, starts + lengths - 1]
     aux = out.aux
     if aux is not None:  # unpacked: prompt b's token j from the packed index starts[b] + j
