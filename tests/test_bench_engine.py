@@ -4,7 +4,7 @@ compiled by `prepare`, and the admissions it precompiles cover every admission t
 import pytest
 
 from pjax.bench.backend import BatchBackend, EngineBackend, Request, RunSettings
-from pjax.decode.inputs import bucket_batch, bucket_length
+from pjax.decode.inputs import bucket_batch, prefill_buckets
 from tests.engine_utils import tiny_pair
 
 V = 12
@@ -18,9 +18,16 @@ def models():
 
 def test_admissions_are_runs_of_consecutive_requests():
     reqs = [Request(str(i), tuple([1] * n)) for i, n in enumerate([3, 20, 5, 40])]
-    assert EngineBackend.admissions(reqs, 2) == {(1, 16): 5, (1, 32): 20, (1, 64): 40, (2, 32): 20, (2, 64): 40}
-    assert EngineBackend.admissions(reqs, 1) == {(1, 16): 5, (1, 32): 20, (1, 64): 40}
-    assert EngineBackend.admissions(reqs, 3)[(4, 64)] == 40  # 3 rows -> the 4-row program
+    padded = EngineBackend.admissions(reqs, 2, 1024, "padded")
+    assert padded == {(1, 16, None): (3,), (2, 32, None): (3, 20), (1, 32, None): (20,), (2, 64, None): (5, 40),
+                      (1, 64, None): (40,)}  # the first admission of each program
+    assert set(EngineBackend.admissions(reqs, 1, 1024, "padded")) == {(1, 16, None), (1, 32, None), (1, 64, None)}
+    assert (4, 64, None) in EngineBackend.admissions(reqs, 3, 1024, "padded")  # 3 rows -> the 4-row program
+    # packed: (3, 20) -> 23 tokens in 32 positions, (5, 40) -> 45 in 64; (3, 20, 5) + a padding row -> 29 in 32
+    auto = EngineBackend.admissions(reqs, 3, 1024, "auto")
+    assert {k for k in auto if k[0] > 1} == {(2, 32, 32), (2, 64, 64), (4, 32, 32), (4, 64, 128)}
+    assert auto[(4, 32, 32)] == (3, 20, 5)
+    assert set(EngineBackend.admissions(reqs, 2, 48, "padded")) >= {(1, 48, None), (2, 48, None)}  # capped at 48
 
 
 @pytest.mark.parametrize("drafting, k, concurrency", [("parallel", 2, 3), ("none", 0, 2)])
@@ -44,14 +51,15 @@ def test_continuous_equals_static_per_request(models, drafting, k, concurrency):
         queued = [r for r in eng._queue.values()]
         events = step()
         if queued and not eng._queue:
-            admitted.append((bucket_batch(len(queued)), bucket_length(max(len(r.prompt) for r in queued))))
+            admitted.append(prefill_buckets([len(r.prompt) for r in queued], eng.max_len, eng.prefill))
         return events
     eng.step = watched
     progress = []
     got = cont.run(requests, settings, on_progress=progress.append)
 
     assert max(in_flight) == concurrency and sum(progress) == len(requests)
-    assert set(admitted) <= set(EngineBackend.admissions(requests, concurrency))
+    assert set(admitted) <= set(EngineBackend.admissions(requests, concurrency, eng.max_len, eng.prefill))
+    assert any(packed for _, _, packed in admitted)  # the prefill "auto" packed some admission
     assert got.compile_s == 0.0 and got.duration_s > 0  # prepare compiled every program the run used
     for a, b in zip(got.requests, want.requests):
         assert a.tokens == b.tokens

@@ -1,7 +1,7 @@
-"""Greedy exactness of the engine: parallel, sequential and plain decoding equal transformers' greedy
-`generate` on tiny checkpoints of every target family (ragged batch; K in {1, 3, 7, 11}, one per family
-to bound compile time), and with injected drafts (every accepted-prefix length) the KV bookkeeping of
-target and drafter stays exact."""
+"""Greedy exactness of the engine: parallel, sequential and plain decoding equal transformers' greedy `generate` on tiny
+checkpoints of every target family (ragged batch, its prefill packed into one row or padded; K in {1, 3, 7, 11}, one per
+family to bound compile time), and with injected drafts (every accepted-prefix length) the KV bookkeeping of target and
+drafter stays exact."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -22,13 +22,15 @@ def family(request, tmp_root):
     return request.param, build(request.param, tmp_root)
 
 
+@pytest.mark.parametrize("prefill", ["packed", "padded"])
 @pytest.mark.parametrize("drafting", ["parallel", "sequential", "none"])
-def test_greedy_equals_transformers(family, drafting):
+def test_greedy_equals_transformers(family, drafting, prefill):
     name, (target, drafter, ref) = family
     k = K_OF[name]
     res = pjax.generate(target, drafter, PROMPTS, max_new_tokens=NEW, num_speculative_tokens=k, drafting=drafting,
-                        compiler_options=FAST)
+                        compiler_options=FAST, prefill=prefill)
     assert res.tokens == [r[:NEW] for r in ref]
+    assert res.stats["prefill"] == prefill
     assert res.stats["stop_reasons"] == ["length"] * len(PROMPTS)
     assert res.stats["output_tokens"] == NEW * len(PROMPTS)
     if drafting != "none":

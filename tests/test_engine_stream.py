@@ -95,8 +95,9 @@ def test_progress_bar(models, capsys):
 
 def test_a_sweep_compiles_a_handful_of_programs(models):
     """Batch sizes 1-4, prompt lengths 2-14, max_new_tokens 3-8, stop lists of 0-3 ids, top-k / top-p on and off:
-    48 settings, at most 9 programs (3 row buckets x the target's prefill, the drafter's, the decode chunk); the same
-    sweep again compiles nothing."""
+    48 settings, at most 12 programs (3 row buckets x the drafter's prefill and the decode chunk; the target's prefill
+    padded per rows bucket, and packed per (rows, packed row) bucket where packing saves positions: 2 x 16 into 16,
+    4 x 16 into 16 and into 32); the same sweep again compiles nothing."""
     target, drafter = models
     G = sys.modules["pjax.decode.generate"]
     settings = list(itertools.product([1, 2, 3, 4], [2, 9, 14], [3, 8], [None, [7, 8, 9]]))
@@ -110,7 +111,7 @@ def test_a_sweep_compiles_a_handful_of_programs(models):
                 **samplings[i % len(samplings)])
         return G.compile_count() - before
     first = sweep()
-    assert first <= 9, first
+    assert first <= 12, first
     assert sweep() == 0
 
 

@@ -16,6 +16,7 @@ from pjax.kernels.flash_attention.pallas import flash_attention
 from pjax.train.masks import ttt_mask
 from tests.dense_attention import dense_attention
 from tests.gpu_lowering import triton_modules
+from tests.kernel_jaxpr import equations
 
 SMALL = FlashConfig(block_q=16, block_k=16, dkv_block_q=16, dkv_block_k=16, dq_block_q=16, dq_block_k=16)
 DOCS = np.array([[0] * 10 + [1] * 20 + [2] * 6 + [-1] * 4, [0] * 33 + [1] * 7])
@@ -58,6 +59,35 @@ def test_document_attention_equals_dense(implementation, window, sinks, shared):
     assert np.isfinite(np.asarray(got)).all()  # rows that see nothing: finite (uniform / zeros)
     want = dense_attention(q, k, v, allowed, 0.3, sk)
     np.testing.assert_allclose(np.asarray(got)[live], np.asarray(want)[live], rtol=1e-5, atol=1e-5)
+    argnums = (0, 1, 2, 3) if sinks else (0, 1, 2)
+    grads = jax.jit(jax.grad(lambda *a: jnp.sum(ours(*a) * w), argnums=argnums))(q, k, v, sk)
+    wants = jax.grad(lambda *a: jnp.sum(dense_attention(*a[:3], allowed, 0.3, a[3]) * w), argnums=argnums)(
+        q, k, v, sk)
+    for g, gw in zip(grads, wants):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(gw), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("window,sinks", [(None, False), (5, True)])
+def test_a_span_bands_the_reference(window, sinks):
+    """document_mask(span=12) (no document longer): the reference scores each chunk of 7 queries against the 18 keys
+    it can see (a dynamic slice of the keys), and equals the dense softmax, forward and gradients. Documents of 12
+    tokens end where chunks start, so a band one key short shows."""
+    lengths = [[10, 12, 9, 12, 8, 9], [12] * 5]
+    docs = np.array([sum(([d] * n for d, n in enumerate(row)), []) + [-1] * 4 for row in lengths])
+    q, k, v, rng = inputs(2, 64, 4, 2, 16, seed=2)
+    sk = jnp.asarray(rng.normal(size=(4,)), jnp.float32) if sinks else None
+    allowed = doc_allowed(docs, window)
+    live = allowed.any(-1)
+    w = jnp.asarray(rng.normal(size=q.shape) * live[..., None, None], jnp.float32)
+    mask = document_mask(docs, chunk=7, span=12)
+
+    def ours(q, k, v, sk):
+        return attention(q, k, v, mask, scale=0.3, window=window, sinks=sk, implementation="xla")
+
+    prims = {e.primitive.name for e, _ in equations(jax.make_jaxpr(ours)(q, k, v, sk).jaxpr)}
+    assert "dynamic_slice" in prims
+    np.testing.assert_allclose(np.asarray(jax.jit(ours)(q, k, v, sk))[live],
+                               np.asarray(dense_attention(q, k, v, allowed, 0.3, sk))[live], rtol=1e-5, atol=1e-5)
     argnums = (0, 1, 2, 3) if sinks else (0, 1, 2)
     grads = jax.jit(jax.grad(lambda *a: jnp.sum(ours(*a) * w), argnums=argnums))(q, k, v, sk)
     wants = jax.grad(lambda *a: jnp.sum(dense_attention(*a[:3], allowed, 0.3, a[3]) * w), argnums=argnums)(

@@ -43,3 +43,21 @@ def test_write_keeps_valid_in_range_entries(b, t, case):
     no_mask = kv.write(jnp.asarray(kn), jnp.asarray(vn), jnp.asarray(positions))
     np.testing.assert_array_equal(np.asarray(no_mask.k.astype(jnp.float32)),
                                   reference(bf(k0), bf(kn), positions, np.ones_like(valid)))
+
+
+def test_write_to_given_rows():
+    """rows [1, T]: each new token goes to its own cache row (the packed prefill); invalid tokens write nothing."""
+    rng = np.random.default_rng(7)
+    b, cap, nkv, hd = 3, 6, 2, 4
+    k0 = rng.standard_normal((b, cap, nkv, hd)).astype(np.float32)
+    kn = rng.standard_normal((1, 7, nkv, hd)).astype(np.float32)
+    rows = np.array([[0, 0, 2, 2, 2, 1, 1]], np.int32)
+    positions = np.array([[0, 1, 0, 1, 2, 0, 1]], np.int32)
+    valid = np.array([[True, True, True, True, True, True, False]])
+    out = LayerKV(jnp.asarray(k0), jnp.asarray(k0)).write(jnp.asarray(kn), jnp.asarray(kn), jnp.asarray(positions),
+                                                          jnp.asarray(valid), jnp.asarray(rows))
+    want = k0.copy()
+    for t in range(6):
+        want[rows[0, t], positions[0, t]] = kn[0, t]
+    np.testing.assert_array_equal(np.asarray(out.k), want)
+    np.testing.assert_array_equal(np.asarray(out.v), want)

@@ -226,9 +226,11 @@ def test_precompile_compiles_every_admission_program(models):
         eng.precompile(rows=[5], prompt_lengths=[3])
 
 
-def test_admission_shapes_cover_every_admission(models):
-    """Precompiling `admission_shapes(L)` leaves nothing to compile for any admission of prompts up to L tokens."""
-    eng = engine(models, max_slots=4, drafting="none")
+@pytest.mark.parametrize("prefill", ["padded", "auto"])
+def test_admission_shapes_cover_every_admission(models, prefill):
+    """Precompiling `admission_shapes(L)` leaves nothing to compile for any admission of prompts up to L tokens (with
+    packing, whatever packed row the admission takes)."""
+    eng = engine(models, max_slots=4, drafting="none", prefill=prefill)
     shapes = eng.admission_shapes(40)
     assert {n for n, _ in shapes} == {1, 2, 4} and max(length for _, length in shapes) == 40
     for n, length in shapes:
@@ -242,6 +244,36 @@ def test_admission_shapes_cover_every_admission(models):
     assert pjax.decode.compile_count() == before
     with pytest.raises(ValueError, match="longest_prompt"):
         eng.admission_shapes(MAX_LEN + 1)
+
+
+def test_precompile_admissions_builds_exactly_their_programs(models):
+    eng = engine(models, max_slots=4, drafting="none", prefill="auto")
+    admissions = [[5, 3], [20, 1, 1], [9]]  # packed into 16 and 32 positions, and one padded row
+    eng.precompile_admissions(admissions)
+    assert sorted(eng._admit_exe, key=str) == sorted([(2, 16, 16), (4, 32, 32), (1, 16, None)], key=str)
+    before = pjax.decode.compile_count()
+    for lengths in admissions:
+        for n in lengths:
+            eng.submit([1] * n, RequestParams(3))
+        while eng.has_work:
+            eng.step()
+    assert pjax.decode.compile_count() == before
+    with pytest.raises(ValueError, match="precompile_admissions"):
+        eng.precompile_admissions([[3] * 5])
+
+
+@pytest.mark.parametrize("drafting", ["parallel", "none"])
+def test_packed_admissions_equal_generate(models, drafting):
+    """Admissions prefilled packed (the first one: four requests in one row) give every request `pjax.generate`'s
+    output for it alone."""
+    params = [RequestParams(n) for n in NEW]
+    eng = engine(models, drafting, max_slots=4, prefill="packed")
+    outputs, finals = {}, {}
+    ids = [eng.submit(p, q) for p, q in zip(PROMPTS, params)]
+    drain(eng, outputs, finals)
+    assert (4, 32, 64) in eng._admit_exe  # 3 + 8 + 6 + 20 tokens: four rows of 32 packed into 64
+    for rid, p, q in zip(ids, PROMPTS, params):
+        check_against_reference(models, drafting, p, q, outputs[rid], finals[rid])
 
 
 def test_warm_precompile_changes_no_slot(models):
@@ -310,6 +342,7 @@ def test_the_longest_request_that_fits(models):
     (dict(draft_sampling="beam"), ValueError, "draft_sampling='beam'"),
     (dict(cache_dtype="int3"), ValueError, "cache_dtype"),
     (dict(compiler_options=[("a", 1)]), TypeError, "EngineConfig.compiler_options must be a dict"),
+    (dict(prefill="ragged"), ValueError, "EngineConfig.prefill='ragged': expected one of"),
 ])
 def test_config_validation(models, kw, error, match):
     with pytest.raises(error, match=match):

@@ -15,7 +15,7 @@ from typing import Callable, Mapping, Optional, Protocol, Sequence
 
 from pjax.bench.errors import BenchError
 from pjax.decode import Generation
-from pjax.decode.inputs import bucket_batch, bucket_capacity, bucket_length
+from pjax.decode.inputs import bucket_capacity, prefill_buckets
 from pjax.serve.engine import STOP_WIDTH, Engine, EngineConfig, RequestParams
 
 __all__ = ["SCHEDULING", "Backend", "BatchBackend", "EngineBackend", "Request", "RequestResult", "RunResult",
@@ -108,17 +108,18 @@ class BatchBackend:
     """`pjax.decode.Generation` in static batches of `concurrency` requests.
 
     drafters: the head of each drafting mode ({"parallel": head, "sequential": head}; "none" needs none).
-    implementation / cache_dtype: passed to the engine. The KV cache of every batch holds
-    `bucket_capacity(settings.max_positions)` positions, so programs depend on the batch's rows and prompt-length
-    bucket only and `prepare` can compile each of them with a short generation.
+    implementation / cache_dtype / prefill: passed to the engine. The KV cache of every batch holds
+    `bucket_capacity(settings.max_positions)` positions, so programs depend on the batch's rows, prompt-length and
+    packed-row buckets only and `prepare` can compile each of them with a short generation.
     """
     scheduling = ("static batches: concurrency c = c requests decoded as one ragged batch (one "
                   "pjax.decode.Generation, its default device loop in bounded chunks); the next c start when all of "
                   "them finish (no continuous batching)")
 
-    def __init__(self, target, drafters: Mapping[str, object], *, implementation: str = "auto", cache_dtype=None):
+    def __init__(self, target, drafters: Mapping[str, object], *, implementation: str = "auto", cache_dtype=None,
+                 prefill: str = "padded"):
         self.target, self.drafters = target, dict(drafters)
-        self.implementation, self.cache_dtype = implementation, cache_dtype
+        self.implementation, self.cache_dtype, self.prefill = implementation, cache_dtype, prefill
 
     @staticmethod
     def batches(requests: Sequence[Request], concurrency: int) -> list[Sequence[Request]]:
@@ -131,13 +132,14 @@ class BatchBackend:
             max_new_tokens=max_new_tokens, num_speculative_tokens=max(s.k, 1), drafting=s.drafting,
             temperature=s.temperature, seed=[r.seed for r in batch], eos_token_id=list(s.eos_token_ids) or None,
             cache_capacity=bucket_capacity(s.max_positions), implementation=self.implementation,
-            cache_dtype=self.cache_dtype, simulate_acceptance=s.simulate_acceptance)
+            cache_dtype=self.cache_dtype, simulate_acceptance=s.simulate_acceptance, prefill=self.prefill)
 
     def prepare(self, requests: Sequence[Request], settings: RunSettings) -> float:
         """One short generation (K + 2 new tokens: prefill and a few rounds) per distinct program of the run."""
         compile_s, seen = 0.0, set()
         for batch in self.batches(requests, settings.concurrency):
-            key = (bucket_batch(len(batch)), bucket_length(max(len(r.tokens) for r in batch)))
+            key = prefill_buckets([len(r.tokens) for r in batch], bucket_capacity(settings.max_positions),
+                                  self.prefill)
             if key in seen:
                 continue
             seen.add(key)
@@ -171,7 +173,8 @@ class EngineBackend:
     a power of two of device rows, never more than `concurrency` requests). A request's TTFT and end-to-end latency
     count from its admission into a slot (the moment vLLM's client would send it).
 
-    drafters: as `BatchBackend`. rounds_per_step: rounds per device chunk (admission, streaming between chunks).
+    drafters: as `BatchBackend`. rounds_per_step: rounds per device chunk (admission, streaming between chunks);
+    prefill: the admissions' prefill layout (`EngineConfig.prefill`).
     Every slot's KV cache holds `bucket_capacity(settings.max_positions)` positions (as `BatchBackend`). One engine
     is kept (the last configuration's, reused by its `run`).
     """
@@ -180,9 +183,10 @@ class EngineBackend:
                   "chunks (vLLM's --max-concurrency c); TTFT and end-to-end latency count from a request's admission")
 
     def __init__(self, target, drafters: Mapping[str, object], *, implementation: str = "auto", cache_dtype=None,
-                 rounds_per_step: int = 8):
+                 rounds_per_step: int = 8, prefill: str = "padded"):
         self.target, self.drafters = target, dict(drafters)
         self.implementation, self.cache_dtype, self.rounds_per_step = implementation, cache_dtype, rounds_per_step
+        self.prefill = prefill
         self._engine: Optional[tuple[tuple, Engine]] = None
 
     def engine(self, settings: RunSettings) -> Engine:
@@ -194,23 +198,24 @@ class EngineBackend:
             cfg = EngineConfig(max_slots=s.concurrency, max_len=bucket_capacity(s.max_positions),
                                num_speculative_tokens=max(s.k, 1), drafting=s.drafting,
                                implementation=self.implementation, cache_dtype=self.cache_dtype,
-                               rounds_per_step=self.rounds_per_step, simulate_acceptance=s.simulate_acceptance)
+                               rounds_per_step=self.rounds_per_step, simulate_acceptance=s.simulate_acceptance,
+                               prefill=self.prefill)
             self._engine = (key, Engine(self.target, self.drafters.get(s.drafting), cfg))
         return self._engine[1]
 
     @staticmethod
-    def admissions(requests: Sequence[Request], concurrency: int) -> dict[tuple[int, int], int]:
-        """The admission programs the run can use, (rows bucket, prompt-length bucket) -> the longest prompt of that
-        bucket: requests are fed in order, so an admission is a run of at most `concurrency` consecutive requests (a
-        superset of those made)."""
+    def admissions(requests: Sequence[Request], concurrency: int, capacity: int,
+                   prefill: str) -> dict[tuple[int, int, Optional[int]], tuple[int, ...]]:
+        """The admission programs the run can use, (rows bucket, prompt-length bucket, packed row or None:
+        `pjax.decode.inputs.prefill_buckets` for KV capacity `capacity` and layout `prefill`) -> the prompt lengths of
+        one admission that uses it: requests are fed in order, so an admission is a run of at most `concurrency`
+        consecutive requests (a superset of those made)."""
         lengths = [len(r.tokens) for r in requests]
-        out: dict[tuple[int, int], int] = {}
+        out: dict[tuple[int, int, Optional[int]], tuple[int, ...]] = {}
         for i in range(len(lengths)):
-            longest = 0
             for n in range(1, min(concurrency, len(lengths) - i) + 1):
-                longest = max(longest, lengths[i + n - 1])
-                key = (bucket_batch(n), bucket_length(longest))
-                out[key] = max(out.get(key, 0), longest)
+                run = tuple(lengths[i:i + n])
+                out.setdefault(prefill_buckets(run, capacity, prefill), run)
         return out
 
     def _params(self, r: Request, settings: RunSettings, max_new_tokens: int) -> RequestParams:
@@ -247,8 +252,8 @@ class EngineBackend:
         serve the first `concurrency` requests for K + 2 new tokens (warm-up)."""
         eng = self.engine(settings)
         before = eng.compile_s
-        for (rows, _), longest in sorted(self.admissions(requests, settings.concurrency).items()):
-            eng.precompile([rows], [longest], warm=True)
+        eng.precompile_admissions(self.admissions(requests, settings.concurrency, eng.max_len, eng.prefill).values(),
+                                  warm=True)
         self._serve(eng, requests[:settings.concurrency], settings, min(settings.max_new_tokens, settings.k + 2))
         return eng.compile_s - before
 

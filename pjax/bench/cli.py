@@ -57,6 +57,7 @@ from pjax.command import run_command
 from pjax.config import ConfigError
 from pjax.decode import make_spec
 from pjax.decode.compiled import use_compilation_cache
+from pjax.decode.inputs import PREFILL_LAYOUTS
 from pjax.models.families import config_from_hf
 from pjax.dtypes import parse_dtype
 from pjax.kernels import IMPLEMENTATIONS
@@ -102,6 +103,9 @@ def build_parser(prog: str = "python -m pjax bench") -> argparse.ArgumentParser:
     m.add_argument("--cache-dtype", default=None, help="KV cache dtype (default: the model's)")
     m.add_argument("--implementation", default="auto", choices=IMPLEMENTATIONS,
                    help="kernel switch: xla | pallas | auto (default)")
+    m.add_argument("--prefill", default="padded", choices=PREFILL_LAYOUTS,
+                   help="layout of the target's prefill: padded (default: one right-padded row per prompt), packed "
+                        "(the prompts of a batch in one row) or auto (packed where it computes fewer positions)")
     d = p.add_argument_group("prompts")
     d.add_argument("--dataset", action="append", default=None, metavar="NAME_OR_FILE",
                    help=f"{', '.join(DATASET_NAMES)}, or a .jsonl file with 'prompt' or 'messages' per line; "
@@ -276,7 +280,7 @@ def _header(args, settings: BenchSettings, target, meta: dict, cache_dtype, argv
         "date": meta["date"],
         "settings": f"max_new_tokens {settings.max_new_tokens}"
                     + (", EOS ignored" if not eos else f", stops at EOS {list(eos)}")
-                    + f", temperature {settings.temperature}, seed {settings.seed}",
+                    + f", temperature {settings.temperature}, seed {settings.seed}, prefill {args.prefill}",
         "exactness": f"temperature 0: each speculative output vs `none`'s at the same concurrency; near-tie "
                      f"threshold {NEAR_TIE_EPS} x eps({meta['dtype']}) x max(1, abs(top logit))",
         "timing": "compilation excluded: every configuration compiles and warms up before it is timed; output "
@@ -322,14 +326,15 @@ def run(args, argv) -> int:
     meta = {"target": args.target,
             "heads": {m: (args.sequential_head if m == "sequential" and args.sequential_head else args.head)
                       for m in settings.speculative},
-            "dtype": jnp.dtype(dtype).name, "implementation": args.implementation,
+            "dtype": jnp.dtype(dtype).name, "implementation": args.implementation, "prefill": args.prefill,
             "chat_template": chat, "seed": settings.seed, "near_tie_eps": NEAR_TIE_EPS,
             **environment()}
     if args.scheduling == "continuous":
         backend = EngineBackend(target, heads, implementation=args.implementation, cache_dtype=cache_dtype,
-                                rounds_per_step=args.rounds_per_step)
+                                rounds_per_step=args.rounds_per_step, prefill=args.prefill)
     else:
-        backend = BatchBackend(target, heads, implementation=args.implementation, cache_dtype=cache_dtype)
+        backend = BatchBackend(target, heads, implementation=args.implementation, cache_dtype=cache_dtype,
+                               prefill=args.prefill)
     from tqdm.auto import tqdm
     result = run_bench(backend, sets, settings, meta=meta,
                        next_logits=lambda ids: next_token_logits(target, ids, args.implementation),

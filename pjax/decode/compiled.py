@@ -24,8 +24,8 @@ __all__ = ["clear_compiled", "compile_count", "compile_stats", "compiled", "jitt
 
 # name -> (function, static argument names, donated argument names)
 _PROGRAMS: dict[str, tuple[Callable, tuple[str, ...], tuple[str, ...]]] = {
-    "prefill": (prefill, ("spec", "capacity", "cache_dtype"), ()),
-    "prefill_target": (prefill_target, ("spec", "capacity", "cache_dtype"), ()),
+    "prefill": (prefill, ("spec", "capacity", "cache_dtype", "packed_len"), ()),
+    "prefill_target": (prefill_target, ("spec", "capacity", "cache_dtype", "packed_len"), ()),
     "prefill_drafter": (prefill_drafter, ("spec", "capacity", "cache_dtype"), ()),
     "chunk": (decode_chunk, ("spec",), ("state",)),
     "round": (spec_round, ("spec",), ("state",)),

@@ -131,13 +131,14 @@ class Generation:
                  cache_capacity: Optional[int] = None, draft_sampling: str = "argmax",
                  implementation: str = "auto", cache_dtype=None, compiler_options: Optional[dict] = None,
                  chunk_seconds: Optional[float] = 1.0, progress: bool = False, allow_tf32: bool = False,
-                 simulate_acceptance: Optional[Sequence[float]] = None, loop: str = "device"):
+                 simulate_acceptance: Optional[Sequence[float]] = None, loop: str = "device", prefill: str = "padded"):
         t_start = time.perf_counter()
         if not isinstance(target, Target):
             raise TypeError(f"target must be a pjax Target (load one with pjax.load_target(path)), got "
                             f"{type(target).__name__}")
         if loop not in ("device", "host"):
             raise ValueError(f"loop={loop!r}: expected 'device' or 'host'")
+        I.check_prefill(prefill)
         if chunk_seconds is not None and (not I.is_real(chunk_seconds) or chunk_seconds <= 0):
             raise ValueError(f"chunk_seconds must be a positive number or None (one device call), got "
                              f"{chunk_seconds!r}")
@@ -178,11 +179,10 @@ class Generation:
         for w in self._warnings:
             warnings.warn(w, stacklevel=3)
 
-        # buckets: rows, prompt positions; the output buffer holds `capacity` tokens (no row can emit more), so the
-        # row limits are runtime data and programs depend on (rows, prompt bucket, capacity, K) only; padding rows
-        # stop at prefill (max_new = 1)
-        b = I.bucket_batch(n)
-        lp = min(I.bucket_length(longest), max(capacity, longest))
+        # buckets: rows, prompt positions (and the packed prefill's row); the output buffer holds `capacity` tokens
+        # (no row can emit more), so the row limits are runtime data and programs depend on (rows, prompt bucket,
+        # packed bucket, capacity, K) only; padding rows hold a one-token prompt and stop at prefill (max_new = 1)
+        b, lp, packed_len = I.prefill_buckets(lengths, capacity, prefill)
         spec = dataclasses.replace(spec, max_new_tokens=capacity)
         padded = np.zeros((b, lp), np.int32)
         for i, r in enumerate(rows):
@@ -197,6 +197,7 @@ class Generation:
 
         self.n, self.spec, self._capacity, self._target, self._drafter = n, spec, capacity, target, drafter
         self._sampling, self._lengths = sampling, lengths
+        self._prefill = ("padded", b * lp) if packed_len is None else ("packed", packed_len)
         self._options = tuple(sorted((compiler_options or {}).items()))
         self._precision = _precision(target, drafter, allow_tf32)
         self._chunk_seconds = None if loop == "host" else chunk_seconds
@@ -211,13 +212,13 @@ class Generation:
             self._bar = tqdm(total=int(limits.sum()), desc=f"generate ({spec.drafting})", unit="tok",
                              dynamic_ncols=True)
 
-        # prefill in two programs: the target's (one per rows and prompt bucket for every K and drafting mode with
-        # the same target features, so a sweep compiles it once), then the drafter's
+        # prefill in two programs: the target's (one per rows, prompt and packed bucket for every K and drafting mode
+        # with the same target features, so a sweep compiles it once), then the drafter's
         prompts_d, lengths_d = jnp.asarray(padded), jnp.asarray(all_lengths)
         statics = dict(capacity=capacity, cache_dtype=cdtype)
         pre_t = (target, prompts_d, lengths_d, sampling)
-        exe, c = _compiled("prefill_target", pre_t, dict(spec=target_spec(spec), **statics), self._options,
-                           self._precision)
+        exe, c = _compiled("prefill_target", pre_t, dict(spec=target_spec(spec), packed_len=packed_len, **statics),
+                           self._options, self._precision)
         self._compile_s += c
         t0 = time.perf_counter()
         self._state, aux = exe(*pre_t)
@@ -412,6 +413,8 @@ class Generation:
             "stop_reasons": [STOP_NAMES[int(s)] for s in h["stop"]],
             "requests": requests,
             "ttft_s": self._t_first,
+            "prefill": self._prefill[0],
+            "prefill_tokens": self._prefill[1],
             "prefill_time_s": self._prefill_s,
             "decode_time_s": self._decode_s,
             "wall_time_s": wall,
@@ -441,7 +444,7 @@ def generate(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_token
              draft_sampling: str = "argmax", implementation: str = "auto", cache_dtype=None,
              compiler_options: Optional[dict] = None, chunk_seconds: Optional[float] = 1.0, progress: bool = False,
              allow_tf32: bool = False, simulate_acceptance: Optional[Sequence[float]] = None,
-             loop: str = "device") -> GenerateResult:
+             loop: str = "device", prefill: str = "padded") -> GenerateResult:
     """Speculative decoding of a batch of prompts (lists of token ids of any lengths).
 
     drafting: "parallel" (P-EAGLE: one drafter pass proposes K tokens), "sequential" (EAGLE-3: K drafter
@@ -466,6 +469,12 @@ def generate(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_token
     simulate_acceptance: K probabilities; the verdict of draft position i becomes a seeded draw (timing with
       random weights; outputs are then not the target's, and the stats say "simulated_acceptance": True).
     loop: "device" (chunks of rounds in a lax.while_loop) or "host" (one device call per round).
+    prefill: the layout of the target's prefill pass, "packed" (the prompts concatenated into one row of N tokens,
+      N the next power of two >= their total (min 16), each prompt attending to its own tokens only: document mask;
+      each token's K/V written to its row's cache), "padded" (one row per prompt, right-padded to the next power of
+      two >= the longest: [rows, Lp]) or "auto" (packed when the batch has more than one row and N < rows * Lp).
+      Both give the same outputs (up to float rounding); packed computes N instead of rows * Lp positions, a large
+      saving for a batch of ragged prompts. Programs are compiled per (rows, Lp, N) bucket.
     compiler_options: XLA options for the compiled programs (e.g. {"xla_backend_optimization_level": 0}).
 
     A row stops on an EOS id, its max_new_tokens, a full cache, or non-finite target logits (reason "nonfinite": a
@@ -473,7 +482,8 @@ def generate(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_token
     stats: rounds, mean_acceptance_length (1 + accepted / num_drafts, as vLLM), acceptance_rates (per draft
     position), num_drafts, num_draft_tokens, num_accepted_tokens, output_tokens, stop_reasons, requests (per prompt:
     tokens, acceptance, stop reason, ttft_s, e2e_s, tpot_s, output_tokens_per_s), ttft_s, wall_time_s (prefill +
-    decode, compilation excluded), prefill_time_s, decode_time_s, compile_time_s, output_tokens_per_s,
+    decode, compilation excluded), prefill ("packed" | "padded": the layout used), prefill_tokens (positions the
+    target's prefill computed: N or rows * Lp), prefill_time_s, decode_time_s, compile_time_s, output_tokens_per_s,
     aux_layer_ids, warnings (e.g. a head trained for another verifier).
     """
     return Generation(target, drafter, prompts, max_new_tokens=max_new_tokens,
@@ -481,4 +491,5 @@ def generate(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_token
                       top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id, cache_capacity=cache_capacity,
                       draft_sampling=draft_sampling, implementation=implementation, cache_dtype=cache_dtype,
                       compiler_options=compiler_options, chunk_seconds=chunk_seconds, progress=progress,
-                      allow_tf32=allow_tf32, simulate_acceptance=simulate_acceptance, loop=loop).result()
+                      allow_tf32=allow_tf32, simulate_acceptance=simulate_acceptance, loop=loop,
+                      prefill=prefill).result()

@@ -3,8 +3,9 @@ programs small.
 
 Every bad value is a ValueError / TypeError naming the argument (and the prompt index for per-prompt values) and what
 was expected: no silent truncation (top_k=2.7), no silent wrap-around (seed=2**32), no NaN meaning "off".
-Buckets: batch and prompt length to powers of two, the KV capacity to a power of two (multiples of 4096 above), the
-output buffer to a power of two, stop lists to a fixed width; per-row limits and sampling values are runtime data.
+Buckets: batch, prompt length and the packed prefill's row to powers of two, the KV capacity to a power of two
+(multiples of 4096 above), the output buffer to a power of two, stop lists to a fixed width; per-row limits and
+sampling values are runtime data.
 """
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ from typing import Optional
 
 import numpy as np
 
-__all__ = ["bucket_batch", "bucket_capacity", "bucket_length", "check_prompts", "is_int", "is_real", "per_row",
-           "stop_table"]
+__all__ = ["PREFILL_LAYOUTS", "bucket_batch", "bucket_capacity", "bucket_length", "check_prefill", "check_prompts",
+           "is_int", "is_real", "packed_length", "per_row", "prefill_buckets", "stop_table"]
 
 SEED_LIMIT = 1 << 32
+PREFILL_LAYOUTS = ("auto", "packed", "padded")
 MIN_PROMPT_BUCKET = 16
 MIN_STOP_WIDTH = 8
 CAPACITY_STEP = 4096
@@ -34,6 +36,37 @@ def bucket_batch(n: int) -> int:
 def bucket_length(n: int) -> int:
     """Prompt positions compiled for a longest prompt of n tokens."""
     return max(MIN_PROMPT_BUCKET, next_pow2(n))
+
+
+def check_prefill(prefill, where: str = "prefill") -> str:
+    """The prefill layout setting ("auto" | "packed" | "padded"), or a ValueError naming it."""
+    if not isinstance(prefill, str) or prefill not in PREFILL_LAYOUTS:
+        raise ValueError(f"{where}={prefill!r}: expected one of {PREFILL_LAYOUTS} (the target prefill's layout: "
+                         "prompts packed into one row, or one right-padded row each)")
+    return prefill
+
+
+def packed_length(total: int, rows: int, prompt_len: int, prefill: str) -> Optional[int]:
+    """The target prefill's layout for a batch of `rows` rows whose prompts (padding rows included) hold `total`
+    tokens, right-padded to prompt_len: the packed row's length N = bucket_length(total), or None for the padded
+    layout [rows, prompt_len]. prefill: "padded" -> None; "packed" -> N; "auto" -> N when the batch has more than
+    one row and N < rows * prompt_len (packing saves positions), else None."""
+    if prefill == "padded":
+        return None
+    n = bucket_length(total)
+    if prefill == "auto" and (rows < 2 or n >= rows * prompt_len):
+        return None
+    return n
+
+
+def prefill_buckets(lengths, capacity: int, prefill: str) -> tuple[int, int, Optional[int]]:
+    """The compiled prefill's shape for prompts of `lengths` with `capacity` KV positions per row: (rows =
+    bucket_batch, prompt positions Lp = bucket_length of the longest (at most the capacity, unless the prompt is
+    longer), packed row length or None = packed_length of their tokens plus one per padding row)."""
+    n, longest = len(lengths), int(max(lengths))
+    rows = bucket_batch(n)
+    lp = min(bucket_length(longest), max(capacity, longest))
+    return rows, lp, packed_length(int(sum(lengths)) + rows - n, rows, lp, prefill)
 
 
 def bucket_capacity(n: int) -> int:

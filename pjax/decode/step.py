@@ -16,6 +16,7 @@ from pjax.decode.state import (RUNNING, STOP_CAPACITY, STOP_EOS, STOP_LENGTH, ST
                                Sampling, add_batch_axis, drop_batch_axis)
 from pjax.kernels import rng
 from pjax.kernels.acceptance import AcceptResult, accept
+from pjax.kernels.flash_attention import document_mask
 from pjax.models.cache import init_cache
 from pjax.models.drafter import combine, init_drafter_cache
 from pjax.models.target import forward, logits_from_hidden
@@ -119,29 +120,69 @@ def target_spec(spec: EngineSpec) -> EngineSpec:
                                mask_token_id=0, simulate_acceptance=None)
 
 
+def pack_prompts(prompts, lengths, packed_len: int):
+    """The prompts [B, Lp] i32 (right-padded; lengths [B] i32 >= 1) concatenated in row order into one row of
+    packed_len >= sum(lengths) tokens. Returns (tokens [1, N] i32 (0 past the last prompt), positions [1, N] i32
+    (restarting at 0 in each prompt; 0 past the last), segment [1, N] i32 (the prompt's row; -1 past the last
+    prompt), rows [1, N] i32 (the segment clipped to [0, B): a cache row for every token), starts [B] i32 (the
+    index of each prompt's first token)), N = packed_len."""
+    b, lp = prompts.shape
+    ends = jnp.cumsum(lengths).astype(jnp.int32)
+    starts = ends - lengths
+    i = jnp.arange(packed_len, dtype=jnp.int32)
+    seg = jnp.searchsorted(ends, i, side="right").astype(jnp.int32)  # B past the last prompt
+    rows = jnp.minimum(seg, b - 1)
+    real = seg < b
+    pos = jnp.where(real, i - starts[rows], 0)
+    tokens = jnp.where(real, prompts[rows, jnp.minimum(pos, lp - 1)], 0)
+    return tokens[None], pos[None], jnp.where(real, seg, -1)[None], rows[None], starts
+
+
+def _target_pass(target, prompts, lengths, cache, spec: EngineSpec, packed_len):
+    """The target over the prompts [B, Lp] (lengths [B]), writing their K/V to `cache`: padded (one row per prompt,
+    packed_len None) or packed (`pack_prompts`: one row of packed_len tokens under a document mask, each token's K/V
+    to its prompt's cache row). Returns (hidden [B, H] at each prompt's last token, aux [B, Lp, A*Ht] or None, the
+    cache); both layouts give the same values at every real position (the aux past a prompt's length: the padding's
+    in the padded layout, zeros in the packed one)."""
+    b, lp = prompts.shape
+    kw = dict(aux_layer_ids=spec.aux_layer_ids, implementation=spec.implementation)
+    j = jnp.arange(lp, dtype=jnp.int32)[None]
+    if packed_len is None:
+        out = forward(target, prompts, jnp.broadcast_to(j, (b, lp)), cache, valid=j < lengths[:, None], **kw)
+        last_h = jnp.take_along_axis(out.hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
+        return last_h, out.aux, out.cache
+    tokens, positions, segment, rows, starts = pack_prompts(prompts, lengths, packed_len)
+    out = forward(target, tokens, positions, cache, valid=segment >= 0, mask=document_mask(segment, span=lp),
+                  cache_rows=rows, **kw)
+    last_h = out.hidden[0, starts + lengths - 1]
+    aux = out.aux
+    if aux is not None:  # unpacked: prompt b's token j from the packed index starts[b] + j
+        idx = jnp.minimum(starts[:, None] + j, packed_len - 1)
+        aux = jnp.where((j < lengths[:, None])[..., None], aux[0, idx], 0)
+    return last_h, aux, out.cache
+
+
 def prefill_target(target, prompts, lengths, sampling: Sampling, *, spec: EngineSpec, capacity: int,
-                   cache_dtype=None):
+                   cache_dtype=None, packed_len=None):
     """The target's part of `prefill`: run the prompts, sample and emit the first token.
 
     prompts [B, Lp] i32 (right-padded), lengths [B] i32 (1 <= L <= Lp, L <= capacity); sampling [B]; spec: a
-    `target_spec` (K = 0). Returns (state with K = 0 and no drafter cache, aux features [B, Lp, A*Ht] or None).
+    `target_spec` (K = 0). packed_len: None runs the target over [B, Lp] (one row per prompt); an integer N >=
+    sum(lengths) runs it over the prompts packed into one row of N tokens (`pack_prompts`), each attending to its own
+    earlier tokens only and writing its K/V to its row of the cache: the same results for B * Lp / N times fewer
+    positions computed. Returns (state with K = 0 and no drafter cache, aux features [B, Lp, A*Ht] or None).
     The first generated token sits at position L; its randomness is keyed on (seed, L).
     """
-    b, lp = prompts.shape
+    b = prompts.shape[0]
     prompts = prompts.astype(jnp.int32)
     lengths = lengths.astype(jnp.int32)
-    j = jnp.arange(lp, dtype=jnp.int32)[None]
-    positions = jnp.broadcast_to(j, (b, lp))
-    valid = j < lengths[:, None]
     tcache = init_cache(target.config, b, capacity, cache_dtype or target.dtype)
-    out = forward(target, prompts, positions, tcache, valid=valid, aux_layer_ids=spec.aux_layer_ids,
-                  implementation=spec.implementation)
-    last_h = jnp.take_along_axis(out.hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    last_h, aux, tcache = _target_pass(target, prompts, lengths, tcache, spec, packed_len)
     first_logits = logits_from_hidden(target, last_h)
     first = _sample_one(first_logits, sampling, lengths, spec)
     k = spec.k
     state = DecodeState(
-        target_cache=out.cache, drafter_cache=None, last=first, pos=lengths,
+        target_cache=tcache, drafter_cache=None, last=first, pos=lengths,
         drafts=jnp.zeros((b, k), jnp.int32), draft_probs=None,
         out=jnp.full((b, spec.out_len), -1, jnp.int32), num_out=jnp.zeros((b,), jnp.int32),
         done=jnp.zeros((b,), bool), stop=jnp.zeros((b,), jnp.int32), rounds=jnp.zeros((b,), jnp.int32),
@@ -151,7 +192,7 @@ def prefill_target(target, prompts, lengths, sampling: Sampling, *, spec: Engine
     o, num_out, done, stop = _emit(state, first[:, None], jnp.ones((b,), jnp.int32), lengths, active, spec,
                                    capacity, sampling.eos, sampling.max_new,
                                    _finite_rows(first_logits[:, None], jnp.ones((b,), jnp.int32)))
-    return dataclasses.replace(state, out=o, num_out=num_out, done=done, stop=stop), out.aux
+    return dataclasses.replace(state, out=o, num_out=num_out, done=done, stop=stop), aux
 
 
 def prefill_drafter(drafter, state: DecodeState, aux, prompts, lengths, sampling: Sampling, *, spec: EngineSpec,
@@ -173,15 +214,16 @@ def prefill_drafter(drafter, state: DecodeState, aux, prompts, lengths, sampling
 
 
 def prefill(target, drafter, prompts, lengths, sampling: Sampling, *, spec: EngineSpec, capacity: int,
-            cache_dtype=None) -> DecodeState:
+            cache_dtype=None, packed_len=None) -> DecodeState:
     """Run the prompts, sample the first token, propose the first drafts (`prefill_target`, then
     `prefill_drafter` unless drafting is "none").
 
-    prompts [B, Lp] i32 (right-padded), lengths [B] i32 (1 <= L <= Lp, L <= capacity); sampling [B].
-    The first generated token sits at position L; its randomness is keyed on (seed, L).
+    prompts [B, Lp] i32 (right-padded), lengths [B] i32 (1 <= L <= Lp, L <= capacity); sampling [B]; packed_len:
+    the target's pass over [B, Lp] (None) or over the prompts packed into one row of that many tokens
+    (`prefill_target`). The first generated token sits at position L; its randomness is keyed on (seed, L).
     """
     state, aux = prefill_target(target, prompts, lengths, sampling, spec=target_spec(spec), capacity=capacity,
-                                cache_dtype=cache_dtype)
+                                cache_dtype=cache_dtype, packed_len=packed_len)
     if spec.drafting == "none":
         return state
     return dataclasses.replace(state, **prefill_drafter(drafter, state, aux, prompts, lengths, sampling, spec=spec,

@@ -1,7 +1,8 @@
 """Self-attention of one decoder layer: projections, q/k/v norms, RoPE, and attention under a mask description
 (`pjax.kernels.flash_attention`): over the new tokens (by position, or a training layout), over a KV cache (the fused
-cache-attention kernel), or over the earlier passes of a multi-pass forward (`StepKV`, the EAGLE-3 training-time
-test).
+cache-attention kernel), over the new tokens while writing them to a KV cache (the packed prefill: many prompts in one
+row, each token's K/V to its own cache row), or over the earlier passes of a multi-pass forward (`StepKV`, the EAGLE-3
+training-time test).
 
 Shapes: B batch, T new tokens, S key/value length, P passes, H hidden, nh/nkv heads, hd head dim.
 """
@@ -103,31 +104,39 @@ class Attention(nnx.Module):
         return (q.reshape(b, t, self.num_heads, self.head_dim), k.reshape(b, t, self.num_kv_heads, self.head_dim),
                 v.reshape(b, t, self.num_kv_heads, self.head_dim))
 
-    def __call__(self, x, positions, kv=None, *, valid=None, mask: Optional[AttentionMask] = None,
+    def __call__(self, x, positions, kv=None, *, valid=None, mask: Optional[AttentionMask] = None, cache_rows=None,
                  implementation: str = "auto"):
         """Returns (attention output [B, T, H], updated kv).
 
         implementation: the kernel switch ("xla" | "pallas" | "auto", `pjax.kernels`).
         kv None: the queries attend over the new tokens under `mask`, or by position (hiding keys where `valid` is
         False) when mask is None. kv a LayerKV cache: the new K/V are written at their absolute positions (rows where
-        `valid` is False write nothing) and queries attend over the whole cache by position. kv a StepKV: this pass's
-        K/V join the earlier passes' and the queries attend under `mask` (context: pass 0; chain: all passes).
+        `valid` is False write nothing) of the cache rows `cache_rows` [B, T] (None: their own rows); without a mask
+        the queries attend over the whole cache by position, with one (the packed prefill: a document mask over
+        prompts packed in one row) over the new tokens under it, their K/V as the cache stores them. kv a StepKV:
+        this pass's K/V join the earlier passes' and the queries attend under `mask` (context: pass 0; chain: all
+        passes).
         """
         q, k, v = self.qkv(x, positions)
-        out, kv = self.attend(q, k, v, positions, kv, valid=valid, mask=mask, implementation=implementation)
+        out, kv = self.attend(q, k, v, positions, kv, valid=valid, mask=mask, cache_rows=cache_rows,
+                              implementation=implementation)
         return self.o_proj(out), kv
 
     def attend(self, q, k, v, positions, kv=None, *, valid=None, mask: Optional[AttentionMask] = None,
-               implementation: str = "auto"):
+               cache_rows=None, implementation: str = "auto"):
         """The attention of `__call__` from projected q [B, T, nh, hd], k, v [B, T, nkv, hd]: (out [B, T, nh x hd]
         before the o-projection, updated kv)."""
         sinks = None if self.sinks is None else self.sinks[...]
         kw = dict(scale=self.scale, window=self.window, sinks=sinks, implementation=implementation)
         if isinstance(kv, LayerKV):
-            if mask is not None:
-                raise ValueError("Attention: a KV cache is attended by position; a mask needs kv=None or a StepKV")
-            kv = kv.write(k, v, positions, valid)
-            out = cache_attention(q, kv.k, kv.v, positions, **kw)
+            kv = kv.write(k, v, positions, valid, cache_rows)
+            if mask is None:
+                out = cache_attention(q, kv.k, kv.v, positions, **kw)
+            else:  # what a later query reading the cache would see: K/V rounded to the cache's dtype
+                stored = lambda a: a.astype(kv.k.dtype).astype(a.dtype)  # noqa: E731
+                out = _attend_new(q, stored(k), stored(v), mask, **kw)
+        elif cache_rows is not None:
+            raise ValueError("Attention: cache_rows needs a LayerKV cache to write to")
         elif isinstance(kv, StepKV):
             if mask is None:
                 raise ValueError("Attention: a StepKV forward needs its mask (pjax.train.masks.ttt_mask)")
@@ -136,11 +145,16 @@ class Attention(nnx.Module):
             flat = lambda x: x.reshape((b, p * s) + x.shape[3:])  # noqa: E731
             out = attention(q, kv.k[:, 0], kv.v[:, 0], mask, chain_k=flat(kv.k), chain_v=flat(kv.v), **kw)
         elif kv is None:
-            mask = position_mask(positions, positions, valid) if mask is None else mask
-            n = k.shape[1] if mask.num_context is None else mask.num_context
-            chain = dict(chain_k=k, chain_v=v) if mask.has_chain else {}
-            out = attention(q, k[:, :n], v[:, :n], mask, **chain, **kw)
+            out = _attend_new(q, k, v, position_mask(positions, positions, valid) if mask is None else mask, **kw)
         else:
             raise TypeError(f"Attention: kv must be None, a LayerKV or a StepKV, found {type(kv).__name__}")
         b, t = q.shape[:2]
         return out.reshape(b, t, -1), kv
+
+
+def _attend_new(q, k, v, mask: AttentionMask, **kw):
+    """Queries q [B, T, nh, hd] over the new tokens' own k, v [B, T, nkv, hd] under `mask`: its first num_context
+    tokens are the context keys (all when None), all T the chain keys when the mask has a chain part."""
+    n = k.shape[1] if mask.num_context is None else mask.num_context
+    chain = dict(chain_k=k, chain_v=v) if mask.has_chain else {}
+    return attention(q, k[:, :n], v[:, :n], mask, **chain, **kw)

@@ -15,12 +15,15 @@ class LayerKV:
     def __init__(self, k, v):
         self.k, self.v = k, v
 
-    def write(self, k_new, v_new, positions, valid=None):
-        """Scatter k_new/v_new [B, T, nkv, hd] at `positions` [B, T]; invalid rows are dropped."""
+    def write(self, k_new, v_new, positions, valid=None, rows=None):
+        """Scatter k_new/v_new [R, T, nkv, hd] at `positions` [R, T] of the cache rows `rows` [R, T] int32 (None: the
+        new tokens' own rows, R = B; a packed prefill gives each token its prompt's row); tokens where `valid` [R, T]
+        is False, or whose position lies outside the cache, are dropped."""
         cap = self.k.shape[1]
         idx = positions if valid is None else jnp.where(valid, positions, cap)
         idx = jnp.where((idx < 0) | (idx >= cap), cap, idx)
-        rows = jnp.broadcast_to(jnp.arange(idx.shape[0])[:, None], idx.shape)
+        if rows is None:
+            rows = jnp.broadcast_to(jnp.arange(idx.shape[0])[:, None], idx.shape)
         k = self.k.at[rows, idx].set(k_new.astype(self.k.dtype), mode="drop")
         v = self.v.at[rows, idx].set(v_new.astype(self.v.dtype), mode="drop")
         return LayerKV(k, v)

@@ -99,18 +99,22 @@ def init_target(config: ModelConfig, key, dtype=jnp.float32, scale: float = 0.02
     return Target(config, abstract.graphdef, params)
 
 
-def forward(target: Target, tokens, positions, cache=None, *, valid=None, aux_layer_ids=(),
-            return_final=False, implementation: str = "auto") -> ForwardOutput:
+def forward(target: Target, tokens, positions, cache=None, *, valid=None, mask=None, cache_rows=None,
+            aux_layer_ids=(), return_final=False, implementation: str = "auto") -> ForwardOutput:
     """Run the target over tokens [B, T] at absolute positions [B, T].
 
     With `cache` (list of LayerKV, see `pjax.cache.init_cache`) this is the cached extend: the new
     K/V are written at their positions and each query attends to every cached position <= its own
     (sliding windows and sinks honoured). Rows may have different positions (ragged batches).
     `valid` [B, T] marks real tokens (padding writes no KV and is hidden from other tokens).
+    With a cache and `mask` (an AttentionMask over the new tokens, e.g. `document_mask` of prompts packed in one
+    row) the queries attend over the new tokens under the mask instead, and each token's K/V go to the cache row
+    `cache_rows` [B, T] int32 (None: its own row) at its position: the packed prefill.
     implementation: the kernel switch ("xla": no Pallas kernel anywhere, "pallas": every kernel, "auto").
     """
-    return target.module(tokens, positions, cache, valid=valid, aux_layer_ids=tuple(aux_layer_ids),
-                         return_final=return_final, implementation=implementation)
+    return target.module(tokens, positions, cache, valid=valid, mask=mask, cache_rows=cache_rows,
+                         aux_layer_ids=tuple(aux_layer_ids), return_final=return_final,
+                         implementation=implementation)
 
 
 def logits_from_hidden(target: Target, hidden):

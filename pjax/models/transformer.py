@@ -31,17 +31,19 @@ class DecoderLayer(nnx.Module):
             self.post_feedforward_layernorm = RMSNorm(h, eps, f32m, dtype=dtype)
         self.layer_scalar = nnx.Param(jnp.ones((1,), dtype)) if cfg.layer_scalar else None
 
-    def __call__(self, x, positions, kv: Optional[LayerKV], *, valid=None, mask=None, implementation: str = "auto"):
-        """x [B, T, H] -> (x [B, T, H], kv)."""
+    def __call__(self, x, positions, kv: Optional[LayerKV], *, valid=None, mask=None, cache_rows=None,
+                 implementation: str = "auto"):
+        """x [B, T, H] -> (x [B, T, H], kv); arguments as `Attention`."""
         if self.fused(x, implementation):
             attn = self.self_attn
             q, k, v = attn.fused_qkv(x, self.input_layernorm, positions, implementation)
-            out, kv = attn.attend(q, k, v, positions, kv, valid=valid, mask=mask, implementation=implementation)
+            out, kv = attn.attend(q, k, v, positions, kv, valid=valid, mask=mask, cache_rows=cache_rows,
+                                  implementation=implementation)
             b, t, h = x.shape
             x = fused_linear.linear_residual(out.reshape(b * t, -1), attn.o_proj.kernel[...], x.reshape(b * t, h),
                                              implementation=implementation).reshape(b, t, h)
             return self.mlp.fused_block(x, self.post_attention_layernorm, implementation), kv
-        a, kv = self.self_attn(self.input_layernorm(x), positions, kv, valid=valid, mask=mask,
+        a, kv = self.self_attn(self.input_layernorm(x), positions, kv, valid=valid, mask=mask, cache_rows=cache_rows,
                                implementation=implementation)
         if self.sandwich:
             x = x + self.post_attention_layernorm(a)
@@ -111,10 +113,11 @@ class Transformer(nnx.Module):
             x = x * jnp.asarray(self.cfg.embed_scale, x.dtype)
         return x
 
-    def __call__(self, tokens, positions, cache=None, *, valid=None, mask=None,
+    def __call__(self, tokens, positions, cache=None, *, valid=None, mask=None, cache_rows=None,
                  aux_layer_ids: tuple[int, ...] = (), return_final: bool = False,
                  implementation: str = "auto") -> ForwardOutput:
-        """tokens, positions [B, T] int32; cache: list of LayerKV or None; valid [B, T] bool;
+        """tokens, positions [B, T] int32; cache: list of LayerKV or None; valid [B, T] bool; mask: an AttentionMask
+        or None; cache_rows [B, T] int32: the cache row each token's K/V goes to (None: its own row; see `Attention`);
         implementation: the kernel switch ("xla" | "pallas" | "auto") for every kernel of the forward."""
         x = self.embed(tokens)
         captured = {}
@@ -123,7 +126,7 @@ class Transformer(nnx.Module):
             if i in aux_layer_ids:
                 captured[i] = x
             x, kv = layer(x, positions, None if cache is None else cache[i], valid=valid, mask=mask,
-                          implementation=implementation)
+                          cache_rows=cache_rows, implementation=implementation)
             if cache is not None:
                 new_cache.append(kv)
         captured[len(self.layers)] = x

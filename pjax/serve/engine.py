@@ -8,22 +8,23 @@ max_new_tokens, cancellation).
 
 A step (`step`) runs one piece of device work, then reads the result on the host. The work is either (a) an
 admission: up to (free slots) queued requests, oldest first, are prefilled as one batch (rows bucketed to a power of
-two, prompt positions to `inputs.bucket_length`; padding rows stop at prefill) and scattered into the big state and
-the big Sampling at their slots, in one jitted program (`admit`; padding rows carry slot index max_slots and are
-dropped); the step then returns their first tokens at once (TTFT = queueing + prefill); or (b) one device chunk:
-`decode_chunk` with at most `rounds_per_step` rounds, ending early once every row is done. A step right after an
-admission always runs a chunk when anything runs, so admissions never starve running requests. The host snapshot of
-the rows' outputs and counters becomes `Event`s (the tokens each request produced since its previous event) and the
-statistics of the requests that finished, whose slots are freed. Cancellation ends a row on the device state between
-steps.
+two, prompt positions to `inputs.bucket_length`, and with `EngineConfig.prefill` "auto" / "packed" the prompts packed
+into one row of a power-of-two length, `pjax.decode.prefill_target`; padding rows hold one token and stop at prefill)
+and scattered into the big state and the big Sampling at their slots, in one jitted program (`admit`; padding rows
+carry slot index max_slots and are dropped); the step then returns their first tokens at once (TTFT = queueing +
+prefill); or (b) one device chunk: `decode_chunk` with at most `rounds_per_step` rounds, ending early once every row
+is done. A step right after an admission always runs a chunk when anything runs, so admissions never starve running
+requests. The host snapshot of the rows' outputs and counters becomes `Event`s (the tokens each request produced since
+its previous event) and the statistics of the requests that finished, whose slots are freed. Cancellation ends a row
+on the device state between steps.
 
 Cost model. Every round computes all max_slots rows (target verify of K + 1 positions per row, drafter pass(es)),
-running or not, so a round costs what a batch of max_slots costs whatever the occupancy; an admission costs a
-prefill of its rows bucket times its prompt bucket plus the scatter; each step costs one host round trip (dispatch,
-snapshot). Programs: one chunk program, plus one admission program per (rows bucket, prompt-length bucket) used;
-sampling values, stop ids (a fixed-width table) and per-request limits are runtime data and never recompile. Every
-random draw is keyed on (seed, position), so a request's output does not depend on which slot it took or on the
-other requests.
+running or not, so a round costs what a batch of max_slots costs whatever the occupancy; an admission costs a prefill of
+its rows bucket times its prompt bucket (or of its packed row) plus the scatter; each step costs one host round trip
+(dispatch, snapshot). Programs: one chunk program, plus one admission program per (rows bucket, prompt-length bucket,
+packed row bucket) used; sampling values, stop ids (a fixed-width table) and per-request limits are runtime data and
+never recompile. Every random draw is keyed on (seed, position), so a request's output does not depend on which slot it
+took or on the other requests.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ import functools
 import itertools
 import time
 import warnings
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +65,9 @@ class EngineConfig:
     rounds_per_step: rounds per device chunk at most; admission, cancellation and streaming happen between chunks.
     simulate_acceptance: None, or K probabilities: seeded verdicts instead of the target's (timing random weights,
       as `pjax.generate`; the outputs are then not the target's).
+    prefill: the admission prefill's layout, as `pjax.generate`'s: "padded" (default), "auto" or "packed". Packing
+      compiles one admission program per packed-row bucket besides the (rows, prompt length) buckets, so
+      `precompile` builds several programs per bucket pair (one per power of two the packed row can take).
     """
     max_slots: int = 8
     max_len: int = 2048
@@ -76,6 +80,7 @@ class EngineConfig:
     allow_tf32: bool = False
     compiler_options: Optional[dict] = dataclasses.field(default=None, hash=False)
     simulate_acceptance: Optional[tuple[float, ...]] = None
+    prefill: str = "padded"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,18 +109,19 @@ class Event:
 
 
 def admit(target, drafter, state: DecodeState, sampling: Sampling, prompts, lengths, new_sampling: Sampling, slots,
-          *, spec: EngineSpec, capacity: int, cache_dtype=None) -> tuple[DecodeState, Sampling]:
+          *, spec: EngineSpec, capacity: int, cache_dtype=None, packed_len=None) -> tuple[DecodeState, Sampling]:
     """Prefill a batch of requests and write it into the big state at `slots`.
 
     state / sampling: B slots; prompts [b, Lp] i32 (right-padded), lengths [b] i32, new_sampling [b]; slots [b] i32
-    (B = a padding row, dropped). Returns the big (state, sampling) with rows `slots` replaced. Pure."""
+    (B = a padding row, dropped); packed_len: the target prefill's layout (`pjax.decode.prefill_target`). Returns the
+    big (state, sampling) with rows `slots` replaced. Pure."""
     new = prefill(target, drafter, prompts, lengths, new_sampling, spec=spec, capacity=capacity,
-                  cache_dtype=cache_dtype)
+                  cache_dtype=cache_dtype, packed_len=packed_len)
     put = lambda big, small: big.at[slots].set(small.astype(big.dtype), mode="drop")  # noqa: E731
     return jax.tree.map(put, state, new), jax.tree.map(put, sampling, new_sampling)
 
 
-register_program("admit", admit, static_argnames=("spec", "capacity", "cache_dtype"),
+register_program("admit", admit, static_argnames=("spec", "capacity", "cache_dtype", "packed_len"),
                  donate_argnames=("state", "sampling"))
 
 _HOST_FIELDS = ("out", "num_out", "done", "stop", "rounds", "num_drafts", "num_draft_tokens", "accepted",
@@ -155,6 +161,7 @@ class Engine:
         slots = _check_int(c.max_slots, "max_slots", 1)
         self.max_len = _check_int(c.max_len, "max_len", 2)
         self.rounds_per_step = _check_int(c.rounds_per_step, "rounds_per_step", 1)
+        self.prefill = I.check_prefill(c.prefill, "EngineConfig.prefill")
         if c.compiler_options is not None and not isinstance(c.compiler_options, dict):
             raise TypeError(f"EngineConfig.compiler_options must be a dict or None, got "
                             f"{type(c.compiler_options).__name__}")
@@ -183,7 +190,7 @@ class Engine:
         self._unfilter: set[int] = set()  # freed slots whose sampling still asks for top-k / top-p
         self._admitted_last = False  # the previous step was an admission (the next one runs a chunk)
         self._ids = itertools.count()
-        self._admit_exe: dict[tuple[int, int], object] = {}
+        self._admit_exe: dict[tuple[int, int, Optional[int]], object] = {}
         self._chunk_exe = None
         self.compile_s = 0.0
 
@@ -223,15 +230,25 @@ class Engine:
 
     def _buckets(self, n: int, longest: int) -> tuple[int, int]:
         """(rows, prompt positions) of the admission program for n requests whose longest prompt has `longest`."""
-        return I.bucket_batch(n), min(I.bucket_length(longest), max(self.max_len, longest))
+        return I.prefill_buckets([longest] * n, self.max_len, "padded")[:2]
 
-    def _admit_program(self, rows: int, lp: int, args):
-        exe = self._admit_exe.get((rows, lp))
+    def _packed_options(self, rows: int, lp: int) -> list[Optional[int]]:
+        """The layouts (`inputs.packed_length`: a packed row length, or None for padded) that an admission into the
+        (rows, lp) buckets can take: its prompts (padding rows: one token each) hold from (the bucket's shortest
+        longest prompt) + rows - 1 to rows * lp tokens, and each power of two in between is a bucket."""
+        half = I.next_pow2(lp) // 2
+        lo, hi = (half + 1 if half >= I.MIN_PROMPT_BUCKET else 1) + rows - 1, rows * lp
+        totals = {lo, hi} | {1 << e for e in range(lo.bit_length(), hi.bit_length()) if lo < 1 << e < hi}
+        return sorted({I.packed_length(t, rows, lp, self.prefill) for t in totals}, key=lambda x: x or 0)
+
+    def _admit_program(self, rows: int, lp: int, packed_len: Optional[int], args):
+        key = (rows, lp, packed_len)
+        exe = self._admit_exe.get(key)
         if exe is None:
-            exe, c = compiled("admit", args, dict(spec=self.spec, capacity=self.max_len, cache_dtype=self._cache_dtype),
-                              self._options, self._precision)
+            exe, c = compiled("admit", args, dict(spec=self.spec, capacity=self.max_len, cache_dtype=self._cache_dtype,
+                                                  packed_len=packed_len), self._options, self._precision)
             self.compile_s += c
-            self._admit_exe[(rows, lp)] = exe
+            self._admit_exe[key] = exe
         return exe
 
     def _chunk_program(self, args):
@@ -241,27 +258,48 @@ class Engine:
         return self._chunk_exe
 
     def precompile(self, rows: Sequence[int], prompt_lengths: Sequence[int], *, warm: bool = False) -> float:
-        """Compile the chunk program and the admission programs of every admission of n in `rows` requests whose
-        longest prompt has a length in `prompt_lengths`; returns the compile seconds this took. warm: also run each
-        once (admissions of padding rows only and, when nothing runs, a chunk of no rounds: no slot changes), so
-        that a timed first use pays no first-run costs."""
+        """Compile the chunk program and the admission programs of every admission in the buckets of n in `rows`
+        requests whose longest prompt has a length in `prompt_lengths` (with a packing `prefill`, every packed row
+        such an admission can take); returns the compile seconds this took. warm: also run each once (admissions of
+        padding rows only and, when nothing runs, a chunk of no rounds: no slot changes), so that a timed first use
+        pays no first-run costs."""
         before = self.compile_s
-        args = (self._target, self._drafter, self._state, self._sampling, jnp.int32(1))
-        exe = self._chunk_program(args)
-        if warm and not self._slots:
-            self._state = exe(*args)[0]
+        self._precompile_chunk(warm)
         for n, length in itertools.product(sorted(set(rows)), sorted(set(prompt_lengths))):
             if not 1 <= n <= self.max_slots or not 1 <= length <= self.max_len:
                 raise ValueError(f"precompile: {n} rows of {length} tokens do not fit {self.max_slots} slots of "
                                  f"{self.max_len} positions")
             b, lp = self._buckets(n, length)
-            if warm or (b, lp) not in self._admit_exe:
-                args = self._admission_args([], [], b, lp)
-                exe = self._admit_program(b, lp, args)
-                if warm:
-                    self._state, self._sampling = exe(*args)
+            for packed_len in self._packed_options(b, lp):
+                self._precompile_admission(b, lp, packed_len, warm)
         jax.block_until_ready((self._state, self._sampling))
         return self.compile_s - before
+
+    def precompile_admissions(self, admissions: Iterable[Sequence[int]], *, warm: bool = False) -> float:
+        """`precompile` for given admissions, each the prompt lengths of its requests: the chunk program and exactly
+        the admission programs these admissions run (`precompile` builds every program of their buckets)."""
+        before = self.compile_s
+        self._precompile_chunk(warm)
+        for lengths in admissions:
+            if not 1 <= len(lengths) <= self.max_slots or not all(1 <= n <= self.max_len for n in lengths):
+                raise ValueError(f"precompile_admissions: prompts of {list(lengths)} tokens do not fit "
+                                 f"{self.max_slots} slots of {self.max_len} positions")
+            self._precompile_admission(*I.prefill_buckets(lengths, self.max_len, self.prefill), warm)
+        jax.block_until_ready((self._state, self._sampling))
+        return self.compile_s - before
+
+    def _precompile_chunk(self, warm: bool):
+        args = (self._target, self._drafter, self._state, self._sampling, jnp.int32(1))
+        exe = self._chunk_program(args)
+        if warm and not self._slots:
+            self._state = exe(*args)[0]
+
+    def _precompile_admission(self, rows: int, lp: int, packed_len: Optional[int], warm: bool):
+        if warm or (rows, lp, packed_len) not in self._admit_exe:
+            args = self._admission_args([], [], rows, lp)
+            exe = self._admit_program(rows, lp, packed_len, args)
+            if warm:
+                self._state, self._sampling = exe(*args)
 
     # -- requests ----------------------------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], params: RequestParams) -> int:
@@ -366,9 +404,9 @@ class Engine:
         for r in reqs:
             del self._queue[r.id]
         slots = free[:len(reqs)]
-        rows, lp = self._buckets(len(reqs), max(len(r.prompt) for r in reqs))
+        rows, lp, packed_len = I.prefill_buckets([len(r.prompt) for r in reqs], self.max_len, self.prefill)
         args = self._admission_args(reqs, slots, rows, lp)
-        self._state, self._sampling = self._admit_program(rows, lp, args)(*args)
+        self._state, self._sampling = self._admit_program(rows, lp, packed_len, args)(*args)
         for r, slot in zip(reqs, slots):
             r.slot, r.t_admit = slot, now
             self._slots[slot] = r

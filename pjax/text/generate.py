@@ -13,7 +13,7 @@ from typing import Any, Iterator, Optional, Sequence, Union
 
 from pjax.checkpoint import load_drafter, load_target
 from pjax.decode import Generation, GenerationInterrupted
-from pjax.decode.inputs import is_int
+from pjax.decode.inputs import check_prefill, is_int
 from pjax.decode.state import DRAFTING_MODES
 from pjax.dtypes import parse_dtype
 from pjax.models.drafter import Drafter, no_parallel_reason
@@ -187,12 +187,13 @@ class TextGenerator:
 
     implementation: the kernel switch ("xla" | "pallas" | "auto"); compiler_options: XLA options of the compiled
     programs; chunk_seconds: device time per chunk of rounds (how often text streams and stop strings are checked);
-    cache_dtype / allow_tf32: as `pjax.generate`.
+    cache_dtype / allow_tf32 / prefill (the target prefill's layout, "auto" | "packed" | "padded"): as
+    `pjax.generate`.
     """
 
     def __init__(self, target, drafter, tokenizer: Tokenizer, *, implementation: str = "auto",
                  compiler_options: Optional[dict] = None, chunk_seconds: float = 0.25, cache_dtype=None,
-                 allow_tf32: bool = False):
+                 allow_tf32: bool = False, prefill: str = "padded"):
         if not isinstance(target, Target):
             raise TypeError(f"target must be a pjax Target (pjax.load_target(dir)), got {type(target).__name__}")
         if not isinstance(tokenizer, Tokenizer):
@@ -205,8 +206,10 @@ class TextGenerator:
             warnings.warn(f"the tokenizer has {tokenizer.vocab_size} tokens but the target's vocabulary is {vocab}: "
                           "prompts holding the extra tokens will be refused", stacklevel=2)
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
+        check_prefill(prefill)
         self._engine = dict(implementation=implementation, compiler_options=compiler_options,
-                            chunk_seconds=chunk_seconds, cache_dtype=cache_dtype, allow_tf32=allow_tf32)
+                            chunk_seconds=chunk_seconds, cache_dtype=cache_dtype, allow_tf32=allow_tf32,
+                            prefill=prefill)
 
     def __repr__(self):
         head = "none" if self.drafter is None else self.drafter.config.model_kind

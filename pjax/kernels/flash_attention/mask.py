@@ -41,7 +41,9 @@ class AttentionMask:
     [Bm, T, E] bool; lengths [B] int32: set only by `causal_mask` (each row one causal sequence of that length).
     Static: num_context: a layer attending over its own T tokens takes its first num_context tokens as the context
     keys (None: all of them), and all T as chain keys; chunk: query rows per chunk of the jnp reference (None =
-    automatic), carried with the mask so that it reaches every layer."""
+    automatic), carried with the mask so that it reaches every layer; span: None, or a promise that query i sees no
+    context key outside indices (i - span, i] (documents of at most span tokens), which lets the jnp reference score
+    each query chunk against that band of keys only instead of all S."""
     q_pos: jax.Array
     q_start: Optional[jax.Array] = None
     q_offset: Optional[jax.Array] = None
@@ -52,6 +54,7 @@ class AttentionMask:
     lengths: Optional[jax.Array] = None
     num_context: Optional[int] = None
     chunk: Optional[int] = None
+    span: Optional[int] = None
 
     @property
     def has_chain(self) -> bool:
@@ -65,7 +68,7 @@ class AttentionMask:
 
 jax.tree_util.register_dataclass(
     AttentionMask, data_fields=["q_pos", "q_start", "q_offset", "kv_pos", "kv_valid", "chain_index", "chain_valid",
-                                "lengths"], meta_fields=["num_context", "chunk"])
+                                "lengths"], meta_fields=["num_context", "chunk", "span"])
 
 
 def query_bounds(mask: AttentionMask, window: Optional[int] = None):
@@ -101,12 +104,12 @@ def document_starts(document_ids):
     return jax.lax.cummax(jnp.where(doc != prev, idx, 0), axis=doc.ndim - 1)
 
 
-def document_mask(document_ids, chunk: Optional[int] = None) -> AttentionMask:
+def document_mask(document_ids, chunk: Optional[int] = None, span: Optional[int] = None) -> AttentionMask:
     """Causal attention inside the documents of packed rows: document_ids [B, S] (-1 = padding, which sees nothing).
-    Keys are the row's tokens by index. chunk: see `AttentionMask`."""
+    Keys are the row's tokens by index. chunk, span (no document longer than span tokens): see `AttentionMask`."""
     doc = jnp.asarray(document_ids, jnp.int32)
     idx = jnp.broadcast_to(jnp.arange(doc.shape[-1], dtype=jnp.int32), doc.shape)
-    return AttentionMask(idx, jnp.where(doc == -1, idx + 1, document_starts(doc)), chunk=chunk)
+    return AttentionMask(idx, jnp.where(doc == -1, idx + 1, document_starts(doc)), chunk=chunk, span=span)
 
 
 def causal_mask(lengths, seq_len: int, chunk: Optional[int] = None) -> AttentionMask:

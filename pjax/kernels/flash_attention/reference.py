@@ -6,7 +6,9 @@ Numerics: float32 scores; a masked score is MASK_VALUE (finite), so a query with
 weights over every key instead of NaN; sinks (one logit per head, GPT-OSS) join the softmax denominator only.
 Memory: queries are processed in chunks of at most DEFAULT_CHUNK_ELEMENTS elements of float32 scores (batch x heads x
 chunk x keys) and gathered chain keys, each chunk rematerialised in the backward pass, so no [T, S] score tensor of
-all heads is ever whole.
+all heads is ever whole. A mask with a `span` (documents of at most span tokens) scores each chunk of queries against
+the band of keys it can see only (chunk + span - 1 keys instead of S): packed rows of many short documents cost
+T x (chunk + span) scores instead of T x S.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ __all__ = ["DEFAULT_CHUNK_ELEMENTS", "MASK_VALUE", "attention", "chain_partial",
 
 MASK_VALUE = -1e30  # finite: a query with no visible key gets uniform weights instead of NaN
 DEFAULT_CHUNK_ELEMENTS = 1 << 28  # scores (float32) and gathered chain keys of one query chunk: about 1 GiB
+MIN_BAND_CHUNK = 64  # query rows per chunk at least, when a mask's span bands the keys
 
 
 def masked_softmax(parts, sinks=None):
@@ -105,15 +108,24 @@ def _rows(x, b):
 
 def _partial(q, k, v, lo, hi, mask: AttentionMask, chain_k, chain_v, *, scale, sinks, context: bool):
     """(o float32 [B, T, nh, hd], lse float32 [B, T, nh]): softmax over the context keys (if `context`) and the
-    chain keys (if the mask has them), query-chunked."""
+    chain keys (if the mask has them), query-chunked; with a mask's span, each chunk over its band of keys (a query
+    that sees no key then averages its band)."""
     b, t, nh, hd = q.shape
     nkv = k.shape[2]
     g = nh // nkv
     s = k.shape[1]
     e = mask.chain_index.shape[-1] if mask.has_chain else 0
+    per_query = b * (nh * ((s if context else 0) + e) + 2 * e * nkv * hd)  # scores + gathered chain keys / values
+    c = chunk_size(t, per_query, DEFAULT_CHUNK_ELEMENTS, mask.chunk)
+    band = None  # keys per query chunk when the span bands them
+    if context and mask.span is not None and mask.keys_by_position:
+        c = min(c, max(mask.span, MIN_BAND_CHUNK))
+        band = c + mask.span - 1 if c + mask.span - 1 < s else None
     xs = dict(q=jnp.moveaxis(q, 1, 0))  # every per-query array with the queries on axis 0
     if context:
         xs.update(lo=jnp.moveaxis(lo, 1, 0), hi=jnp.moveaxis(hi, 1, 0))
+    if band is not None:
+        xs.update(i=jnp.arange(t, dtype=jnp.int32))
     if mask.has_chain:
         xs.update(ci=jnp.moveaxis(_rows(mask.chain_index, b), 1, 0), cv=jnp.moveaxis(mask.chain_valid, 1, 0))
 
@@ -122,11 +134,15 @@ def _partial(q, k, v, lo, hi, mask: AttentionMask, chain_k, chain_v, *, scale, s
         qg = jnp.moveaxis(x["q"], 0, 1).reshape(b, c, nkv, g, hd)
         parts, values = [], []
         if context:
-            sc = jnp.einsum("bckgd,bskd->bkgcs", qg, k, preferred_element_type=jnp.float32) * scale
-            vis = bounds_visible(jnp.moveaxis(x["lo"], 0, 1), jnp.moveaxis(x["hi"], 0, 1), mask.kv_pos,
-                                 mask.kv_valid, s)
+            kc, vc, kv_pos, n = k, v, mask.kv_pos, s
+            if band is not None:  # the keys (i0 - span, i0 + c) of the chunk's queries i0..i0 + c - 1
+                start = jnp.clip(x["i"][0] - mask.span + 1, 0, s - band)
+                kc, vc = (jax.lax.dynamic_slice_in_dim(a, start, band, axis=1) for a in (k, v))
+                kv_pos, n = (start + jnp.arange(band, dtype=jnp.int32))[None], band
+            sc = jnp.einsum("bckgd,bskd->bkgcs", qg, kc, preferred_element_type=jnp.float32) * scale
+            vis = bounds_visible(jnp.moveaxis(x["lo"], 0, 1), jnp.moveaxis(x["hi"], 0, 1), kv_pos, mask.kv_valid, n)
             parts.append((sc, vis[:, None, None]))
-            values.append(("bkgcs,bskd->bckgd", v))
+            values.append(("bkgcs,bskd->bckgd", vc))
         if mask.has_chain:
             idx = jnp.moveaxis(x["ci"], 0, 1)  # [b, c, E]
             ck = jax.vmap(take_rows)(chain_k, idx)  # [b, c, E, nkv, hd]
@@ -141,8 +157,6 @@ def _partial(q, k, v, lo, hi, mask: AttentionMask, chain_k, chain_v, *, scale, s
         lse = jnp.moveaxis(jnp.moveaxis(lse[..., 0], 3, 1).reshape(b, c, nh), 1, 0)
         return out, lse
 
-    per_query = b * (nh * ((s if context else 0) + e) + 2 * e * nkv * hd)  # scores + gathered chain keys / values
-    c = chunk_size(t, per_query, DEFAULT_CHUNK_ELEMENTS, mask.chunk)
     out, lse = chunked_map(block, xs, c)
     return jnp.moveaxis(out, 0, 1), jnp.moveaxis(lse, 0, 1)
 
