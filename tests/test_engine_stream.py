@@ -96,8 +96,8 @@ def test_progress_bar(models, capsys):
 def test_a_sweep_compiles_a_handful_of_programs(models):
     """Batch sizes 1-4, prompt lengths 2-14, max_new_tokens 3-8, stop lists of 0-3 ids, top-k / top-p on and off:
     48 settings, at most 12 programs (3 row buckets x the drafter's prefill and the decode chunk; the target's prefill
-    padded per rows bucket, and packed per (rows, packed row) bucket where packing saves positions: 2 x 16 into 16,
-    4 x 16 into 16 and into 32); the same sweep again compiles nothing."""
+    padded per rows bucket, and under prefill="auto" packed per (rows, packed row) bucket where packing saves
+    positions: 2 x 16 into 16, 4 x 16 into 16 and into 32); the same sweep again compiles nothing."""
     target, drafter = models
     G = sys.modules["pjax.decode.generate"]
     settings = list(itertools.product([1, 2, 3, 4], [2, 9, 14], [3, 8], [None, [7, 8, 9]]))
@@ -107,7 +107,7 @@ def test_a_sweep_compiles_a_handful_of_programs(models):
         before = G.compile_count()
         for i, (b, length, new, eos) in enumerate(settings):
             prompts = [[(j * 7 + t) % V for t in range(length - j % 2)] for j in range(b)]
-            gen(target, drafter, prompts, max_new_tokens=new, eos_token_id=eos, seed=i,
+            gen(target, drafter, prompts, max_new_tokens=new, eos_token_id=eos, seed=i, prefill="auto",
                 **samplings[i % len(samplings)])
         return G.compile_count() - before
     first = sweep()
