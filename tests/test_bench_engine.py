@@ -36,11 +36,11 @@ def test_continuous_equals_static_per_request(models, drafting, k, concurrency):
     requests = [Request(str(i), tuple(p), seed=i) for i, p in enumerate(PROMPTS)]
     settings = RunSettings(drafting=drafting, k=k, concurrency=concurrency, max_new_tokens=14,
                            max_positions=max(map(len, PROMPTS)) + 14 + 2 * 2, eos_token_ids=(4,))
-    static = BatchBackend(target, {"parallel": drafter})
+    static = BatchBackend(target, {"parallel": drafter}, prefill="auto")
     static.prepare(requests, settings)
     want = static.run(requests, settings)
 
-    cont = EngineBackend(target, {"parallel": drafter}, rounds_per_step=2)
+    cont = EngineBackend(target, {"parallel": drafter}, rounds_per_step=2, prefill="auto")
     cont.prepare(requests, settings)
     eng = cont.engine(settings)
     assert eng.max_slots == bucket_batch(concurrency)
