@@ -5,6 +5,7 @@
     PYTHONPATH=. python examples/benchmarks/bench_generate.py steps --xla-sweep   # the same under XLA flag sets
     PYTHONPATH=. python examples/benchmarks/bench_generate.py profile  # where a generation's device time goes
     PYTHONPATH=. python examples/benchmarks/bench_generate.py fused    # the fused layer kernels: xla vs pallas
+    PYTHONPATH=. python examples/benchmarks/bench_generate.py prefill  # a batch's prefill: padded vs packed
     ... --tiny                                                          # CPU smoke run (tiny shapes)
 
 chunks: for the 8B shape at batch 1 and 64, output tokens/s of one device call for the whole generation
@@ -22,6 +23,11 @@ the Pallas kernel that replaces them (one copy per layer's weights in one progra
 L2), with the weight bytes' roofline at 4.3 TB/s; --sweep adds the kernels under the tile variants of FUSED_SWEEP;
 (2) ms per round of plain decoding and P-EAGLE / EAGLE-3 K = 7 rounds at batch 1 for each of --implementations,
 with kernels per round and the GPU's busy fraction from one traced generation each.
+prefill: the prefill of a static batch of B ragged prompts (lengths drawn log-normally around --prefill-median, the
+longest --prefill-longest: the code pair's prompts have median 82 and longest 347 tokens), padded (each prompt a row
+of the longest one's bucket) against packed (the prompts in one row under a document mask), for plain decoding (the
+target's prefill) and P-EAGLE (target and drafter), per shape and B of --prefill-batches: positions computed and
+median prefill ms (the engine's clock: both prefill programs and the first tokens' copy to the host).
 Weights are random bf16; acceptance is then ~0, so every round emits one token and has the same cost as a
 round with accepted drafts (the same slots are computed). Compilation is excluded (a warm-up generation first).
 Prints markdown; writes JSON to --out (default $OUT/bench_generate.json when $OUT is set).
@@ -140,6 +146,43 @@ def run_steps(args) -> list[dict]:
     print("|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['shape']} | {r['drafting']} | {r['k']} | {r['decode_ms_per_round']:.3f} | {r['rounds']} |")
+    return rows
+
+
+def ragged_lengths(batch: int, median: int, longest: int, seed: int = 0) -> list[int]:
+    """`batch` prompt lengths, log-normal around `median` (sigma 0.6) within [8, longest]; the first is `longest`."""
+    lengths = np.clip(np.random.default_rng(seed).lognormal(np.log(median), 0.6, batch), 8, longest).astype(int)
+    lengths[0] = longest
+    return lengths.tolist()
+
+
+def run_prefill(args) -> list[dict]:
+    rows = []
+    head_layers = {"tiny": 1, "llama-445m": 2, "llama3.1-8b": 4}
+    for shape in (["tiny"] if args.tiny else args.shapes.split(",")):
+        target, peagle = models(shape, head_layers[shape])
+        vocab = SHAPES[shape][-1]
+        for batch in map(int, args.prefill_batches.split(",")):
+            lengths = ragged_lengths(batch, args.prefill_median, args.prefill_longest)
+            rng = np.random.default_rng(batch)
+            ps = [rng.integers(0, vocab - 1, n).tolist() for n in lengths]
+            for mode, drafter in (("none", None), ("parallel", peagle)):
+                row = {"shape": shape, "batch": batch, "drafting": mode, "prompt_tokens": int(sum(lengths))}
+                for layout in ("padded", "packed"):
+                    kw = dict(max_new_tokens=1, drafting=mode, num_speculative_tokens=args.k, prefill=layout)
+                    pjax.generate(target, drafter, ps, **kw)  # compiles
+                    runs = [pjax.generate(target, drafter, ps, **kw).stats for _ in range(args.repeats)]
+                    row[f"{layout}_positions"] = runs[0]["prefill_tokens"]
+                    row[f"{layout}_ms"] = statistics.median(1e3 * r["prefill_time_s"] for r in runs)
+                row["padded_over_packed"] = row["padded_ms"] / row["packed_ms"]
+                rows.append(row)
+    print("\n| shape | B | drafting | prompt tokens | padded positions | packed positions | padded ms | packed ms "
+          "| padded / packed |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['shape']} | {r['batch']} | {r['drafting']} | {r['prompt_tokens']} | {r['padded_positions']} "
+              f"| {r['packed_positions']} | {r['padded_ms']:.2f} | {r['packed_ms']:.2f} | "
+              f"{r['padded_over_packed']:.2f}x |")
     return rows
 
 
@@ -396,7 +439,7 @@ def sweep(argv: list[str]) -> dict:
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=("chunks", "steps", "profile", "fused"))
+    ap.add_argument("what", choices=("chunks", "steps", "profile", "fused", "prefill"))
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
     ap.add_argument("--k", type=int, default=7)
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -405,20 +448,24 @@ def main(argv=None):
     ap.add_argument("--chunk-seconds", type=float, default=1.0)
     ap.add_argument("--top-kernels", type=int, default=40, help="profile: kernel names listed per case")
     ap.add_argument("--batches", default="1,64", help="chunks: comma-separated batch sizes")
-    ap.add_argument("--shapes", default="llama-445m,llama3.1-8b", help="steps: comma-separated shapes of SHAPES")
+    ap.add_argument("--shapes", default="llama-445m,llama3.1-8b",
+                    help="steps, prefill: comma-separated shapes of SHAPES")
     ap.add_argument("--xla-sweep", action="store_true", help="steps under each XLA_FLAGS set (subprocesses)")
     ap.add_argument("--fused-shapes", default="llama-445m", help="fused: comma-separated shapes of SHAPES")
     ap.add_argument("--implementations", default="xla,auto,pallas", help="fused: kernel switches compared per round")
     ap.add_argument("--only", choices=("all", "kernels", "steps"), default="all", help="fused: one part only")
     ap.add_argument("--sweep", action="store_true", help="fused: also time the kernels under FUSED_SWEEP's tiles")
     ap.add_argument("--calls", type=int, default=20, help="fused: profiled calls per op timing")
+    ap.add_argument("--prefill-batches", default="8,32,64", help="prefill: comma-separated batch sizes")
+    ap.add_argument("--prefill-median", type=int, default=82, help="prefill: median prompt length")
+    ap.add_argument("--prefill-longest", type=int, default=347, help="prefill: longest prompt")
     ap.add_argument("--out", default=None, help="JSON output path (default $OUT/bench_generate.json)")
     args = ap.parse_args(argv)
     if args.xla_sweep:
         result = {"sweep": sweep(argv)}
     else:
         result = {args.what: {"chunks": run_chunks, "steps": run_steps, "profile": run_profile,
-                              "fused": run_fused}[args.what](args)}
+                              "fused": run_fused, "prefill": run_prefill}[args.what](args)}
     result["meta"] = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
                       "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": argv}
     out = args.out or (os.path.join(os.environ["OUT"], "bench_generate.json") if os.environ.get("OUT") else None)
