@@ -1,5 +1,5 @@
 """Greedy exactness of the engine: parallel, sequential and plain decoding equal transformers' greedy `generate` on tiny
-checkpoints of every target family (ragged batch, its prefill packed into one row or padded; K in {1, 3, 7, 11}, one per
+checkpoints of every target family (ragged batch, its prefill padded, and packed into one row for P-EAGLE; K in {1, 3, 7, 11}, one per
 family to bound compile time), and with injected drafts (every accepted-prefix length) the KV bookkeeping of target and
 drafter stays exact."""
 import jax.numpy as jnp
@@ -22,8 +22,10 @@ def family(request, tmp_root):
     return request.param, build(request.param, tmp_root)
 
 
-@pytest.mark.parametrize("prefill", ["packed", "padded"])
-@pytest.mark.parametrize("drafting", ["parallel", "sequential", "none"])
+# the packed prefill with P-EAGLE (its drafter prefill reads the unpacked target features); tests/test_packed_prefill.py
+# checks the packed target prefill itself against the padded one for every family
+@pytest.mark.parametrize("drafting,prefill", [("parallel", "packed"), ("parallel", "padded"),
+                                              ("sequential", "padded"), ("none", "padded")])
 def test_greedy_equals_transformers(family, drafting, prefill):
     name, (target, drafter, ref) = family
     k = K_OF[name]
