@@ -1,7 +1,7 @@
 """Greedy exactness of the engine: parallel, sequential and plain decoding equal transformers' greedy `generate` on tiny
-checkpoints of every target family (ragged batch, its prefill padded, and packed into one row for P-EAGLE; K in {1, 3, 7, 11}, one per
-family to bound compile time), and with injected drafts (every accepted-prefix length) the KV bookkeeping of target and
-drafter stays exact."""
+checkpoints of every target family (ragged batch, its prefill padded, and packed into one row for P-EAGLE; K in {1, 3,
+7, 11}, one per family to bound compile time), and with injected drafts (every accepted-prefix length) the KV
+bookkeeping of target and drafter stays exact."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
