@@ -39,6 +39,19 @@ def inputs(b, t, nh, nkv, hd, seed=0):
 
 
 @pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def assert_dense(ours, got, q, k, v, sk, allowed, live, w):
+    """`got` = ours(q, k, v, sk) equals the dense softmax under `allowed` (scale 0.3) on the `live` rows, and so do
+    the gradients of sum(ours * w) with respect to q, k, v (and the sinks when given)."""
+    want = dense_attention(q, k, v, allowed, 0.3, sk)
+    np.testing.assert_allclose(np.asarray(got)[live], np.asarray(want)[live], rtol=1e-5, atol=1e-5)
+    argnums = (0, 1, 2, 3) if sk is not None else (0, 1, 2)
+    grads = jax.jit(jax.grad(lambda *a: jnp.sum(ours(*a) * w), argnums=argnums))(q, k, v, sk)
+    wants = jax.grad(lambda *a: jnp.sum(dense_attention(*a[:3], allowed, 0.3, a[3]) * w), argnums=argnums)(
+        q, k, v, sk)
+    for g, gw in zip(grads, wants):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(gw), rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("window,sinks,shared", [(None, False, False), (5, True, False), (7, False, True)])
 def test_document_attention_equals_dense(implementation, window, sinks, shared):
     """Packed documents (one row with three documents and padding, one with two), GQA 4/2, T = 40 (not a tile
@@ -57,14 +70,7 @@ def test_document_attention_equals_dense(implementation, window, sinks, shared):
 
     got = jax.jit(ours)(q, k, v, sk)
     assert np.isfinite(np.asarray(got)).all()  # rows that see nothing: finite (uniform / zeros)
-    want = dense_attention(q, k, v, allowed, 0.3, sk)
-    np.testing.assert_allclose(np.asarray(got)[live], np.asarray(want)[live], rtol=1e-5, atol=1e-5)
-    argnums = (0, 1, 2, 3) if sinks else (0, 1, 2)
-    grads = jax.jit(jax.grad(lambda *a: jnp.sum(ours(*a) * w), argnums=argnums))(q, k, v, sk)
-    wants = jax.grad(lambda *a: jnp.sum(dense_attention(*a[:3], allowed, 0.3, a[3]) * w), argnums=argnums)(
-        q, k, v, sk)
-    for g, gw in zip(grads, wants):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(gw), rtol=1e-4, atol=1e-5)
+    assert_dense(ours, got, q, k, v, sk, allowed, live, w)
 
 
 @pytest.mark.parametrize("window,sinks", [(None, False), (5, True)])
@@ -86,14 +92,7 @@ def test_a_span_bands_the_reference(window, sinks):
 
     prims = {e.primitive.name for e, _ in equations(jax.make_jaxpr(ours)(q, k, v, sk).jaxpr)}
     assert "dynamic_slice" in prims
-    np.testing.assert_allclose(np.asarray(jax.jit(ours)(q, k, v, sk))[live],
-                               np.asarray(dense_attention(q, k, v, allowed, 0.3, sk))[live], rtol=1e-5, atol=1e-5)
-    argnums = (0, 1, 2, 3) if sinks else (0, 1, 2)
-    grads = jax.jit(jax.grad(lambda *a: jnp.sum(ours(*a) * w), argnums=argnums))(q, k, v, sk)
-    wants = jax.grad(lambda *a: jnp.sum(dense_attention(*a[:3], allowed, 0.3, a[3]) * w), argnums=argnums)(
-        q, k, v, sk)
-    for g, gw in zip(grads, wants):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(gw), rtol=1e-4, atol=1e-5)
+    assert_dense(ours, jax.jit(ours)(q, k, v, sk), q, k, v, sk, allowed, live, w)
 
 
 def test_kernel_log_sum_exp_and_its_gradient():
