@@ -14,9 +14,9 @@ seeds and rounds; median over --repeats; the ratio is the chunking's throughput 
 steps: decode time per round of plain decoding, a P-EAGLE round (one drafter pass) and an EAGLE-3 round (K passes)
 at batch 1 on the 445M shape (24 x 1024) and the 8B shape; --xla-sweep re-runs the measurement in subprocesses
 under each XLA_FLAGS set of FLAG_SETS (e.g. XLA command buffers, i.e. CUDA graphs, for the loop body) and prints one
-table. profile: one generation per case under the profiler (GPU): kernels per round, kernel-busy vs wall time of the
-device span, the longest idle gaps (launch-bound steps, chunk boundaries) and the most launched kernels (launches
-per round, mean time each).
+table. profile: one generation per case (--shapes x --batches, plain and P-EAGLE) under the profiler (GPU):
+kernels per round, kernel-busy vs wall time of the device span, the longest idle gaps (launch-bound steps, chunk
+boundaries) and the most launched kernels (launches per round, mean time each).
 fused: the fused few-row layer kernels (pjax.kernels.fused_linear) on the 445M shape (--fused-shapes), in one process:
 (1) per op at 1 / 8 / 16 rows (decode, K = 7 verify, a 16-slot draft), the device time of the model's XLA ops against
 the Pallas kernel that replaces them (one copy per layer's weights in one program, so weights come from HBM, not
@@ -207,9 +207,11 @@ def traced_generation(target, drafter, ps, **kw):
 
 def run_profile(args) -> list[dict]:
     """Per case: one traced generation; kernel count per round, busy / span, the longest gaps between kernels."""
-    cases = ([("tiny", "none", 1, None), ("tiny", "parallel", 1, 1e-4)] if args.tiny else
-             [("llama-445m", "none", 1, None), ("llama-445m", "parallel", 1, None), ("llama3.1-8b", "parallel", 1,
-                                                                                       args.chunk_seconds)])
+    if args.tiny:
+        cases = [("tiny", "none", 1, None), ("tiny", "parallel", 1, 1e-4)]
+    else:  # every shape x batch, plain and P-EAGLE; one device call per generation except the 8B shape's
+        cases = [(shape, mode, int(b), args.chunk_seconds if shape == "llama3.1-8b" else None)
+                 for shape in args.shapes.split(",") for b in args.batches.split(",") for mode in ("none", "parallel")]
     rows = []
     for shape, mode, batch, chunk in cases:
         target, drafter = models(shape, {"tiny": 1, "llama-445m": 2, "llama3.1-8b": 4}[shape])
@@ -447,9 +449,9 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--chunk-seconds", type=float, default=1.0)
     ap.add_argument("--top-kernels", type=int, default=40, help="profile: kernel names listed per case")
-    ap.add_argument("--batches", default="1,64", help="chunks: comma-separated batch sizes")
+    ap.add_argument("--batches", default="1,64", help="chunks, profile: comma-separated batch sizes")
     ap.add_argument("--shapes", default="llama-445m,llama3.1-8b",
-                    help="steps, prefill: comma-separated shapes of SHAPES")
+                    help="steps, prefill, profile: comma-separated shapes of SHAPES")
     ap.add_argument("--xla-sweep", action="store_true", help="steps under each XLA_FLAGS set (subprocesses)")
     ap.add_argument("--fused-shapes", default="llama-445m", help="fused: comma-separated shapes of SHAPES")
     ap.add_argument("--implementations", default="xla,auto,pallas", help="fused: kernel switches compared per round")
