@@ -245,11 +245,13 @@ def test_kernels_lower_to_triton(m):
 
 
 def test_tiles_cover_the_gpu():
-    """At the 445M shape the column tiles shrink to 16 (the dot's minimum) to approach two programs per SM, whole heads
-    with q/k-norm, and the pipelined tiles fit in shared memory."""
-    assert pallas.column_block(3840) == 16  # gate / up: 240 programs
-    assert pallas.column_block(1024) == 16  # o / down: 64 programs, the narrowest tile
-    assert pallas.half_block(32, 16 + 2 * 16, False) == 16  # q/k/v: 96 programs of 2 x 16 columns
+    """At the 445M shape the column tiles shrink to min_block_n (32, measured fastest) toward two programs per SM,
+    to 16 (the dot's minimum) when asked, whole heads with q/k-norm, and the pipelined tiles fit in shared memory."""
+    assert pallas.column_block(3840) == 32  # gate / up: 120 programs
+    assert pallas.column_block(1024) == 32  # o / down: 32 programs, the narrowest tile
+    assert pallas.half_block(32, 16 + 2 * 16, False) == 32  # q/k/v: 48 programs of 2 x 32 columns
+    narrow = dataclasses.replace(DEFAULT, min_block_n=16)
+    assert pallas.column_block(3840, narrow) == 16 and pallas.half_block(32, 48, False, narrow) == 16
     assert pallas.half_block(64, 48, True) == 64  # q/k-norm: whole heads
     bk = pallas.block_k(3840, 16, 32, 2)
     assert 3840 % bk == 0 and DEFAULT.stages * bk * (16 + 32) * 2 <= 227 * 1024 - DEFAULT.smem_reserve

@@ -117,7 +117,7 @@ class BatchBackend:
                   "them finish (no continuous batching)")
 
     def __init__(self, target, drafters: Mapping[str, object], *, implementation: str = "auto", cache_dtype=None,
-                 prefill: str = "padded"):
+                 prefill: str = "auto"):
         self.target, self.drafters = target, dict(drafters)
         self.implementation, self.cache_dtype, self.prefill = implementation, cache_dtype, prefill
 

@@ -103,9 +103,11 @@ def build_parser(prog: str = "python -m pjax bench") -> argparse.ArgumentParser:
     m.add_argument("--cache-dtype", default=None, help="KV cache dtype (default: the model's)")
     m.add_argument("--implementation", default="auto", choices=IMPLEMENTATIONS,
                    help="kernel switch: xla | pallas | auto (default)")
-    m.add_argument("--prefill", default="padded", choices=PREFILL_LAYOUTS,
-                   help="layout of the target's prefill: padded (default: one right-padded row per prompt), packed "
-                        "(the prompts of a batch in one row) or auto (packed where it computes fewer positions)")
+    m.add_argument("--prefill", default=None, choices=PREFILL_LAYOUTS,
+                   help="layout of the target's prefill: padded (one right-padded row per prompt), packed (the "
+                        "prompts of a batch in one row) or auto (packed where it computes fewer positions). Default: "
+                        "auto with --scheduling static, padded with continuous (packing multiplies the engine's "
+                        "admission programs to compile)")
     d = p.add_argument_group("prompts")
     d.add_argument("--dataset", action="append", default=None, metavar="NAME_OR_FILE",
                    help=f"{', '.join(DATASET_NAMES)}, or a .jsonl file with 'prompt' or 'messages' per line; "
@@ -323,6 +325,8 @@ def run(args, argv) -> int:
 
     target = _load_target(args, shape, dtype, sets)
     heads = _heads(args, settings, target, dtype, shape)
+    if args.prefill is None:
+        args.prefill = "padded" if args.scheduling == "continuous" else "auto"
     meta = {"target": args.target,
             "heads": {m: (args.sequential_head if m == "sequential" and args.sequential_head else args.head)
                       for m in settings.speculative},

@@ -131,7 +131,7 @@ class Generation:
                  cache_capacity: Optional[int] = None, draft_sampling: str = "argmax",
                  implementation: str = "auto", cache_dtype=None, compiler_options: Optional[dict] = None,
                  chunk_seconds: Optional[float] = 1.0, progress: bool = False, allow_tf32: bool = False,
-                 simulate_acceptance: Optional[Sequence[float]] = None, loop: str = "device", prefill: str = "padded"):
+                 simulate_acceptance: Optional[Sequence[float]] = None, loop: str = "device", prefill: str = "auto"):
         t_start = time.perf_counter()
         if not isinstance(target, Target):
             raise TypeError(f"target must be a pjax Target (load one with pjax.load_target(path)), got "
@@ -444,7 +444,7 @@ def generate(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_token
              draft_sampling: str = "argmax", implementation: str = "auto", cache_dtype=None,
              compiler_options: Optional[dict] = None, chunk_seconds: Optional[float] = 1.0, progress: bool = False,
              allow_tf32: bool = False, simulate_acceptance: Optional[Sequence[float]] = None,
-             loop: str = "device", prefill: str = "padded") -> GenerateResult:
+             loop: str = "device", prefill: str = "auto") -> GenerateResult:
     """Speculative decoding of a batch of prompts (lists of token ids of any lengths).
 
     drafting: "parallel" (P-EAGLE: one drafter pass proposes K tokens), "sequential" (EAGLE-3: K drafter
@@ -472,7 +472,8 @@ def generate(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_token
     prefill: the layout of the target's prefill pass, "packed" (the prompts concatenated into one row of N tokens,
       N the next power of two >= their total (min 16), each prompt attending to its own tokens only: document mask;
       each token's K/V written to its row's cache), "padded" (one row per prompt, right-padded to the next power of
-      two >= the longest: [rows, Lp]) or "auto" (packed when the batch has more than one row and N < rows * Lp).
+      two >= the longest: [rows, Lp]) or "auto" (the default: packed when the batch has more than one row and
+      N < rows * Lp).
       Both give the same outputs (up to float rounding); packed computes N instead of rows * Lp positions, a large
       saving for a batch of ragged prompts. Programs are compiled per (rows, Lp, N) bucket.
     compiler_options: XLA options for the compiled programs (e.g. {"xla_backend_optimization_level": 0}).

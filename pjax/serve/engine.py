@@ -65,9 +65,10 @@ class EngineConfig:
     rounds_per_step: rounds per device chunk at most; admission, cancellation and streaming happen between chunks.
     simulate_acceptance: None, or K probabilities: seeded verdicts instead of the target's (timing random weights,
       as `pjax.generate`; the outputs are then not the target's).
-    prefill: the admission prefill's layout, as `pjax.generate`'s: "padded" (default), "auto" or "packed". Packing
-      compiles one admission program per packed-row bucket besides the (rows, prompt length) buckets, so
-      `precompile` builds several programs per bucket pair (one per power of two the packed row can take).
+    prefill: the admission prefill's layout, as `pjax.generate`'s: "padded" (the default here; `pjax.generate`'s is
+      "auto"), "auto" or "packed". Packing compiles one admission program per packed-row bucket besides the (rows,
+      prompt length) buckets, so `precompile` builds several programs per bucket pair (one per power of two the
+      packed row can take).
     """
     max_slots: int = 8
     max_len: int = 2048

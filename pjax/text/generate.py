@@ -193,7 +193,7 @@ class TextGenerator:
 
     def __init__(self, target, drafter, tokenizer: Tokenizer, *, implementation: str = "auto",
                  compiler_options: Optional[dict] = None, chunk_seconds: float = 0.25, cache_dtype=None,
-                 allow_tf32: bool = False, prefill: str = "padded"):
+                 allow_tf32: bool = False, prefill: str = "auto"):
         if not isinstance(target, Target):
             raise TypeError(f"target must be a pjax Target (pjax.load_target(dir)), got {type(target).__name__}")
         if not isinstance(tokenizer, Tokenizer):
