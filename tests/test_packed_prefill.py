@@ -2,8 +2,8 @@
 each token's K/V written to its prompt's cache row) equals the padded one ([B, Lp], one row per prompt) in float32 on
 every target family (dense, q/k norms, MoE, GPT-OSS sinks and sliding windows, Gemma sandwich norms / sliding windows
 / shared K=V): logits at every real position, aux features, the whole KV cache, the first tokens. A prompt's results
-do not depend on the other prompts of the row (their tokens or lengths), the layout follows `prefill=`, and programs
-are compiled per packed bucket, not per length."""
+do not depend on the other prompts of the row (their tokens or lengths), the layout follows `prefill=`, programs
+are compiled per packed bucket, not per length, and the drafter's packed prefill equals its padded one."""
 import functools
 import sys
 
@@ -15,11 +15,11 @@ import pytest
 import pjax
 from pjax.decode import EngineSpec, Sampling, prefill_target
 from pjax.decode.inputs import packed_length, prefill_buckets
-from pjax.decode.step import pack_prompts
+from pjax.decode.packing import pack_prompts
 from pjax.kernels.flash_attention import document_mask
 from pjax.models.cache import init_cache
 from pjax.models.target import forward, logits_from_hidden
-from tests.engine_utils import AVAILABLE, FAST, build, tiny_pair
+from tests.engine_utils import AVAILABLE, FAST, build, make_drafter, tiny_pair
 from tests.kernel_jaxpr import pallas_kernel_names
 
 # ragged, two longer than the sliding window (6) of the gpt_oss / gemma4 checkpoints; one single-token prompt
@@ -219,3 +219,29 @@ def test_packed_programs_are_bucketed(pair):
     assert first.stats["prefill_tokens"] == out.stats["prefill_tokens"] == 32
     assert len(built) == compiled
     assert out.tokens == gen(pair, second, prefill="padded").tokens
+
+
+_full_prefill = jax.jit(pjax.decode.prefill, static_argnames=("spec", "capacity", "cache_dtype", "packed_len"))
+
+
+@pytest.mark.parametrize("drafting,implementation", [("parallel", "auto"), ("sequential", "auto"),
+                                                     ("parallel", "pallas")])
+def test_packed_drafter_prefill_equals_padded(drafting, implementation):
+    """With a packed target prefill the drafter's prefill slots (each prompt's L + K - 1, or L for sequential
+    drafting) are packed too: the same first drafts, draft probabilities and drafter KV cache (every row, every
+    position) as the padded [B, Lp + mask slots] pass, for a 2-layer head (its fused first layer and a decoder
+    layer), float32; under "pallas" the packed attention is the flash kernel's (interpret mode off a GPU)."""
+    from pjax.decode.generate import make_spec
+    target, _ = tiny_pair(97)
+    drafter = make_drafter(target, num_layers=2)
+    spec = make_spec(target, drafter, max_new_tokens=8, num_speculative_tokens=3, drafting=drafting,
+                     draft_sampling="sample", implementation=implementation)
+    prompts, lengths = padded(RAGGED)
+    samp = Sampling(jnp.full(5, 0.8), jnp.zeros(5, jnp.int32), jnp.ones(5), jnp.arange(5, dtype=jnp.uint32))
+    run = functools.partial(_full_prefill, target, drafter, prompts, lengths, samp, spec=spec, capacity=CAP)
+    pad, pk = run(packed_len=None), run(packed_len=N)
+    np.testing.assert_array_equal(np.asarray(pk.drafts), np.asarray(pad.drafts))
+    np.testing.assert_allclose(np.asarray(pk.draft_probs), np.asarray(pad.draft_probs), atol=1e-5)
+    for a, b in zip(jax.tree.leaves(pk.drafter_cache), jax.tree.leaves(pad.drafter_cache)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+    assert float(jnp.abs(pad.drafter_cache[1].k[1]).max()) > 0  # the second layer wrote the longest prompt's K

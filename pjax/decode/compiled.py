@@ -26,7 +26,7 @@ __all__ = ["clear_compiled", "compile_count", "compile_stats", "compiled", "jitt
 _PROGRAMS: dict[str, tuple[Callable, tuple[str, ...], tuple[str, ...]]] = {
     "prefill": (prefill, ("spec", "capacity", "cache_dtype", "packed_len"), ()),
     "prefill_target": (prefill_target, ("spec", "capacity", "cache_dtype", "packed_len"), ()),
-    "prefill_drafter": (prefill_drafter, ("spec", "capacity", "cache_dtype"), ()),
+    "prefill_drafter": (prefill_drafter, ("spec", "capacity", "cache_dtype", "packed_len"), ()),
     "chunk": (decode_chunk, ("spec",), ("state",)),
     "round": (spec_round, ("spec",), ("state",)),
 }

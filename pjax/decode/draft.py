@@ -9,8 +9,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pjax.decode.packing import pack_prompts
 from pjax.decode.state import EngineSpec, Sampling
 from pjax.kernels import rng
+from pjax.kernels.flash_attention import document_mask
 from pjax.kernels.metadata import build_draft_inputs
 from pjax.models.drafter import (draft_logits_from_hidden, draft_to_target, drafter_forward, logits_to_target_vocab,
                                  mask_feature)
@@ -155,26 +157,47 @@ def prefill_draft_inputs(prompts, lengths, first_token, k: int, mask_token_id: i
     return tokens, feature_row, positions, valid
 
 
+def packed_draft_length(packed_len: int, rows: int, k: int) -> int:
+    """Slots of the drafter's packed prefill row when the target's prompts of `rows` rows packed into packed_len
+    tokens: each row adds K - 1 slots (K = 1 for sequential drafting), rounded up to a multiple of 16."""
+    return -(-(packed_len + rows * (k - 1)) // 16) * 16
+
+
 def draft_prefill(drafter, cache, comb, prompts, lengths, first_token, active, sampling: Sampling,
-                  spec: EngineSpec):
+                  spec: EngineSpec, packed_len=None):
     """First drafts after prefill. comb [B, Lp, H] combined prompt features; first_token [B] sits at
-    position lengths[b]. Returns (drafts [B, K], q or None, cache)."""
+    position lengths[b]. packed_len: None runs the drafter over the slots [B, S] (`prefill_draft_inputs`); the
+    target's packed row length N packs each row's L + K - 1 slots into one row of `packed_draft_length` slots
+    (`pack_prompts`: a document mask, each slot's K/V to its own cache row), the same values at every slot.
+    Returns (drafts [B, K], q or None, cache)."""
     k = spec.k
     use_masks = spec.drafting == "parallel"
     kk = k if use_masks else 1
     tokens, fr, positions, valid = prefill_draft_inputs(prompts, lengths, first_token, kk, spec.mask_token_id)
-    if comb.shape[1] < tokens.shape[1]:
-        comb = jnp.pad(comb, ((0, 0), (0, tokens.shape[1] - comb.shape[1]), (0, 0)))
+    b, s = tokens.shape
+    if comb.shape[1] < s:
+        comb = jnp.pad(comb, ((0, 0), (0, s - comb.shape[1]), (0, 0)))
     h_in = gather_features(drafter, comb, fr, use_mask=use_masks and k > 1)
     valid = valid & active[:, None]
-    normed, prenorm, cache = _draft_pass(drafter, tokens, h_in, positions, valid, cache, spec)
+    idx = (lengths - 1)[:, None] + jnp.arange(kk, dtype=jnp.int32)  # [B, kk] the slots that draft
+    if packed_len is None:
+        normed, prenorm, cache = _draft_pass(drafter, tokens, h_in, positions, valid, cache, spec)
+    else:  # slot (b, j) -> packed index starts[b] + j; the packed row's outputs back to [B, kk] by that index
+        flat = jnp.arange(b * s, dtype=jnp.int32).reshape(b, s)
+        slot, ppos, seg, rows, starts = pack_prompts(flat, lengths + kk - 1, packed_draft_length(packed_len, b, kk))
+        real = seg >= 0
+        take = lambda x: jnp.where(real[..., None] if x.ndim == 3 else real,  # noqa: E731
+                                   x.reshape((b * s,) + x.shape[2:])[slot], 0)
+        normed, prenorm, cache = drafter_forward(
+            drafter, take(tokens), take(h_in), ppos, cache, valid=take(valid), mask=document_mask(seg, span=s),
+            cache_rows=rows, implementation=spec.implementation)
+        normed, prenorm = normed[0][starts[:, None] + idx], prenorm[0][starts[:, None] + idx]  # [B, kk, H]
+        idx = jnp.broadcast_to(jnp.arange(kk, dtype=jnp.int32), (b, kk))
     first_pos = lengths + 1  # position of d_1
     if use_masks:
-        idx = (lengths - 1)[:, None] + jnp.arange(k, dtype=jnp.int32)
         logits = draft_logits_from_hidden(drafter, _pick(normed, idx))
         return (*select_drafts(drafter, logits, sampling, first_pos[:, None] + jnp.arange(k, dtype=jnp.int32),
                                spec), cache)
-    idx = (lengths - 1)[:, None]
     logits = draft_logits_from_hidden(drafter, _pick(normed, idx))
     d1, q1 = select_drafts(drafter, logits, sampling, first_pos[:, None], spec)
     return sequential_tail(drafter, cache, d1[:, 0], _pick(feedback(drafter, normed, prenorm), idx)[:, 0],

@@ -225,7 +225,8 @@ class Generation:
         c = 0.0
         if spec.drafting != "none":
             pre_d = (drafter, self._state, aux, prompts_d, lengths_d, sampling)
-            exe, c = _compiled("prefill_drafter", pre_d, dict(spec=spec, **statics), self._options, self._precision)
+            exe, c = _compiled("prefill_drafter", pre_d, dict(spec=spec, packed_len=packed_len, **statics),
+                               self._options, self._precision)
             self._compile_s += c
             self._state = dataclasses.replace(self._state, **exe(*pre_d))
         del aux

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from pjax.decode import draft as D
+from pjax.decode.packing import pack_prompts
 from pjax.decode.state import (RUNNING, STOP_CAPACITY, STOP_EOS, STOP_LENGTH, STOP_NONFINITE, DecodeState, EngineSpec,
                                Sampling, add_batch_axis, drop_batch_axis)
 from pjax.kernels import rng
@@ -120,24 +121,6 @@ def target_spec(spec: EngineSpec) -> EngineSpec:
                                mask_token_id=0, simulate_acceptance=None)
 
 
-def pack_prompts(prompts, lengths, packed_len: int):
-    """The prompts [B, Lp] i32 (right-padded; lengths [B] i32 >= 1) concatenated in row order into one row of
-    packed_len >= sum(lengths) tokens. Returns (tokens [1, N] i32 (0 past the last prompt), positions [1, N] i32
-    (restarting at 0 in each prompt; 0 past the last), segment [1, N] i32 (the prompt's row; -1 past the last
-    prompt), rows [1, N] i32 (the segment clipped to [0, B): a cache row for every token), starts [B] i32 (the
-    index of each prompt's first token)), N = packed_len."""
-    b, lp = prompts.shape
-    ends = jnp.cumsum(lengths).astype(jnp.int32)
-    starts = ends - lengths
-    i = jnp.arange(packed_len, dtype=jnp.int32)
-    seg = jnp.searchsorted(ends, i, side="right").astype(jnp.int32)  # B past the last prompt
-    rows = jnp.minimum(seg, b - 1)
-    real = seg < b
-    pos = jnp.where(real, i - starts[rows], 0)
-    tokens = jnp.where(real, prompts[rows, jnp.minimum(pos, lp - 1)], 0)
-    return tokens[None], pos[None], jnp.where(real, seg, -1)[None], rows[None], starts
-
-
 def _target_pass(target, prompts, lengths, cache, spec: EngineSpec, packed_len):
     """The target over the prompts [B, Lp] (lengths [B]), writing their K/V to `cache`: padded (one row per prompt,
     packed_len None) or packed (`pack_prompts`: one row of packed_len tokens under a document mask, each token's K/V
@@ -196,19 +179,20 @@ def prefill_target(target, prompts, lengths, sampling: Sampling, *, spec: Engine
 
 
 def prefill_drafter(drafter, state: DecodeState, aux, prompts, lengths, sampling: Sampling, *, spec: EngineSpec,
-                    capacity: int, cache_dtype=None) -> dict:
+                    capacity: int, cache_dtype=None, packed_len=None) -> dict:
     """The drafter's part of `prefill`: the first drafts, and the state's K-sized fields.
 
     state, aux: `prefill_target`'s outputs for the same prompts [B, Lp] and lengths [B]; spec: the full settings
-    (drafting "parallel" or "sequential"). Returns the fields to replace in `state` (drafter_cache, drafts [B, K],
-    draft_probs, and out / accepted_at widened to K): nothing of the target's state passes through, so the
-    compiled program neither copies nor donates its KV cache."""
+    (drafting "parallel" or "sequential"); packed_len: the target prefill's packed row length or None, which packs
+    the drafter's prefill slots alike (`draft.draft_prefill`). Returns the fields to replace in `state`
+    (drafter_cache, drafts [B, K], draft_probs, and out / accepted_at widened to K): nothing of the target's state
+    passes through, so the compiled program neither copies nor donates its KV cache."""
     b, k = prompts.shape[0], spec.k
     widen = lambda x, n, v: jnp.pad(x, ((0, 0), (0, n - x.shape[1])), constant_values=v)  # noqa: E731
     dcache = init_drafter_cache(drafter, b, capacity, cache_dtype or drafter.dtype)
     comb = combine(drafter, aux)
     drafts, q, dcache = D.draft_prefill(drafter, dcache, comb, prompts.astype(jnp.int32), lengths.astype(jnp.int32),
-                                        state.last, ~state.done, sampling, spec)
+                                        state.last, ~state.done, sampling, spec, packed_len)
     return dict(drafter_cache=dcache, drafts=drafts, draft_probs=q, out=widen(state.out, spec.out_len, -1),
                 accepted_at=widen(state.accepted_at, k, 0))
 
@@ -227,7 +211,8 @@ def prefill(target, drafter, prompts, lengths, sampling: Sampling, *, spec: Engi
     if spec.drafting == "none":
         return state
     return dataclasses.replace(state, **prefill_drafter(drafter, state, aux, prompts, lengths, sampling, spec=spec,
-                                                        capacity=capacity, cache_dtype=cache_dtype))
+                                                        capacity=capacity, cache_dtype=cache_dtype,
+                                                        packed_len=packed_len))
 
 
 def verify(target, state: DecodeState, num_drafts, active, spec: EngineSpec):

@@ -114,7 +114,7 @@ def admit(target, drafter, state: DecodeState, sampling: Sampling, prompts, leng
     """Prefill a batch of requests and write it into the big state at `slots`.
 
     state / sampling: B slots; prompts [b, Lp] i32 (right-padded), lengths [b] i32, new_sampling [b]; slots [b] i32
-    (B = a padding row, dropped); packed_len: the target prefill's layout (`pjax.decode.prefill_target`). Returns the
+    (B = a padding row, dropped); packed_len: the prefill's layout (`pjax.decode.prefill`: target and drafter). Returns the
     big (state, sampling) with rows `slots` replaced. Pure."""
     new = prefill(target, drafter, prompts, lengths, new_sampling, spec=spec, capacity=capacity,
                   cache_dtype=cache_dtype, packed_len=packed_len)
