@@ -186,8 +186,10 @@ def draft_prefill(drafter, cache, comb, prompts, lengths, first_token, active, s
         flat = jnp.arange(b * s, dtype=jnp.int32).reshape(b, s)
         slot, ppos, seg, rows, starts = pack_prompts(flat, lengths + kk - 1, packed_draft_length(packed_len, b, kk))
         real = seg >= 0
-        take = lambda x: jnp.where(real[..., None] if x.ndim == 3 else real,  # noqa: E731
-                                   x.reshape((b * s,) + x.shape[2:])[slot], 0)
+
+        def take(x):  # [B, S, ...] -> [1, N, ...] at the packed slots, 0 past the last one
+            g = x.reshape((b * s,) + x.shape[2:])[slot]
+            return jnp.where(real.reshape(real.shape + (1,) * (g.ndim - 2)), g, 0)
         normed, prenorm, cache = drafter_forward(
             drafter, take(tokens), take(h_in), ppos, cache, valid=take(valid), mask=document_mask(seg, span=s),
             cache_rows=rows, implementation=spec.implementation)
