@@ -25,9 +25,13 @@ L2), with the weight bytes' roofline at 4.3 TB/s; --sweep adds the kernels under
 with kernels per round and the GPU's busy fraction from one traced generation each.
 prefill: the prefill of a static batch of B ragged prompts (lengths drawn log-normally around --prefill-median, the
 longest --prefill-longest: the code pair's prompts have median 82 and longest 347 tokens), padded (each prompt a row
-of the longest one's bucket) against packed (the prompts in one row under a document mask), for plain decoding (the
-target's prefill) and P-EAGLE (target and drafter), per shape and B of --prefill-batches: positions computed and
-median prefill ms (the engine's clock: both prefill programs and the first tokens' copy to the host).
+of the longest one's bucket) against packed (the prompts in one row under a document mask), per shape and B of
+--prefill-batches. Two parts (--prefill-parts): "generate", for plain decoding (the target's prefill) and P-EAGLE
+(target and drafter): positions computed and median prefill ms (the engine's clock: both prefill programs and the
+first tokens' copy to the host); "drafter", for a P-EAGLE head of --drafter-layers layers and a 1-layer EAGLE-3 head
+(K = --k): the drafter's prefill slots padded / packed (each prompt's L + K - 1 slots, L for EAGLE-3) and the median
+host ms of the engine's own compiled prefill programs (`engine_prefill`), the drafter's alone and target + drafter
+(the first-token path), synchronised calls; the programs compiled are listed at the end.
 Weights are random bf16; acceptance is then ~0, so every round emits one token and has the same cost as a
 round with accepted drafts (the same slots are computed). Compilation is excluded (a warm-up generation first).
 Prints markdown; writes JSON to --out (default $OUT/bench_generate.json when $OUT is set).
@@ -35,6 +39,7 @@ Prints markdown; writes JSON to --out (default $OUT/bench_generate.json when $OU
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import statistics
@@ -51,6 +56,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import pjax  # noqa: E402
 from pjax.config import LayerSpec, ModelConfig, RopeSpec  # noqa: E402
+from pjax.decode.compiled import compile_stats  # noqa: E402
+from pjax.decode.draft import packed_draft_length, prefill_mask_slots  # noqa: E402
 from pjax.models.drafter import DrafterConfig  # noqa: E402
 
 SHAPES = {  # name: (layers, hidden, intermediate, heads, kv heads, head dim, vocab)
@@ -79,16 +86,20 @@ def llama(layers, h, inter, heads, kv, hd, vocab) -> ModelConfig:
 
 
 def models(shape: str, head_layers: int, peagle: bool = True):
-    """Random bf16 target of `shape` and a random head (P-EAGLE with a mask token, or EAGLE-3)."""
+    """Random bf16 target of `shape` and a random head (`head`)."""
     layers, h, inter, heads, kv, hd, vocab = SHAPES[shape]
-    tcfg = llama(layers, h, inter, heads, kv, hd, vocab)
-    target = pjax.init_target(tcfg, jax.random.key(0), jnp.bfloat16)
-    n = layers
+    target = pjax.init_target(llama(layers, h, inter, heads, kv, hd, vocab), jax.random.key(0), jnp.bfloat16)
+    return target, head(shape, head_layers, peagle)
+
+
+def head(shape: str, head_layers: int, peagle: bool = True):
+    """A random bf16 head of `head_layers` layers for the target of `shape`: P-EAGLE (a mask token) or EAGLE-3."""
+    n, h, inter, heads, kv, hd, vocab = SHAPES[shape]
     aux = (2, n // 2, n - 3) if n >= 8 else (0, 1, 2)
     dcfg = DrafterConfig(layer=llama(head_layers, h, inter, heads, kv, hd, vocab), num_aux=3, target_hidden_size=h,
                          draft_vocab_size=vocab, mask_token_id=vocab - 1 if peagle else None, aux_layer_ids=aux,
                          has_mask_hidden=peagle, model_kind="peagle" if peagle else "eagle3")
-    return target, pjax.init_drafter(dcfg, jax.random.key(1), jnp.bfloat16)
+    return pjax.init_drafter(dcfg, jax.random.key(1), jnp.bfloat16)
 
 
 def prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -156,34 +167,134 @@ def ragged_lengths(batch: int, median: int, longest: int, seed: int = 0) -> list
     return lengths.tolist()
 
 
-def run_prefill(args) -> list[dict]:
+def host_ms(f, args, calls: int) -> float:
+    """Median host ms of `calls` synchronised calls f(*args), after one warm-up call."""
+    jax.block_until_ready(f(*args))
+    ts = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        ts.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(ts)
+
+
+class _PrefillDone(Exception):
+    """`engine_prefill`: the generation's prefill has run; stop before its decode loop compiles."""
+
+
+def engine_prefill(target, drafter, ps, **kw) -> dict:
+    """The engine's own prefill programs for a generation of the prompts `ps` (`pjax.Generation` with `kw`):
+    {"prefill_target" / "prefill_drafter": (executable, arguments, static settings)}, recorded from the engine's
+    compilation cache as the generation builds and runs them (so they are compiled and warm), the generation stopped
+    before it compiles its decode loop. Calling exe(*arguments) repeats that prefill program exactly."""
+    G = importlib.import_module("pjax.decode.generate")
+    engine_compiled, got = G._compiled, {}
+
+    def record(name, args, kwargs, *rest):
+        if name not in ("prefill_target", "prefill_drafter"):
+            raise _PrefillDone
+        exe, seconds = engine_compiled(name, args, kwargs, *rest)
+        got[name] = (exe, args, kwargs)
+        return exe, seconds
+    G._compiled = record
+    try:
+        G.Generation(target, drafter, ps, max_new_tokens=1, **kw)
+    except _PrefillDone:
+        pass
+    finally:
+        G._compiled = engine_compiled
+    return got
+
+
+def first_token_path(exe_t, args_t, exe_d, args_d):
+    """The target's prefill program, then the drafter's on its state and features (as `pjax.Generation` runs them)."""
+    state, aux = exe_t(*args_t)
+    return exe_d(args_d[0], state, aux, *args_d[3:])
+
+
+def prefill_generate_rows(args, shape, target, peagle, ps) -> list[dict]:
+    """Per drafting mode (none, P-EAGLE): a generation's prefill padded and packed on the engine's clock."""
     rows = []
+    for mode, drafter in (("none", None), ("parallel", peagle)):
+        row = {"shape": shape, "batch": len(ps), "drafting": mode, "prompt_tokens": sum(map(len, ps))}
+        for layout in ("padded", "packed"):
+            kw = dict(max_new_tokens=1, drafting=mode, num_speculative_tokens=args.k, prefill=layout)
+            pjax.generate(target, drafter, ps, **kw)  # compiles
+            runs = [pjax.generate(target, drafter, ps, **kw).stats for _ in range(args.repeats)]
+            row[f"{layout}_positions"] = runs[0]["prefill_tokens"]
+            row[f"{layout}_ms"] = statistics.median(1e3 * r["prefill_time_s"] for r in runs)
+        row["padded_over_packed"] = row["padded_ms"] / row["packed_ms"]
+        rows.append(row)
+    return rows
+
+
+def prefill_drafter_rows(args, shape, target, heads, ps) -> list[dict]:
+    """Per head (drafting mode, drafter, K): the engine's drafter prefill program alone, and the first-token path
+    (target prefill + drafter prefill), padded and packed, median host ms of synchronised calls."""
+    rows = []
+    for mode, drafter, k in heads:
+        row = {"shape": shape, "batch": len(ps), "drafting": mode, "head_layers": drafter.config.layer.num_layers,
+               "k": k, "prompt_tokens": sum(map(len, ps))}
+        kk = k if mode == "parallel" else 1  # slots each prompt adds: K - 1 mask slots, none for EAGLE-3
+        for layout in ("padded", "packed"):
+            progs = engine_prefill(target, drafter, ps, drafting=mode, num_speculative_tokens=k, prefill=layout)
+            exe_t, args_t, _ = progs["prefill_target"]
+            exe_d, args_d, static = progs["prefill_drafter"]
+            (b, lp), n = args_d[3].shape, static["packed_len"]
+            row[f"{layout}_slots"] = b * (lp + prefill_mask_slots(kk)) if n is None else packed_draft_length(n, b, kk)
+            row[f"{layout}_drafter_ms"] = host_ms(exe_d, args_d, args.repeats)
+            row[f"{layout}_first_token_ms"] = host_ms(first_token_path, (exe_t, args_t, exe_d, args_d), args.repeats)
+        row["drafter_padded_over_packed"] = row["padded_drafter_ms"] / row["packed_drafter_ms"]
+        row["first_token_padded_over_packed"] = row["padded_first_token_ms"] / row["packed_first_token_ms"]
+        rows.append(row)
+    return rows
+
+
+def run_prefill(args) -> dict:
+    parts = args.prefill_parts.split(",")
+    if not set(parts) <= {"generate", "drafter"}:
+        raise ValueError(f"--prefill-parts {args.prefill_parts!r}: expected generate and/or drafter")
+    out = {"generate": [], "drafter": []}
+    before = compile_stats()
     head_layers = {"tiny": 1, "llama-445m": 2, "llama3.1-8b": 4}
     for shape in (["tiny"] if args.tiny else args.shapes.split(",")):
         target, peagle = models(shape, head_layers[shape])
+        heads = [("parallel", head(shape, args.drafter_layers), args.k),
+                 ("sequential", head(shape, 1, peagle=False), args.k)]
         vocab = SHAPES[shape][-1]
         for batch in map(int, args.prefill_batches.split(",")):
             lengths = ragged_lengths(batch, args.prefill_median, args.prefill_longest)
             rng = np.random.default_rng(batch)
             ps = [rng.integers(0, vocab - 1, n).tolist() for n in lengths]
-            for mode, drafter in (("none", None), ("parallel", peagle)):
-                row = {"shape": shape, "batch": batch, "drafting": mode, "prompt_tokens": int(sum(lengths))}
-                for layout in ("padded", "packed"):
-                    kw = dict(max_new_tokens=1, drafting=mode, num_speculative_tokens=args.k, prefill=layout)
-                    pjax.generate(target, drafter, ps, **kw)  # compiles
-                    runs = [pjax.generate(target, drafter, ps, **kw).stats for _ in range(args.repeats)]
-                    row[f"{layout}_positions"] = runs[0]["prefill_tokens"]
-                    row[f"{layout}_ms"] = statistics.median(1e3 * r["prefill_time_s"] for r in runs)
-                row["padded_over_packed"] = row["padded_ms"] / row["packed_ms"]
-                rows.append(row)
-    print("\n| shape | B | drafting | prompt tokens | padded positions | packed positions | padded ms | packed ms "
-          "| padded / packed |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['shape']} | {r['batch']} | {r['drafting']} | {r['prompt_tokens']} | {r['padded_positions']} "
-              f"| {r['packed_positions']} | {r['padded_ms']:.2f} | {r['packed_ms']:.2f} | "
-              f"{r['padded_over_packed']:.2f}x |")
-    return rows
+            if "generate" in parts:
+                out["generate"] += prefill_generate_rows(args, shape, target, peagle, ps)
+            if "drafter" in parts:
+                out["drafter"] += prefill_drafter_rows(args, shape, target, heads, ps)
+    out["programs_compiled"] = {name: n - before.get(name, (0, 0.0))[0] for name, (n, _) in compile_stats().items()
+                                if n > before.get(name, (0, 0.0))[0]}
+    if out["generate"]:
+        print("\n| shape | B | drafting | prompt tokens | padded positions | packed positions | padded ms | packed ms "
+              "| padded / packed |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in out["generate"]:
+            print(f"| {r['shape']} | {r['batch']} | {r['drafting']} | {r['prompt_tokens']} | {r['padded_positions']} "
+                  f"| {r['packed_positions']} | {r['padded_ms']:.2f} | {r['packed_ms']:.2f} | "
+                  f"{r['padded_over_packed']:.2f}x |")
+    if out["drafter"]:
+        print(f"\nThe drafter's prefill alone and the first-token path (target + drafter prefill), median host ms "
+              f"of {args.repeats}:")
+        print("| shape | B | drafting | head layers | K | padded slots | packed slots | drafter padded ms "
+              "| drafter packed ms | padded / packed | target + drafter padded ms | target + drafter packed ms "
+              "| padded / packed |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in out["drafter"]:
+            print(f"| {r['shape']} | {r['batch']} | {r['drafting']} | {r['head_layers']} | {r['k']} "
+                  f"| {r['padded_slots']} | {r['packed_slots']} | {r['padded_drafter_ms']:.2f} "
+                  f"| {r['packed_drafter_ms']:.2f} | {r['drafter_padded_over_packed']:.2f}x "
+                  f"| {r['padded_first_token_ms']:.2f} | {r['packed_first_token_ms']:.2f} "
+                  f"| {r['first_token_padded_over_packed']:.2f}x |")
+    print("\nprograms compiled: " + ", ".join(f"{n} {name}" for name, n in out["programs_compiled"].items()))
+    return out
 
 
 def traced_generation(target, drafter, ps, **kw):
@@ -255,12 +366,7 @@ def _device_us(op, target, inputs, calls: int):
     prog = jax.jit(lambda t, ins: [op(t.module.layers[i], ins[i]) for i in range(r)])
     prof = profile_calls(prog, (target, inputs), calls=calls)
     if prof is None:
-        ts = []
-        for _ in range(calls):
-            t0 = time.perf_counter()
-            jax.block_until_ready(prog(target, inputs))
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts) / r * 1e6, float("nan"), {}
+        return host_ms(prog, (target, inputs), calls) / r * 1e3, float("nan"), {}
     spans, kernels = prof
     by_name = {}
     for ks in kernels:
@@ -458,11 +564,22 @@ def main(argv=None):
     ap.add_argument("--only", choices=("all", "kernels", "steps"), default="all", help="fused: one part only")
     ap.add_argument("--sweep", action="store_true", help="fused: also time the kernels under FUSED_SWEEP's tiles")
     ap.add_argument("--calls", type=int, default=20, help="fused: profiled calls per op timing")
-    ap.add_argument("--prefill-batches", default="8,32,64", help="prefill: comma-separated batch sizes")
-    ap.add_argument("--prefill-median", type=int, default=82, help="prefill: median prompt length")
-    ap.add_argument("--prefill-longest", type=int, default=347, help="prefill: longest prompt")
+    ap.add_argument("--prefill-batches", default=None, help="prefill: comma-separated batch sizes (default 8,32,64; "
+                                                             "--tiny: 4)")
+    ap.add_argument("--prefill-median", type=int, default=None,
+                    help="prefill: median prompt length (default 82; --tiny: 20)")
+    ap.add_argument("--prefill-longest", type=int, default=None,
+                    help="prefill: longest prompt (default 347; --tiny: 40)")
+    ap.add_argument("--prefill-parts", default="generate,drafter",
+                    help="prefill: comma-separated parts: generate (a generation's prefill per drafting mode), "
+                         "drafter (the drafter's prefill alone and target + drafter, P-EAGLE and EAGLE-3)")
+    ap.add_argument("--drafter-layers", type=int, default=4, help="prefill: the P-EAGLE head's layers (drafter part)")
     ap.add_argument("--out", default=None, help="JSON output path (default $OUT/bench_generate.json)")
     args = ap.parse_args(argv)
+    for name, full, tiny in (("prefill_batches", "8,32,64", "4"), ("prefill_median", 82, 20),
+                             ("prefill_longest", 347, 40)):
+        if getattr(args, name) is None:
+            setattr(args, name, tiny if args.tiny else full)
     if args.xla_sweep:
         result = {"sweep": sweep(argv)}
     else:
