@@ -96,6 +96,7 @@ def test_end_to_end(ckpt, tmp_path, capsys, scheduling):
         ("parallel", 2, 2)]
     for r in rows:
         assert r["dataset"] == "mt-bench" and r["num_prompts"] == 2 and r["temperature"] == 0.0
+        assert r["draft_sampling"] == "argmax"  # the default (vLLM's); matters at temperature > 0 only
         assert r["simulated"] is False and r["simulate_acceptance"] is None and r["chat_template"] is True
         assert r["output_tokens"] == 2 * NEW and r["stop_reasons"] == {"length": 2}
         assert r["output_tokens_per_s"] > 0 and r["duration_s"] > 0

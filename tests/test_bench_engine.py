@@ -70,3 +70,19 @@ def test_continuous_equals_static_per_request(models, drafting, k, concurrency):
     if drafting != "none":
         assert sum(r.num_accepted_tokens for r in got.requests) > 0
     assert cont.engine(settings) is eng  # one engine per configuration, reused by run
+
+
+def test_draft_sampling_reaches_the_engine(models):
+    """At temperature 1, `draft_sampling="sample"` reaches both backends' engines: static and continuous give the same
+    per-request results (seeded draws), and they differ from argmax drafts' (another random stream, another law)."""
+    target, drafter = models
+    prompts = PROMPTS[:2]
+    requests = [Request(str(i), tuple(p), seed=i) for i, p in enumerate(prompts)]
+    settings = RunSettings(drafting="parallel", k=2, concurrency=2, max_new_tokens=10,
+                           max_positions=max(map(len, prompts)) + 10 + 2 * 2, temperature=1.0)
+
+    def results(backend):
+        return [(r.tokens, r.accepted_per_position) for r in backend.run(requests, settings).requests]
+    sampled = results(BatchBackend(target, {"parallel": drafter}, draft_sampling="sample"))
+    assert results(EngineBackend(target, {"parallel": drafter}, rounds_per_step=2, draft_sampling="sample")) == sampled
+    assert results(BatchBackend(target, {"parallel": drafter}, draft_sampling="argmax")) != sampled

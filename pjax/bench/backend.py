@@ -108,7 +108,7 @@ class BatchBackend:
     """`pjax.decode.Generation` in static batches of `concurrency` requests.
 
     drafters: the head of each drafting mode ({"parallel": head, "sequential": head}; "none" needs none).
-    implementation / cache_dtype / prefill: passed to the engine. The KV cache of every batch holds
+    implementation / cache_dtype / prefill / draft_sampling: passed to the engine. The KV cache of every batch holds
     `bucket_capacity(settings.max_positions)` positions, so programs depend on the batch's rows, prompt-length and
     packed-row buckets only and `prepare` can compile each of them with a short generation.
     """
@@ -117,9 +117,10 @@ class BatchBackend:
                   "them finish (no continuous batching)")
 
     def __init__(self, target, drafters: Mapping[str, object], *, implementation: str = "auto", cache_dtype=None,
-                 prefill: str = "auto"):
+                 prefill: str = "auto", draft_sampling: str = "argmax"):
         self.target, self.drafters = target, dict(drafters)
         self.implementation, self.cache_dtype, self.prefill = implementation, cache_dtype, prefill
+        self.draft_sampling = draft_sampling
 
     @staticmethod
     def batches(requests: Sequence[Request], concurrency: int) -> list[Sequence[Request]]:
@@ -132,7 +133,8 @@ class BatchBackend:
             max_new_tokens=max_new_tokens, num_speculative_tokens=max(s.k, 1), drafting=s.drafting,
             temperature=s.temperature, seed=[r.seed for r in batch], eos_token_id=list(s.eos_token_ids) or None,
             cache_capacity=bucket_capacity(s.max_positions), implementation=self.implementation,
-            cache_dtype=self.cache_dtype, simulate_acceptance=s.simulate_acceptance, prefill=self.prefill)
+            cache_dtype=self.cache_dtype, simulate_acceptance=s.simulate_acceptance, prefill=self.prefill,
+            draft_sampling=self.draft_sampling)
 
     def prepare(self, requests: Sequence[Request], settings: RunSettings) -> float:
         """One short generation (K + 2 new tokens: prefill and a few rounds) per distinct program of the run."""
@@ -174,7 +176,7 @@ class EngineBackend:
     count from its admission into a slot (the moment vLLM's client would send it).
 
     drafters: as `BatchBackend`. rounds_per_step: rounds per device chunk (admission, streaming between chunks);
-    prefill: the admissions' prefill layout (`EngineConfig.prefill`).
+    prefill / draft_sampling: the admissions' prefill layout and the drafts' sampling (`EngineConfig`).
     Every slot's KV cache holds `bucket_capacity(settings.max_positions)` positions (as `BatchBackend`). One engine
     is kept (the last configuration's, reused by its `run`).
     """
@@ -183,10 +185,10 @@ class EngineBackend:
                   "chunks (vLLM's --max-concurrency c); TTFT and end-to-end latency count from a request's admission")
 
     def __init__(self, target, drafters: Mapping[str, object], *, implementation: str = "auto", cache_dtype=None,
-                 rounds_per_step: int = 8, prefill: str = "padded"):
+                 rounds_per_step: int = 8, prefill: str = "padded", draft_sampling: str = "argmax"):
         self.target, self.drafters = target, dict(drafters)
         self.implementation, self.cache_dtype, self.rounds_per_step = implementation, cache_dtype, rounds_per_step
-        self.prefill = prefill
+        self.prefill, self.draft_sampling = prefill, draft_sampling
         self._engine: Optional[tuple[tuple, Engine]] = None
 
     def engine(self, settings: RunSettings) -> Engine:
@@ -199,7 +201,7 @@ class EngineBackend:
                                num_speculative_tokens=max(s.k, 1), drafting=s.drafting,
                                implementation=self.implementation, cache_dtype=self.cache_dtype,
                                rounds_per_step=self.rounds_per_step, simulate_acceptance=s.simulate_acceptance,
-                               prefill=self.prefill)
+                               prefill=self.prefill, draft_sampling=self.draft_sampling)
             self._engine = (key, Engine(self.target, self.drafters.get(s.drafting), cfg))
         return self._engine[1]
 

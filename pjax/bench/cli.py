@@ -58,6 +58,7 @@ from pjax.config import ConfigError
 from pjax.decode import make_spec
 from pjax.decode.compiled import use_compilation_cache
 from pjax.decode.inputs import PREFILL_LAYOUTS
+from pjax.decode.state import DRAFT_SAMPLING
 from pjax.models.families import config_from_hf
 from pjax.dtypes import parse_dtype
 from pjax.kernels import IMPLEMENTATIONS
@@ -140,6 +141,11 @@ def build_parser(prog: str = "python -m pjax bench") -> argparse.ArgumentParser:
     s.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy, "
                                                                   "exactness checked)")
     s.add_argument("--seed", type=int, default=0, help="sampling seed of the first prompt (prompt i: seed + i)")
+    s.add_argument("--draft-sampling", choices=DRAFT_SAMPLING, default="argmax",
+                   help="temperature > 0: argmax (default; drafts are the head's argmax, accepted with the target's "
+                        "probability of them, as vLLM) or sample (drafts drawn from the head's distribution under the "
+                        "request's sampling, accepted with probability sum min(p, q): more where the target's "
+                        "distribution is broad)")
     s.add_argument("--simulate-acceptance", type=_floats, default=None, metavar="P1,...,PK",
                    help="simulated verdicts for timing random weights: draft i accepted with probability p_i (the "
                         "chain stops at the first rejection); at least max(--k) values, the first K used at K")
@@ -282,7 +288,9 @@ def _header(args, settings: BenchSettings, target, meta: dict, cache_dtype, argv
         "date": meta["date"],
         "settings": f"max_new_tokens {settings.max_new_tokens}"
                     + (", EOS ignored" if not eos else f", stops at EOS {list(eos)}")
-                    + f", temperature {settings.temperature}, seed {settings.seed}, prefill {args.prefill}",
+                    + f", temperature {settings.temperature}"
+                    + (f" ({args.draft_sampling} drafts)" if settings.temperature > 0 else "")
+                    + f", seed {settings.seed}, prefill {args.prefill}",
         "exactness": f"temperature 0: each speculative output vs `none`'s at the same concurrency; near-tie "
                      f"threshold {NEAR_TIE_EPS} x eps({meta['dtype']}) x max(1, abs(top logit))",
         "timing": "compilation excluded: every configuration compiles and warms up before it is timed; output "
@@ -331,14 +339,16 @@ def run(args, argv) -> int:
             "heads": {m: (args.sequential_head if m == "sequential" and args.sequential_head else args.head)
                       for m in settings.speculative},
             "dtype": jnp.dtype(dtype).name, "implementation": args.implementation, "prefill": args.prefill,
+            "draft_sampling": args.draft_sampling,
             "chat_template": chat, "seed": settings.seed, "near_tie_eps": NEAR_TIE_EPS,
             **environment()}
     if args.scheduling == "continuous":
         backend = EngineBackend(target, heads, implementation=args.implementation, cache_dtype=cache_dtype,
-                                rounds_per_step=args.rounds_per_step, prefill=args.prefill)
+                                rounds_per_step=args.rounds_per_step, prefill=args.prefill,
+                                draft_sampling=args.draft_sampling)
     else:
         backend = BatchBackend(target, heads, implementation=args.implementation, cache_dtype=cache_dtype,
-                               prefill=args.prefill)
+                               prefill=args.prefill, draft_sampling=args.draft_sampling)
     from tqdm.auto import tqdm
     result = run_bench(backend, sets, settings, meta=meta,
                        next_logits=lambda ids: next_token_logits(target, ids, args.implementation),
