@@ -1,9 +1,11 @@
 """Shared pieces of the engine tests: tiny checkpoints of every target family (written by transformers), a random
-P-EAGLE head for a target, and transformers' greedy continuations."""
+P-EAGLE head for a target, transformers' greedy continuations, and the numpy law of processed logits (temperature,
+top-k, top-p)."""
 import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 import transformers as tf
 
@@ -73,6 +75,25 @@ def make_drafter(target, seed=1, aux=(1, 0, 2), mask_token_id="last", num_layers
                         draft_vocab_size=kw.pop("draft_vocab_size", target.config.vocab_size),
                         mask_token_id=mask_token_id, aux_layer_ids=tuple(aux), **kw)
     return init_drafter(cfg, jax.random.key(seed), jnp.float32, scale=0.2)
+
+
+def processed(logits, temperature, top_k, top_p):
+    """numpy: softmax(logits / T) restricted to the top-k lanes, then to the smallest top-probability set
+    whose mass reaches top_p (lanes whose strictly larger mass is < top_p), renormalised."""
+    x = np.asarray(logits, np.float64) / temperature
+    keep = np.ones(x.shape[-1], bool)
+    if top_k:
+        keep &= x >= np.sort(x)[::-1][top_k - 1]
+    p = np.where(keep, np.exp(x - x[keep].max()), 0.0)
+    p /= p.sum()
+    if top_p < 1:
+        order = np.argsort(-p)
+        before = np.concatenate([[0.0], np.cumsum(p[order])[:-1]])
+        cut = np.zeros(x.shape[-1], bool)
+        cut[order[before < top_p]] = True
+        p = np.where(cut, p, 0.0)
+        p /= p.sum()
+    return p
 
 
 def hf_greedy(model, prompts, new):

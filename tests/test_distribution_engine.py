@@ -15,7 +15,7 @@ import pytest
 from scipy import stats
 
 import pjax
-from tests.engine_utils import FAST, make_drafter, tiny_llama
+from tests.engine_utils import FAST, make_drafter, processed, tiny_llama
 
 V, N, ALPHA = 8, 4000, 1e-3
 PROMPT = [3, 1, 4, 1, 5]
@@ -31,25 +31,6 @@ def models():
         return dataclasses.replace(drafter, params=params)
     # "small": a draft vocabulary of 6 of the 8 target ids (d2t map; q = 0 outside it)
     return target, {"full": peaked(make_drafter(target)), "small": peaked(make_drafter(target, draft_vocab_size=6))}
-
-
-def processed(logits, temperature, top_k, top_p):
-    """numpy: softmax(logits / T) restricted to the top-k lanes, then to the smallest top-probability set
-    whose mass reaches top_p (lanes whose strictly larger mass is < top_p), renormalised."""
-    x = np.asarray(logits, np.float64) / temperature
-    keep = np.ones(V, bool)
-    if top_k:
-        keep &= x >= np.sort(x)[::-1][top_k - 1]
-    p = np.where(keep, np.exp(x - x[keep].max()), 0.0)
-    p /= p.sum()
-    if top_p < 1:
-        order = np.argsort(-p)
-        before = np.concatenate([[0.0], np.cumsum(p[order])[:-1]])
-        cut = np.zeros(V, bool)
-        cut[order[before < top_p]] = True
-        p = np.where(cut, p, 0.0)
-        p /= p.sum()
-    return p
 
 
 def joint_law(target, temperature, top_k, top_p):

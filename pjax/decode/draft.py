@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from pjax.decode.packing import pack_prompts
 from pjax.decode.state import EngineSpec, Sampling
 from pjax.kernels import rng
+from pjax.kernels.acceptance.reference import truncation_threshold
 from pjax.kernels.flash_attention import document_mask
 from pjax.kernels.metadata import build_draft_inputs
 from pjax.models.drafter import (draft_logits_from_hidden, draft_to_target, drafter_forward, logits_to_target_vocab,
@@ -22,19 +23,36 @@ DRAFT_STREAM = 0x44
 MASK_SLOT_STEP = 16  # the drafter's prefill pads its mask slots to a multiple of this (`prefill_mask_slots`)
 
 
+def draft_law(logits, sampling: Sampling, spec: EngineSpec):
+    """logits [B, K, Vd] -> q [B, K, Vd] f32: each row's sampling law applied to the draft logits as the acceptance
+    applies it to the target's (logits / T, then the row's top-k, then top-p: `truncation_threshold`), so a head
+    that matches the target's distribution matches its processed one too and its drafts are accepted as often as
+    speculative sampling allows (an unfiltered q puts mass where the processed p has none). Greedy rows: T = 1
+    (their q is replaced by a one-hot)."""
+    temp = sampling.temperature.astype(jnp.float32)[:, None, None]
+    x = logits.astype(jnp.float32) / jnp.where(temp <= 0, 1.0, temp)
+    if spec.sampling_filters:
+        def filtered():
+            return truncation_threshold(x, sampling.top_k.astype(jnp.int32), sampling.top_p.astype(jnp.float32))
+        wanted = jnp.any((sampling.top_k > 0) | (sampling.top_p < 1))
+        thr = jax.lax.cond(wanted, filtered, lambda: jnp.full(x.shape[:2], -jnp.inf, jnp.float32))
+        x = jnp.where(x >= thr[..., None], x, -jnp.inf)
+    return jax.nn.softmax(x, axis=-1)
+
+
 def select_drafts(drafter, logits, sampling: Sampling, positions, spec: EngineSpec):
     """logits [B, K, Vd] f32 at draft positions [B, K] -> (drafts [B, K] target ids, q [B, K, V] f32 or None).
 
     argmax drafts (ties -> lowest id) unless spec.draft_sampling == "sample", where rows with
-    temperature > 0 draw d ~ softmax(logits / T) by an exponential race keyed on (seed, position, lane).
+    temperature > 0 draw d ~ q = `draft_law` (softmax(logits / T) under the row's top-k / top-p) by an exponential
+    race keyed on (seed, position, lane).
     """
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if spec.draft_sampling == "argmax":
         return draft_to_target(drafter, greedy_ids).astype(jnp.int32), None
     vd = logits.shape[-1]
-    temp = sampling.temperature.astype(jnp.float32)[:, None, None]
-    greedy = temp <= 0
-    q = jax.nn.softmax(logits / jnp.where(greedy, 1.0, temp), axis=-1)
+    greedy = sampling.temperature[:, None, None] <= 0
+    q = draft_law(logits, sampling, spec)
     lanes = jnp.arange(vd, dtype=jnp.int32)
     u = rng.uniform(sampling.seed.astype(jnp.uint32)[:, None, None], positions[:, :, None].astype(jnp.int32),
                     lanes[None, None, :], DRAFT_STREAM)

@@ -30,8 +30,9 @@ class EngineSpec:
     drafting: "parallel" (P-EAGLE, one drafter pass) | "sequential" (EAGLE-3, K passes) | "none".
     max_new_tokens: the static bound on new tokens per row (sizes the output buffer); a row's own limit is
       `Sampling.max_new` (runtime data) when given.
-    draft_sampling: "argmax" (q one-hot, vLLM default) | "sample" (draft d_i ~ softmax(draft logits / T),
-      q kept for verification; greedy rows still use argmax).
+    draft_sampling: "argmax" (q one-hot, vLLM default) | "sample" (draft d_i ~ q = softmax(draft logits / T)
+      under the row's top-k / top-p, processed as the target's; q kept for verification; greedy rows still use
+      argmax).
     aux_layer_ids: target layers whose entering residual streams feed the drafter (() for "none").
     mask_token_id: the P-EAGLE mask token (target vocabulary id), 0 when unused.
     implementation: the kernel switch of every op the round runs ("xla" | "pallas" | "auto", `pjax.kernels`).
