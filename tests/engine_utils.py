@@ -50,6 +50,15 @@ FAST = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" e
 FAST_KEY = tuple(sorted(FAST.items()))
 
 
+def fast_default_compiles(monkeypatch):
+    """Decoding programs built with no compiler options (by code that takes none: the bench backends, the command
+    line, the examples) compile with FAST's, as the tests' own calls pass them. Only the build changes: the programs,
+    their cache keys and compile counts are the same."""
+    import pjax.decode.compiled as compiled
+    real = compiled.jitted
+    monkeypatch.setattr(compiled, "jitted", lambda name, donate, options=(): real(name, donate, options or FAST_KEY))
+
+
 def tiny_llama(vocab: int, hidden: int = 32, *, seed: int = 0, scale: float = 0.3):
     """A 2-layer float32 Llama target built in memory (8 query / 2 KV heads per layer, MLP 64): the engine tests'
     model."""

@@ -23,7 +23,7 @@ from pjax.bench.report import plots_available
 from pjax.checkpoint.files import OUTPUT_MARKER
 from pjax.cli import main
 from pjax.text import load_tokenizer
-from tests.engine_utils import hf_greedy, make_drafter
+from tests.engine_utils import fast_default_compiles, hf_greedy, make_drafter
 from tests.hf_utils import randomize
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,6 +69,11 @@ def ckpt(tmp_path_factory):
     head_dir = root / "head"
     pjax.save_drafter(head, head_dir, dtype="float32")
     return target_dir, head_dir, vocab
+
+
+@pytest.fixture(autouse=True)
+def _fast(monkeypatch):
+    fast_default_compiles(monkeypatch)  # the command takes no compiler options
 
 
 def bench(*args, out):

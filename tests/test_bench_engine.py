@@ -5,7 +5,7 @@ import pytest
 
 from pjax.bench.backend import BatchBackend, EngineBackend, Request, RunSettings
 from pjax.decode.inputs import bucket_batch, prefill_buckets
-from tests.engine_utils import tiny_pair
+from tests.engine_utils import fast_default_compiles, tiny_pair
 
 V = 12
 PROMPTS = [[5, 7, 3], [9, 1, 4, 6, 2, 10, 3, 8] * 3, [3, 3, 2, 1, 0, 5], [7] * 17, [1, 2]]
@@ -14,6 +14,11 @@ PROMPTS = [[5, 7, 3], [9, 1, 4, 6, 2, 10, 3, 8] * 3, [3, 3, 2, 1, 0, 5], [7] * 1
 @pytest.fixture(scope="module")
 def models():
     return tiny_pair(V)
+
+
+@pytest.fixture(autouse=True)
+def _fast(monkeypatch):
+    fast_default_compiles(monkeypatch)  # the backends take no compiler options
 
 
 def test_admissions_are_runs_of_consecutive_requests():

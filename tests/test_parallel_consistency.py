@@ -24,7 +24,7 @@ K = 4
 @pytest.fixture(scope="module")
 def run():
     return tiny_run(target_steps=150, head_steps=120, batch_rows=4, seq_len=128, num_depths=K, log_every=40,
-                    max_files=6, compiler_options={"xla_backend_optimization_level": 0})
+                    max_files=6)
 
 
 def engine_programs(target, dr, rows: int, max_new_tokens: int):
