@@ -13,7 +13,7 @@ from pjax.decode.packing import pack_prompts
 from pjax.decode.state import EngineSpec, Sampling
 from pjax.kernels import rng
 from pjax.kernels.acceptance.reference import truncation_threshold
-from pjax.kernels.flash_attention import document_mask
+from pjax.kernels.flash_attention import causal_mask, document_mask
 from pjax.kernels.metadata import build_draft_inputs
 from pjax.models.drafter import (draft_logits_from_hidden, draft_to_target, drafter_forward, logits_to_target_vocab,
                                  mask_feature)
@@ -198,8 +198,10 @@ def draft_prefill(drafter, cache, comb, prompts, lengths, first_token, active, s
     h_in = gather_features(drafter, comb, fr, use_mask=use_masks and k > 1)
     valid = valid & active[:, None]
     idx = (lengths - 1)[:, None] + jnp.arange(kk, dtype=jnp.int32)  # [B, kk] the slots that draft
-    if packed_len is None:
-        normed, prenorm, cache = _draft_pass(drafter, tokens, h_in, positions, valid, cache, spec)
+    if packed_len is None:  # the cache is empty: each row attends over its own L + kk - 1 slots (flash)
+        normed, prenorm, cache = drafter_forward(drafter, tokens, h_in, positions, cache, valid=valid,
+                                                 mask=causal_mask(lengths + kk - 1, s),
+                                                 implementation=spec.implementation)
     else:  # slot (b, j) -> packed index starts[b] + j; the packed row's outputs back to [B, kk] by that index
         flat = jnp.arange(b * s, dtype=jnp.int32).reshape(b, s)
         slot, ppos, seg, rows, starts = pack_prompts(flat, lengths + kk - 1, packed_draft_length(packed_len, b, kk))

@@ -17,7 +17,7 @@ from pjax.decode.state import (RUNNING, STOP_CAPACITY, STOP_EOS, STOP_LENGTH, ST
                                Sampling, add_batch_axis, drop_batch_axis)
 from pjax.kernels import rng
 from pjax.kernels.acceptance import AcceptResult, accept
-from pjax.kernels.flash_attention import document_mask
+from pjax.kernels.flash_attention import causal_mask, document_mask
 from pjax.models.cache import init_cache
 from pjax.models.drafter import combine, init_drafter_cache
 from pjax.models.target import forward, logits_from_hidden
@@ -130,8 +130,9 @@ def _target_pass(target, prompts, lengths, cache, spec: EngineSpec, packed_len):
     b, lp = prompts.shape
     kw = dict(aux_layer_ids=spec.aux_layer_ids, implementation=spec.implementation)
     j = jnp.arange(lp, dtype=jnp.int32)[None]
-    if packed_len is None:
-        out = forward(target, prompts, jnp.broadcast_to(j, (b, lp)), cache, valid=j < lengths[:, None], **kw)
+    if packed_len is None:  # the cache is empty: attend over the prompt's own tokens (flash), not the whole cache
+        out = forward(target, prompts, jnp.broadcast_to(j, (b, lp)), cache, valid=j < lengths[:, None],
+                      mask=causal_mask(lengths, lp), **kw)
         last_h = jnp.take_along_axis(out.hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
         return last_h, out.aux, out.cache
     tokens, positions, segment, rows, starts = pack_prompts(prompts, lengths, packed_len)

@@ -290,7 +290,7 @@ class Engine:
         return self.compile_s - before
 
     def _precompile_chunk(self, warm: bool):
-        args = (self._target, self._drafter, self._state, self._sampling, jnp.int32(1))
+        args = (self._target, self._drafter, self._state, self._sampling, np.int32(1))
         exe = self._chunk_program(args)
         if warm and not self._slots:
             self._state = exe(*args)[0]
@@ -447,7 +447,7 @@ class Engine:
         if admitted:
             self._snapshot()
         elif self._slots:
-            args = (self._target, self._drafter, self._state, self._sampling, jnp.int32(self.rounds_per_step))
+            args = (self._target, self._drafter, self._state, self._sampling, np.int32(self.rounds_per_step))
             self._state = self._chunk_program(args)(*args)[0]
             self._snapshot()
         now = time.perf_counter()
