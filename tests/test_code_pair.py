@@ -250,3 +250,16 @@ def test_flags():
                                     remat=False, target_tokens=50_000_000, head_optimizer="muon",
                                     regen_function_fraction=0.25)
     assert cp.recipe_from_args(cp.parse_args(["--out", "x"])) == cp.FULL
+
+
+def test_random_code_pair_shape_is_the_full_target():
+    """`python -m pjax bench --target random:code-pair` times the geometry the full recipe trains."""
+    from pjax.bench.models import RANDOM_SHAPES
+    from pjax.models.families import config_from_hf
+    r = cp.FULL
+    c = config_from_hf(RANDOM_SHAPES["code-pair"], "random:code-pair")
+    assert (c.vocab_size, c.hidden_size, c.intermediate_size, c.num_heads, c.num_layers) == (
+        r.vocab_size, r.target_hidden, r.target_intermediate, r.target_heads, r.target_layers)
+    assert {(s.num_kv_heads, s.head_dim, s.rope.theta) for s in c.layers} == {
+        (r.target_kv_heads, r.target_hidden // r.target_heads, r.rope_theta)}
+    assert RANDOM_SHAPES["code-pair"]["max_position_embeddings"] == r.target_seq_len
