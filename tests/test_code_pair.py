@@ -263,3 +263,27 @@ def test_random_code_pair_shape_is_the_full_target():
     assert {(s.num_kv_heads, s.head_dim, s.rope.theta) for s in c.layers} == {
         (r.target_kv_heads, r.target_hidden // r.target_heads, r.rope_theta)}
     assert RANDOM_SHAPES["code-pair"]["max_position_embeddings"] == r.target_seq_len
+
+
+def test_table_script_commands(tmp_path, capsys):
+    """examples/benchmarks/code_pair_table.py: every benchmark it runs is a valid `python -m pjax bench` command line
+    on the pair's files, and a deadline turns into time budgets, then skips."""
+    from pjax.bench.cli import build_parser
+    table = load_example("benchmarks/code_pair_table.py")
+    build, out = tmp_path / "cpb", tmp_path / "bench"
+    assert table.main(["--build", str(build), "--out", str(out), "--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(table.STAGES) + len(table.RUNS)
+    assert [ln.split()[-1] for ln in lines[:len(table.STAGES)]] == list(table.STAGES)
+    for name, _, _ in table.RUNS:
+        args = build_parser().parse_args(table.bench_command(build, out, name, dict(
+            (n, a) for n, _, a in table.RUNS)[name], 120)[4:])
+        assert args.target == str(build / "pair" / "target") and args.out == str(out / name)
+        assert args.time_budget == 120 and args.chat == "off"
+        assert all(str(build / "pair") in d for d in args.dataset if d.endswith(".jsonl"))
+    assert table.budget(300, 100, None) == (True, None)
+    assert table.budget(300, 100, 2000) == (True, 300)
+    assert table.budget(300, 1800, 2000) == (True, 2000 - 1800 - table.MARGIN_S)
+    assert table.budget(300, 1920, 2000)[0] is False
+    with pytest.raises(SystemExit):
+        table.main(["--build", "b", "--out", "o", "--only", "c1-nothing", "--dry-run"])

@@ -1,0 +1,119 @@
+"""The trained pair's speed table in one command: build the pair with `examples/code_pair.py` (stage by stage; a
+re-run continues), then run the table's `python -m pjax bench` invocations, most informative first, each into
+OUT/NAME (bench.md, bench.json, plots) with its log beside it.
+
+    python examples/benchmarks/code_pair_table.py --build /tmp/cpb --out bench/pair                 # all of it
+    python examples/benchmarks/code_pair_table.py --build /tmp/cpb --out bench/pair --deadline-minutes 36
+    python examples/benchmarks/code_pair_table.py --build /tmp/cpb --out bench/pair --dry-run       # the commands
+
+On one H200 the build takes about 19 minutes and the benchmarks below about 20 more, most of it compiling (each
+configuration builds its own programs; they are kept in OUT/.jax_cache for a re-run). `--deadline-minutes M` fits
+the whole into a machine held for a limited time: every benchmark gets a `--time-budget` from what is left (its
+last configurations are cut first) and one that would start with under a minute left is skipped and logged.
+`--skip-build` benchmarks a pair already built in --build. OUT/table.log has the stage and run times.
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+STAGES = ("corpus", "tokenizer", "tokens", "target", "regen", "peagle", "eagle3", "export")
+HELD_OUT = "{pair}/prompts.jsonl"  # the build's held-out functions (signature + docstring -> body)
+RUNS = (  # name, planned seconds (the share of a deadline it may take), bench arguments
+    ("c8-64-heldout", 300, "--scheduling static --dataset {held_out} --num-prompts 128 --concurrency 64,32,8 "
+                           "--k 3,5,7,1"),
+    ("c1-humaneval", 380, "--scheduling static --dataset humaneval --concurrency 1 --k 7,3,5,11,9,1"),
+    ("c8-64-humaneval", 200, "--scheduling static --dataset humaneval --concurrency 64,32,8 --k 3,5,7"),
+    ("c64-continuous", 100, "--scheduling continuous --dataset {held_out} --num-prompts 128 --concurrency 64 "
+                            "--k 3,5"),
+    ("c1-t1-sampled", 130, "--scheduling static --dataset humaneval --num-prompts 82 --concurrency 1 --temperature 1 "
+                           "--draft-sampling sample --k 3,7"),
+    ("c1-heldout", 150, "--scheduling static --dataset {held_out} --num-prompts 100 --concurrency 1 --k 7,5"),
+    ("c1-2048", 90, "--scheduling static --dataset humaneval --num-prompts 4 --concurrency 1 --max-new-tokens 2048 "
+                    "--ignore-eos --k 7"),
+)
+MARGIN_S = 40  # kept back at a deadline: writing the last results
+MIN_RUN_S = 60  # a benchmark with less time than this left is skipped
+
+
+def build_commands(build: Path) -> list[list[str]]:
+    return [[sys.executable, str(ROOT / "examples" / "code_pair.py"), "--out", str(build), "--no-progress",
+             "--stage", s] for s in STAGES]
+
+
+def bench_command(build: Path, out: Path, name: str, args: str, budget_s=None) -> list[str]:
+    pair = build / "pair"
+    cmd = [sys.executable, "-m", "pjax", "bench", "--target", str(pair / "target"), "--head", str(pair / "peagle"),
+           "--sequential-head", str(pair / "eagle3"), "--chat", "off", "--no-progress",
+           "--compilation-cache", str(out / ".jax_cache"), "--out", str(out / name)]
+    cmd += shlex.split(args.format(held_out=HELD_OUT.format(pair=pair)))
+    return cmd + (["--time-budget", str(int(budget_s))] if budget_s is not None else [])
+
+
+def budget(planned_s: float, elapsed_s: float, deadline_s):
+    """(run?, --time-budget or None): without a deadline every run is whole."""
+    if deadline_s is None:
+        return True, None
+    left = deadline_s - elapsed_s - MARGIN_S
+    return left >= MIN_RUN_S, min(planned_s, left)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--build", required=True, type=Path, help="the pair's build directory (examples/code_pair.py)")
+    ap.add_argument("--out", required=True, type=Path, help="directory for the benchmarks (one folder per run)")
+    ap.add_argument("--deadline-minutes", type=float, default=None, help="finish within this many minutes")
+    ap.add_argument("--skip-build", action="store_true", help="the pair in --build is complete: benchmark only")
+    ap.add_argument("--only", default=None, help=f"comma-separated runs of {', '.join(n for n, _, _ in RUNS)}")
+    ap.add_argument("--dry-run", action="store_true", help="print the commands and exit")
+    a = ap.parse_args(argv)
+    names = [n for n, _, _ in RUNS]
+    only = names if a.only is None else a.only.split(",")
+    if set(only) - set(names):
+        ap.error(f"--only {a.only!r}: expected names of {', '.join(names)}")
+    runs = [r for r in RUNS if r[0] in only]
+    deadline = None if a.deadline_minutes is None else 60 * a.deadline_minutes
+    if a.dry_run:
+        for cmd in ([] if a.skip_build else build_commands(a.build)) + [
+                bench_command(a.build, a.out, n, args) for n, _, args in runs]:
+            print(shlex.join(cmd))
+        return 0
+    a.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+
+    def log(line: str) -> None:
+        line = f"{time.strftime('%H:%M:%S')} {line}"
+        print(line, flush=True)
+        with open(a.out / "table.log", "a") as f:
+            f.write(line + "\n")
+
+    if not a.skip_build:
+        with open(a.out / "build.log", "a") as blog:
+            for stage, cmd in zip(STAGES, build_commands(a.build)):
+                t = time.monotonic()
+                if subprocess.run(cmd, stdout=blog, stderr=subprocess.STDOUT, cwd=ROOT).returncode:
+                    log(f"stage {stage} failed: see {a.out / 'build.log'}")
+                    return 1
+                log(f"stage {stage} took {time.monotonic() - t:.0f} s (total {time.monotonic() - t0:.0f} s)")
+    for name, planned, args in runs:
+        go, time_budget = budget(planned, time.monotonic() - t0, deadline)
+        if not go:
+            log(f"bench {name} skipped: the deadline is too close")
+            continue
+        t = time.monotonic()
+        with open(a.out / f"{name}.log", "w") as rlog:
+            rc = subprocess.run(bench_command(a.build, a.out, name, args, time_budget), stdout=rlog,
+                                stderr=subprocess.STDOUT, cwd=ROOT).returncode
+        log(f"bench {name} {'failed (see its log)' if rc else 'done'} in {time.monotonic() - t:.0f} s")
+    log("table done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
