@@ -274,10 +274,10 @@ def test_table_script_commands(tmp_path, capsys):
     assert table.main(["--build", str(build), "--out", str(out), "--dry-run"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == len(table.STAGES) + len(table.RUNS)
+    assert table.STAGES == tuple(s for s in cp.STAGES if s != "check")  # the recipe's stages up to the export
     assert [ln.split()[-1] for ln in lines[:len(table.STAGES)]] == list(table.STAGES)
-    for name, _, _ in table.RUNS:
-        args = build_parser().parse_args(table.bench_command(build, out, name, dict(
-            (n, a) for n, _, a in table.RUNS)[name], 120)[4:])
+    for name, _, bench_args in table.RUNS:
+        args = build_parser().parse_args(table.bench_command(build, out, name, bench_args, 120)[4:])
         assert args.target == str(build / "pair" / "target") and args.out == str(out / name)
         assert args.time_budget == 120 and args.chat == "off"
         assert all(str(build / "pair") in d for d in args.dataset if d.endswith(".jsonl"))

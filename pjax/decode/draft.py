@@ -198,7 +198,7 @@ def draft_prefill(drafter, cache, comb, prompts, lengths, first_token, active, s
     h_in = gather_features(drafter, comb, fr, use_mask=use_masks and k > 1)
     valid = valid & active[:, None]
     idx = (lengths - 1)[:, None] + jnp.arange(kk, dtype=jnp.int32)  # [B, kk] the slots that draft
-    if packed_len is None:  # the cache is empty: each row attends over its own L + kk - 1 slots (flash)
+    if packed_len is None:  # a first pass: each row attends over its own L + kk - 1 slots (flash)
         normed, prenorm, cache = drafter_forward(drafter, tokens, h_in, positions, cache, valid=valid,
                                                  mask=causal_mask(lengths + kk - 1, s),
                                                  implementation=spec.implementation)

@@ -130,7 +130,7 @@ def _target_pass(target, prompts, lengths, cache, spec: EngineSpec, packed_len):
     b, lp = prompts.shape
     kw = dict(aux_layer_ids=spec.aux_layer_ids, implementation=spec.implementation)
     j = jnp.arange(lp, dtype=jnp.int32)[None]
-    if packed_len is None:  # the cache is empty: attend over the prompt's own tokens (flash), not the whole cache
+    if packed_len is None:  # a first pass: attend over the prompt's own tokens (flash), not the cache row
         out = forward(target, prompts, jnp.broadcast_to(j, (b, lp)), cache, valid=j < lengths[:, None],
                       mask=causal_mask(lengths, lp), **kw)
         last_h = jnp.take_along_axis(out.hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
