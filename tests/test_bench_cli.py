@@ -165,6 +165,31 @@ def test_random_target_simulated_acceptance(tmp_path, monkeypatch):
     assert "random ids, 5 per prompt" in md and "Plots skipped: matplotlib is not installed" in md
 
 
+def test_a_stopped_run_keeps_its_finished_configurations(tmp_path, monkeypatch, capsys):
+    """Ctrl-C (or a machine's time limit) in the third configuration: exit 130, --out holds the first two rows and
+    their requests, bench.md says partial and lists the configurations not reached."""
+    from pjax.bench.backend import BatchBackend
+    calls = []
+
+    def run(self, requests, settings, on_progress=None, _real=BatchBackend.run):
+        calls.append(settings.drafting)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return _real(self, requests, settings, on_progress)
+    monkeypatch.setattr(BatchBackend, "run", run)
+    out = tmp_path / "stopped"
+    assert bench("--target", "random:tiny", "--head", "random:2", "--simulate-acceptance", "1.0", "--k", "1",
+                 "--prompt-len", "5", "--num-prompts", "2", "--drafting", "parallel,none", "--concurrency", "1,2",
+                 "--scheduling", "static", "--max-new-tokens", NEW, "--dtype", "f32", out=out) == 130
+    assert "the configurations that finished are in --out" in capsys.readouterr().err
+    rows = json.loads((out / "bench.json").read_text())
+    assert [(r["drafting"], r["concurrency"]) for r in rows] == [("none", 1), ("parallel", 1)]
+    assert len((out / "requests.jsonl").read_text().splitlines()) == 4
+    md = (out / "bench.md").read_text()
+    assert "**Partial output**: 2 of 4 configurations" in md and "- mt-bench none concurrency 2: not reached" in md
+    assert json.loads((out / OUTPUT_MARKER).read_text())["kind"] == "bench"  # a later --force may replace it
+
+
 def test_force_replaces_only_a_bench_output(ckpt, tmp_path):
     target_dir, _, _ = ckpt
     out = tmp_path / "res"

@@ -222,6 +222,20 @@ def test_time_budget_skips_whole_configurations():
     assert "Plots skipped: matplotlib is not installed" in md
 
 
+def test_partial_results_after_each_configuration():
+    s = BenchSettings(drafting=("parallel", "none"), ks=(1,), concurrency=(1, 2), max_new_tokens=4)
+    seen = []
+    res = run_bench(StandIn(), [prompt_set()], s, meta={}, progress=False, on_partial=seen.append)
+    assert [len(p.rows) for p in seen] == [1, 2, 3]  # after every configuration but the last
+    assert [len(p.skipped) for p in seen] == [3, 2, 1] and all(p.partial and p.planned == 4 for p in seen)
+    assert [(x["drafting"], x["concurrency"]) for x in seen[1].skipped] == [("none", 2), ("parallel", 2)]
+    assert seen[1].rows == res.rows[:2] and len(seen[1].requests) == 6
+    md = markdown(seen[0], {}, plots={})
+    assert "**Partial output**: 1 of 4 configurations" in md and "- toy none concurrency 2: not reached" in md
+    assert "Plots skipped" not in md  # a partial write draws none on purpose
+    assert not res.partial and res.planned == 4 and "Partial output" not in markdown(res, {}, plots={})
+
+
 @pytest.mark.parametrize("kw, flag", [
     (dict(drafting=()), "--drafting"), (dict(drafting=("eagle",)), "--drafting eagle"),
     (dict(ks=(3, 0)), "--k 3,0"), (dict(concurrency=(1, 0)), "--concurrency 1,0"),

@@ -29,7 +29,9 @@ one finishes (vLLM's --max-concurrency c); --scheduling static decodes c request
 have finished.
 
 Exit status: 0 done; 2 bad input (one line `error: ...` naming the flag or file; nothing written to --out);
-130 interrupted (nothing written); an unexpected failure prints its traceback (status 1).
+130 interrupted; an unexpected failure prints its traceback (status 1). After each configuration --out holds the
+results so far (bench.md says "Partial output" until the run completes), so an interrupted or killed run keeps
+what it measured.
 """
 from __future__ import annotations
 
@@ -350,13 +352,19 @@ def run(args, argv) -> int:
         backend = BatchBackend(target, heads, implementation=args.implementation, cache_dtype=cache_dtype,
                                prefill=args.prefill, draft_sampling=args.draft_sampling)
     from tqdm.auto import tqdm
+    header = _header(args, settings, target, meta, cache_dtype, argv)
+    written = []
+
+    def write_partial(partial) -> None:  # after each configuration: a run stopped from outside keeps its rows
+        write_outputs(args.out, partial, header, force=args.force or bool(written), sources=local, plots=False)
+        written.append(True)
+
     result = run_bench(backend, sets, settings, meta=meta,
                        next_logits=lambda ids: next_token_logits(target, ids, args.implementation),
                        compute_dtype=dtype, progress=not args.no_progress, t_start=t_start,
-                       log=lambda msg: tqdm.write(msg, file=sys.stderr))
+                       log=lambda msg: tqdm.write(msg, file=sys.stderr), on_partial=write_partial)
 
-    out = write_outputs(args.out, result, _header(args, settings, target, meta, cache_dtype, argv),
-                        force=args.force, sources=local)
+    out = write_outputs(args.out, result, header, force=args.force or bool(written), sources=local)
     print(f"wrote {out}: bench.json, requests.jsonl, bench.md"
           + ("" if plots_available() else f" ({PLOTS_MISSING})"))
     for r in result.rows:
@@ -373,7 +381,7 @@ def main(argv=None, prog: str = "python -m pjax bench") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(prog).parse_args(argv)
     return run_command(lambda: run(args, argv), user_errors=(BenchError, CheckpointError, ConfigError),
-                       interrupted="interrupted (nothing written)")
+                       interrupted="interrupted (the configurations that finished are in --out)")
 
 
 if __name__ == "__main__":

@@ -128,6 +128,10 @@ def markdown(result: BenchResult, header: dict, plots: Optional[dict[str, list[s
                   "are conditional rates). Throughput and latency are those of "
                   "the real computation at these acceptance rates; the outputs are not the target's and are not "
                   "checked for exactness.", ""]
+    if result.partial:
+        lines += [f"**Partial output**: {len(rows)} of {result.planned} configurations so far, written while the "
+                  "benchmark ran; the run either goes on (and replaces this output when it finishes) or was "
+                  "stopped.", ""]
     lines += ["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in header.items()]
     lines += [f"| scheduling | {result.scheduling} |", ""]
     if not rows:
@@ -229,14 +233,16 @@ def write_plots(rows: Sequence[dict], directory: Path) -> dict[str, list[str]]:
     return out
 
 
-def write_outputs(out, result: BenchResult, header: dict, *, force: bool, sources: Sequence = ()) -> Path:
-    """Write bench.json, requests.jsonl, the plots and bench.md into `out` atomically (`write_output_dir`, kind
-    "bench": --force replaces only an earlier benchmark output). Returns `out` as written."""
+def write_outputs(out, result: BenchResult, header: dict, *, force: bool, sources: Sequence = (),
+                  plots: bool = True) -> Path:
+    """Write bench.json, requests.jsonl, the plots (where `plots` and matplotlib) and bench.md into `out`
+    atomically (`write_output_dir`, kind "bench": --force replaces only an earlier benchmark output). Returns
+    `out` as written."""
     with write_output_dir(out, force=force, kind="bench", sources=sources) as d:
         write_json(d / "bench.json", result.rows)
         with open(d / "requests.jsonl", "w") as f:
             for line in result.requests:
                 f.write(json.dumps(line, sort_keys=True) + "\n")
-        plots = write_plots(result.rows, d) if plots_available() else None
-        (d / "bench.md").write_text(markdown(result, header, plots))
+        drawn = ({} if not plots else write_plots(result.rows, d) if plots_available() else None)
+        (d / "bench.md").write_text(markdown(result, header, drawn))
     return Path(out)

@@ -134,11 +134,18 @@ def build_prompt_set(dataset: Dataset, count: Optional[int], *, render: Optional
 @dataclasses.dataclass
 class BenchResult:
     """rows: one dict per configuration run; requests: one dict per request of each; skipped: the configurations
-    the time budget left out; scheduling: how the backend schedules requests in flight."""
+    the time budget left out (or, in a partial result, not reached yet); scheduling: how the backend schedules
+    requests in flight; planned: how many configurations the run has (more than the rows + skipped only in a
+    partial result, while the run goes on)."""
     rows: list[dict]
     requests: list[dict]
     skipped: list[dict]
     scheduling: str
+    planned: Optional[int] = None
+
+    @property
+    def partial(self) -> bool:
+        return any(s.get("pending") for s in self.skipped)
 
 
 def environment() -> dict:
@@ -227,11 +234,15 @@ def _request_lines(ps: PromptSet, drafting: str, k: int, c: int, requests, cats,
 def run_bench(backend: Backend, sets: Sequence[PromptSet], settings: BenchSettings, *, meta: dict,
               next_logits: Optional[Callable[[list[int]], np.ndarray]] = None, compute_dtype=None,
               progress: bool = True, t_start: Optional[float] = None,
-              log: Callable[[str], None] = lambda msg: None) -> BenchResult:
+              log: Callable[[str], None] = lambda msg: None,
+              on_partial: Optional[Callable[[BenchResult], None]] = None) -> BenchResult:
     """Run every configuration: `backend.prepare` (compile, warm up), `backend.run` (timed), metrics, and at
     temperature 0 the exactness of each speculative output against the `none` output of the same prompt at the
     same concurrency (next_logits(prefix) -> [V] target logits for the near-tie check; compute_dtype: the target's
     compute dtype, which sets the near-tie threshold). meta: fields every row carries (models, dtype, hardware...).
+    on_partial(result so far) runs after each configuration but the last, its configurations still to run listed
+    in `skipped` with "pending": True, so that a run stopped from outside (a machine's time limit) keeps what it
+    measured.
     """
     s = settings.validate()
     t_start = time.perf_counter() if t_start is None else t_start
@@ -245,7 +256,7 @@ def run_bench(backend: Backend, sets: Sequence[PromptSet], settings: BenchSettin
     references: dict[tuple[int, int], list[list[int]]] = {}  # (prompt set, concurrency) -> none's outputs
     longest_config = 0.0
     try:
-        for ps, drafting, k, c in configs:
+        for i, (ps, drafting, k, c) in enumerate(configs):
             requests, cats = _requests_for(ps, s, c)
             label = f"{ps.dataset.name} {drafting}" + (f" K={k}" if k else "") + f" c={c}"
             elapsed = time.perf_counter() - t_start
@@ -302,7 +313,13 @@ def run_bench(backend: Backend, sets: Sequence[PromptSet], settings: BenchSettin
                 + (f", exact {exact}/{len(requests)}" if exact is not None else "")
                 + f" (compiled in {compile_s:.1f} s{_programs_text(row['compile_by_program'])}, configuration "
                 f"{time.perf_counter() - t_config:.0f} s)")
+            if on_partial is not None and i + 1 < len(configs):
+                pending = [{"dataset": p.dataset.name, "drafting": d, "k": kk, "concurrency": cc, "pending": True,
+                            "reason": "not reached: this output was written while the benchmark ran (a complete "
+                                      "run replaces it)"} for p, d, kk, cc in configs[i + 1:]]
+                on_partial(BenchResult(list(rows), list(details), skipped + pending, backend.scheduling,
+                                       len(configs)))
     finally:
         if bar is not None:
             bar.close()
-    return BenchResult(rows, details, skipped, backend.scheduling)
+    return BenchResult(rows, details, skipped, backend.scheduling, len(configs))
