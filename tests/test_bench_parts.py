@@ -127,8 +127,13 @@ def test_summarize_as_vllm_defines_it():
     assert m["mean_acceptance_length"] == pytest.approx(1 + 10 / 8)
     assert m["acceptance_rates"] == pytest.approx([7 / 8, 3 / 8]) and m["acceptance_rate"] == pytest.approx(10 / 16)
     assert m["stop_reasons"] == {"eos": 1, "length": 2} and m["rounds"] == 3
+    each = [1 + 5 / 4, 1 + 5 / 4]  # per request with drafts: (3 + 2) / 4 and (4 + 1) / 4
+    assert m["acceptance_length_p10"] == pytest.approx(np.percentile(each, 10))
+    spread = summarize([rr(5, 0.1, 0.5, drafts=4, acc=(4, 4)), rr(5, 0.1, 0.5, drafts=4, acc=(0, 0))], 1.0, k=2)
+    assert (spread["acceptance_length_p10"], spread["acceptance_length_p90"]) == pytest.approx((1.2, 2.8))
     plain = summarize([rr(4, 0.1, 0.4)], 1.0, k=0)
     assert plain["mean_acceptance_length"] is None and plain["acceptance_rates"] is None
+    assert plain["acceptance_length_p10"] is None and plain["acceptance_length_p90"] is None
     cats = by_category(reqs, ["a", None, "a"], k=2)
     assert list(cats) == ["a"] and cats["a"]["num_prompts"] == 2
     assert cats["a"]["mean_acceptance_length"] == pytest.approx(1 + 10 / 8)
@@ -196,6 +201,7 @@ def test_sweep_order_speedups_and_exactness():
     assert len(res.requests) == sum(r["num_prompts"] for r in res.rows) and res.skipped == []
     md = markdown(res, {"target": "t"}, plots={"toy": ["toy-k-sweep.png"]})
     assert "| parallel | 2 | 1 | 3 | 24.0 | 1.00 | 1.00 |" in md  # same OTPS as none and the best sequential
+    assert "| 40.0 | 2.00 | 2.00-2.00 | 0.50/0.50 |" in md  # E2E p99, acceptance length, its spread, per position
     assert "| 2/3 (1 differ: 1 near-tie) |" in md and "| b | 2 | 9 / 3 |" in md and "![toy-k-sweep.png](toy-k-sweep.png)" in md
     assert "| scheduling | stand-in |" in md and "best sequential K: c=1: K=1, c=2: K=1" in md  # ties: the smaller K
 

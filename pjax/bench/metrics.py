@@ -5,6 +5,9 @@
   TTFT and end-to-end latency (e2el) per request from the moment it started; mean / median / p99 of each, in ms.
 - mean_acceptance_length = 1 + accepted tokens / drafts (the bonus token included), acceptance_rates[i] = rounds
   whose draft i was accepted / drafts, acceptance_rate = accepted / drafted tokens; None without drafts.
+- Beyond vllm: acceptance_length_p10 / _p90, the 10th / 90th percentile over requests of each request's own
+  acceptance length: how much acceptance varies from one request to the next (the slowest rows set a static batch's
+  time).
 """
 from __future__ import annotations
 
@@ -42,9 +45,13 @@ def acceptance(requests: Sequence[RequestResult], k: int) -> dict:
         per_pos += np.asarray(r.accepted_per_position[:k], np.int64)
     out = {"num_drafts": drafts, "num_draft_tokens": drafts * k, "num_accepted_tokens": accepted}
     if k == 0 or drafts == 0:
-        return {**out, "mean_acceptance_length": None, "acceptance_rate": None, "acceptance_rates": None}
+        return {**out, "mean_acceptance_length": None, "acceptance_rate": None, "acceptance_rates": None,
+                "acceptance_length_p10": None, "acceptance_length_p90": None}
+    each = [1.0 + r.num_accepted_tokens / r.num_drafts for r in requests if r.num_drafts]
     return {**out, "mean_acceptance_length": 1.0 + accepted / drafts, "acceptance_rate": accepted / (drafts * k),
-            "acceptance_rates": [float(x) / drafts for x in per_pos]}
+            "acceptance_rates": [float(x) / drafts for x in per_pos],
+            "acceptance_length_p10": float(np.percentile(each, 10)),
+            "acceptance_length_p90": float(np.percentile(each, 90))}
 
 
 def summarize(requests: Sequence[RequestResult], duration_s: float, k: int) -> dict:

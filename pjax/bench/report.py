@@ -61,13 +61,16 @@ def _dataset_section(name: str, rows: list[dict], plots: list[str]) -> list[str]
              + (f"; token ids: {first['prompts']}." if first["prompts"] else "."), ""]
     none, best = _speedups(rows)
     lines += ["| drafting | K | concurrency | prompts | output tok/s | vs none | vs best sequential | TPOT median ms "
-              "| TPOT p99 ms | TTFT median ms | acceptance length | acceptance per position | exact |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| TPOT p99 ms | TTFT median ms | E2E p99 ms | acceptance length | per request p10-p90 "
+              "| acceptance per position | exact |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         c, otps = r["concurrency"], r["output_tokens_per_s"]
         vs_none = otps / none[c] if otps is not None and c in none else None
         vs_seq = otps / best[c][0] if otps is not None and c in best else None
         rates = "/".join(f"{x:.2f}" for x in r["acceptance_rates"]) if r["acceptance_rates"] else "-"
+        spread = (f"{r['acceptance_length_p10']:.2f}-{r['acceptance_length_p90']:.2f}"
+                  if r.get("acceptance_length_p10") is not None else "-")
         if r["exact_matches"] is not None:
             exact = f"{r['exact_matches']}/{r['num_prompts']}"
             if r["mismatches"]:
@@ -76,8 +79,8 @@ def _dataset_section(name: str, rows: list[dict], plots: list[str]) -> list[str]
             exact = "ref" if r["drafting"] == "none" else "-"
         lines.append(f"| {r['drafting']} | {r['k'] or '-'} | {c} | {r['num_prompts']} | {_f(otps)} | "
                      f"{_f(vs_none, 2)} | {_f(vs_seq, 2)} | {_f(r['tpot_ms_median'], 2)} | "
-                     f"{_f(r['tpot_ms_p99'], 2)} | {_f(r['ttft_ms_median'], 2)} | "
-                     f"{_f(r['mean_acceptance_length'], 2)} | {rates} | {exact} |")
+                     f"{_f(r['tpot_ms_p99'], 2)} | {_f(r['ttft_ms_median'], 2)} | {_f(r['e2el_ms_p99'], 1)} | "
+                     f"{_f(r['mean_acceptance_length'], 2)} | {spread} | {rates} | {exact} |")
     lines.append("")
     notes = ["*vs none*: output tokens/s over `none` at the same concurrency; *vs best sequential*: over the "
              "fastest sequential K at the same concurrency"]
@@ -85,7 +88,9 @@ def _dataset_section(name: str, rows: list[dict], plots: list[str]) -> list[str]
         notes.append("best sequential K: " + ", ".join(f"c={c}: K={k}" for c, (_, k) in sorted(best.items())))
     lines += ["; ".join(notes) + ". TPOT = (end-to-end - TTFT) / (output tokens - 1) per request; acceptance "
               "length = 1 + accepted / drafts; acceptance per position = rounds whose draft i was accepted / drafts "
-              "(as `vllm bench serve`).", ""]
+              "(as `vllm bench serve`); per request p10-p90: the spread of each request's own acceptance length; "
+              "E2E p99: the slowest requests' end-to-end latency (a static batch lasts as long as its slowest "
+              "row).", ""]
     spec = [r for r in rows if r["drafting"] != "none" and r.get("categories")]
     if spec:
         c0 = min(r["concurrency"] for r in spec)
