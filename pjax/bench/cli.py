@@ -353,18 +353,19 @@ def run(args, argv) -> int:
                                prefill=args.prefill, draft_sampling=args.draft_sampling)
     from tqdm.auto import tqdm
     header = _header(args, settings, target, meta, cache_dtype, argv)
-    written = []
+    written = False
 
     def write_partial(partial) -> None:  # after each configuration: a run stopped from outside keeps its rows
-        write_outputs(args.out, partial, header, force=args.force or bool(written), sources=local, plots=False)
-        written.append(True)
+        nonlocal written
+        write_outputs(args.out, partial, header, force=args.force or written, sources=local, plots=False)
+        written = True
 
     result = run_bench(backend, sets, settings, meta=meta,
                        next_logits=lambda ids: next_token_logits(target, ids, args.implementation),
                        compute_dtype=dtype, progress=not args.no_progress, t_start=t_start,
                        log=lambda msg: tqdm.write(msg, file=sys.stderr), on_partial=write_partial)
 
-    out = write_outputs(args.out, result, header, force=args.force or bool(written), sources=local)
+    out = write_outputs(args.out, result, header, force=args.force or written, sources=local)
     print(f"wrote {out}: bench.json, requests.jsonl, bench.md"
           + ("" if plots_available() else f" ({PLOTS_MISSING})"))
     for r in result.rows:

@@ -231,6 +231,13 @@ def _request_lines(ps: PromptSet, drafting: str, k: int, c: int, requests, cats,
              "stop_reason": res.stop_reason} for req, cat, res in zip(requests, cats, results)]
 
 
+def _not_run(ps: PromptSet, drafting: str, k: int, c: int, reason: str, *, pending: bool = False) -> dict:
+    """A configuration of the run that did not run (`BenchResult.skipped`): left out by the time budget, or
+    `pending` (not reached yet, in a partial result)."""
+    out = {"dataset": ps.dataset.name, "drafting": drafting, "k": k, "concurrency": c, "reason": reason}
+    return {**out, "pending": True} if pending else out
+
+
 def run_bench(backend: Backend, sets: Sequence[PromptSet], settings: BenchSettings, *, meta: dict,
               next_logits: Optional[Callable[[list[int]], np.ndarray]] = None, compute_dtype=None,
               progress: bool = True, t_start: Optional[float] = None,
@@ -261,9 +268,8 @@ def run_bench(backend: Backend, sets: Sequence[PromptSet], settings: BenchSettin
             label = f"{ps.dataset.name} {drafting}" + (f" K={k}" if k else "") + f" c={c}"
             elapsed = time.perf_counter() - t_start
             if s.time_budget_s is not None and elapsed + longest_config > s.time_budget_s:
-                skipped.append({"dataset": ps.dataset.name, "drafting": drafting, "k": k, "concurrency": c,
-                                "reason": f"time budget: {elapsed:.0f} s spent, the longest configuration took "
-                                          f"{longest_config:.0f} s, budget {s.time_budget_s:.0f} s"})
+                skipped.append(_not_run(ps, drafting, k, c, f"time budget: {elapsed:.0f} s spent, the longest "
+                                        f"configuration took {longest_config:.0f} s, budget {s.time_budget_s:.0f} s"))
                 log(f"skipped {label} (time budget)")
                 if bar is not None:
                     bar.total -= len(requests)
@@ -314,9 +320,8 @@ def run_bench(backend: Backend, sets: Sequence[PromptSet], settings: BenchSettin
                 + f" (compiled in {compile_s:.1f} s{_programs_text(row['compile_by_program'])}, configuration "
                 f"{time.perf_counter() - t_config:.0f} s)")
             if on_partial is not None and i + 1 < len(configs):
-                pending = [{"dataset": p.dataset.name, "drafting": d, "k": kk, "concurrency": cc, "pending": True,
-                            "reason": "not reached: this output was written while the benchmark ran (a complete "
-                                      "run replaces it)"} for p, d, kk, cc in configs[i + 1:]]
+                pending = [_not_run(*config, "not reached: this output was written while the benchmark ran (a "
+                                    "complete run replaces it)", pending=True) for config in configs[i + 1:]]
                 on_partial(BenchResult(list(rows), list(details), skipped + pending, backend.scheduling,
                                        len(configs)))
     finally:
