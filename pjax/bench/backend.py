@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Mapping, Optional, Protocol, Sequence
 
 from pjax.bench.errors import BenchError
 from pjax.decode import Generation
+from pjax.decode.compiled import COMPILE_THREADS
 from pjax.decode.inputs import bucket_capacity, prefill_buckets
 from pjax.serve.engine import STOP_WIDTH, Engine, EngineConfig, RequestParams
 
@@ -137,17 +139,17 @@ class BatchBackend:
             draft_sampling=self.draft_sampling)
 
     def prepare(self, requests: Sequence[Request], settings: RunSettings) -> float:
-        """One short generation (K + 2 new tokens: prefill and a few rounds) per distinct program of the run."""
-        compile_s, seen = 0.0, set()
+        """One short generation (K + 2 new tokens: prefill and a few rounds) per distinct program of the run, the
+        distinct ones in threads so that XLA compiles their programs in parallel; returns the compile seconds
+        (summed over programs)."""
+        firsts = {}
         for batch in self.batches(requests, settings.concurrency):
-            key = prefill_buckets([len(r.tokens) for r in batch], bucket_capacity(settings.max_positions),
-                                  self.prefill)
-            if key in seen:
-                continue
-            seen.add(key)
-            res = self._generation(batch, settings, min(settings.max_new_tokens, settings.k + 2)).result()
-            compile_s += res.stats["compile_time_s"]
-        return compile_s
+            firsts.setdefault(prefill_buckets([len(r.tokens) for r in batch], bucket_capacity(settings.max_positions),
+                                              self.prefill), batch)
+        new_tokens = min(settings.max_new_tokens, settings.k + 2)
+        warm = lambda batch: self._generation(batch, settings, new_tokens).result().stats["compile_time_s"]  # noqa: E731
+        with ThreadPoolExecutor(max_workers=min(len(firsts), COMPILE_THREADS)) as pool:
+            return sum(pool.map(warm, firsts.values()))
 
     def run(self, requests: Sequence[Request], settings: RunSettings,
             on_progress: Optional[Callable[[int], None]] = None) -> RunResult:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import time
 from typing import Callable, Optional, Sequence
 
@@ -19,7 +20,7 @@ import numpy as np
 
 from pjax.decode.step import decode_chunk, prefill, prefill_drafter, prefill_target, spec_round
 
-__all__ = ["clear_compiled", "compile_count", "compile_stats", "compiled", "jitted", "matmul_precision",
+__all__ = ["COMPILE_THREADS", "clear_compiled", "compile_count", "compile_stats", "compiled", "jitted", "matmul_precision",
            "register_program", "use_compilation_cache"]
 
 # name -> (function, static argument names, donated argument names)
@@ -52,9 +53,13 @@ def jitted(name: str, donate: bool, options: tuple = ()):
                    compiler_options=dict(options) or None)
 
 
+COMPILE_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))  # programs compiled at once where several are needed
+
 _COMPILED: dict = {}
 _MAX_COMPILED = 64  # executables kept (oldest dropped first)
 _BY_NAME: dict[str, list] = {}  # program name -> [programs compiled, seconds]
+_BUILDING: dict = {}  # key -> lock held while one thread compiles it
+_LOCK = threading.Lock()  # guards the three tables
 
 
 def compile_count() -> int:
@@ -76,28 +81,39 @@ def _donate() -> bool:
 def clear_compiled() -> None:
     """Drop every program compiled here (with `jax.clear_caches()`, a long-lived process that compiles many programs
     frees their memory and code mappings)."""
-    _COMPILED.clear()
+    with _LOCK:
+        _COMPILED.clear()
 
 
 def compiled(name, args, kwargs, options: tuple, precision: Optional[str]):
     """AOT-compile once per (function, static settings, compiler options, matmul precision, argument structure and
-    shapes); returns (executable, compile seconds this call)."""
+    shapes); returns (executable, compile seconds this call). Thread-safe: threads may compile different programs at
+    once (XLA compiles in parallel), and a thread asking for a program another thread is compiling waits for it."""
     leaves, tree = jax.tree.flatten(args)
     key = (name, tuple(sorted(kwargs.items())), options, precision, tree,
            tuple((np.shape(x), jnp.result_type(x)) for x in leaves))
-    hit = _COMPILED.get(key)
-    if hit is not None:
-        return hit, 0.0
-    t0 = time.perf_counter()
-    with jax.default_matmul_precision(precision):
-        exe = jitted(name, _donate(), options).lower(*args, **kwargs).compile()
-    seconds = time.perf_counter() - t0
-    entry = _BY_NAME.setdefault(name, [0, 0.0])
-    entry[0] += 1
-    entry[1] += seconds
-    if len(_COMPILED) >= _MAX_COMPILED:
-        _COMPILED.pop(next(iter(_COMPILED)))
-    _COMPILED[key] = exe
+    with _LOCK:
+        hit = _COMPILED.get(key)
+        if hit is not None:
+            return hit, 0.0
+        building = _BUILDING.setdefault(key, threading.Lock())
+    with building:  # one compilation per key; a second caller waits here, then finds the executable
+        with _LOCK:
+            hit = _COMPILED.get(key)
+        if hit is not None:
+            return hit, 0.0
+        t0 = time.perf_counter()
+        with jax.default_matmul_precision(precision):
+            exe = jitted(name, _donate(), options).lower(*args, **kwargs).compile()
+        seconds = time.perf_counter() - t0
+        with _LOCK:
+            entry = _BY_NAME.setdefault(name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += seconds
+            if len(_COMPILED) >= _MAX_COMPILED:
+                _COMPILED.pop(next(iter(_COMPILED)))
+            _COMPILED[key] = exe
+            _BUILDING.pop(key, None)
     return exe, seconds
 
 

@@ -31,8 +31,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import threading
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Optional, Sequence
 
 import jax
@@ -40,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pjax.decode import inputs as I
-from pjax.decode.compiled import compiled, matmul_precision, register_program
+from pjax.decode.compiled import COMPILE_THREADS, compiled, matmul_precision, register_program
 from pjax.decode.generate import acceptance_stats, make_spec
 from pjax.decode.state import STOP_HOST, STOP_NAMES, DecodeState, EngineSpec, Sampling
 from pjax.decode.step import prefill
@@ -194,6 +196,7 @@ class Engine:
         self._admit_exe: dict[tuple[int, int, Optional[int]], object] = {}
         self._chunk_exe = None
         self.compile_s = 0.0
+        self._compile_lock = threading.Lock()  # precompile's threads add to compile_s
 
     # -- device state ------------------------------------------------------------------------------------------
     def _blank_sampling(self, b: int) -> dict:
@@ -248,59 +251,63 @@ class Engine:
         if exe is None:
             exe, c = compiled("admit", args, dict(spec=self.spec, capacity=self.max_len, cache_dtype=self._cache_dtype,
                                                   packed_len=packed_len), self._options, self._precision)
-            self.compile_s += c
-            self._admit_exe[key] = exe
+            with self._compile_lock:
+                self.compile_s += c
+                self._admit_exe[key] = exe
         return exe
 
     def _chunk_program(self, args):
         if self._chunk_exe is None:
-            self._chunk_exe, c = compiled("chunk", args, dict(spec=self.spec), self._options, self._precision)
-            self.compile_s += c
+            exe, c = compiled("chunk", args, dict(spec=self.spec), self._options, self._precision)
+            with self._compile_lock:
+                self.compile_s += c
+                self._chunk_exe = exe
         return self._chunk_exe
 
     def precompile(self, rows: Sequence[int], prompt_lengths: Sequence[int], *, warm: bool = False) -> float:
         """Compile the chunk program and the admission programs of every admission in the buckets of n in `rows`
         requests whose longest prompt has a length in `prompt_lengths` (with a packing `prefill`, every packed row
-        such an admission can take); returns the compile seconds this took. warm: also run each once (admissions of
-        padding rows only and, when nothing runs, a chunk of no rounds: no slot changes), so that a timed first use
-        pays no first-run costs."""
-        before = self.compile_s
-        self._precompile_chunk(warm)
+        such an admission can take); returns the compile seconds this took (summed over programs, which compile in
+        parallel threads). warm: also run each once (admissions of padding rows only and, when nothing runs, a chunk
+        of no rounds: no slot changes), so that a timed first use pays no first-run costs."""
+        keys = []
         for n, length in itertools.product(sorted(set(rows)), sorted(set(prompt_lengths))):
             if not 1 <= n <= self.max_slots or not 1 <= length <= self.max_len:
                 raise ValueError(f"precompile: {n} rows of {length} tokens do not fit {self.max_slots} slots of "
                                  f"{self.max_len} positions")
             b, lp = self._buckets(n, length)
-            for packed_len in self._packed_options(b, lp):
-                self._precompile_admission(b, lp, packed_len, warm)
-        jax.block_until_ready((self._state, self._sampling))
-        return self.compile_s - before
+            keys += [(b, lp, packed_len) for packed_len in self._packed_options(b, lp)]
+        return self._precompile(keys, warm)
 
     def precompile_admissions(self, admissions: Iterable[Sequence[int]], *, warm: bool = False) -> float:
         """`precompile` for given admissions, each the prompt lengths of its requests: the chunk program and exactly
         the admission programs these admissions run (`precompile` builds every program of their buckets)."""
-        before = self.compile_s
-        self._precompile_chunk(warm)
+        keys = []
         for lengths in admissions:
             if not 1 <= len(lengths) <= self.max_slots or not all(1 <= n <= self.max_len for n in lengths):
                 raise ValueError(f"precompile_admissions: prompts of {list(lengths)} tokens do not fit "
                                  f"{self.max_slots} slots of {self.max_len} positions")
-            self._precompile_admission(*I.prefill_buckets(lengths, self.max_len, self.prefill), warm)
+            keys.append(I.prefill_buckets(lengths, self.max_len, self.prefill))
+        return self._precompile(keys, warm)
+
+    def _precompile(self, keys: Sequence[tuple[int, int, Optional[int]]], warm: bool) -> float:
+        """The chunk and the admission programs of `keys` ((rows, lp, packed_len) buckets), compiled in threads,
+        then (warm) each run once in order."""
+        before = self.compile_s
+        keys = list(dict.fromkeys(keys))
+        chunk_args = (self._target, self._drafter, self._state, self._sampling, np.int32(1))
+        jobs = [lambda: self._chunk_program(chunk_args)]
+        jobs += [lambda key=key: self._admit_program(*key, self._admission_args([], [], *key[:2]))
+                 for key in keys if key not in self._admit_exe]
+        with ThreadPoolExecutor(max_workers=min(len(jobs), COMPILE_THREADS)) as pool:
+            list(pool.map(lambda job: job(), jobs))
+        if warm and not self._slots:
+            self._state = self._chunk_program(chunk_args)(*chunk_args)[0]
+        for key in keys if warm else ():
+            args = self._admission_args([], [], *key[:2])
+            self._state, self._sampling = self._admit_program(*key, args)(*args)
         jax.block_until_ready((self._state, self._sampling))
         return self.compile_s - before
-
-    def _precompile_chunk(self, warm: bool):
-        args = (self._target, self._drafter, self._state, self._sampling, np.int32(1))
-        exe = self._chunk_program(args)
-        if warm and not self._slots:
-            self._state = exe(*args)[0]
-
-    def _precompile_admission(self, rows: int, lp: int, packed_len: Optional[int], warm: bool):
-        if warm or (rows, lp, packed_len) not in self._admit_exe:
-            args = self._admission_args([], [], rows, lp)
-            exe = self._admit_program(rows, lp, packed_len, args)
-            if warm:
-                self._state, self._sampling = exe(*args)
 
     # -- requests ----------------------------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], params: RequestParams) -> int:
