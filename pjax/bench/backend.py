@@ -147,7 +147,9 @@ class BatchBackend:
             firsts.setdefault(prefill_buckets([len(r.tokens) for r in batch], bucket_capacity(settings.max_positions),
                                               self.prefill), batch)
         new_tokens = min(settings.max_new_tokens, settings.k + 2)
-        warm = lambda batch: self._generation(batch, settings, new_tokens).result().stats["compile_time_s"]  # noqa: E731
+
+        def warm(batch) -> float:
+            return self._generation(batch, settings, new_tokens).result().stats["compile_time_s"]
         with ThreadPoolExecutor(max_workers=min(len(firsts), COMPILE_THREADS)) as pool:
             return sum(pool.map(warm, firsts.values()))
 

@@ -20,8 +20,8 @@ import numpy as np
 
 from pjax.decode.step import decode_chunk, prefill, prefill_drafter, prefill_target, spec_round
 
-__all__ = ["COMPILE_THREADS", "clear_compiled", "compile_count", "compile_stats", "compiled", "jitted", "matmul_precision",
-           "register_program", "use_compilation_cache"]
+__all__ = ["COMPILE_THREADS", "clear_compiled", "compile_count", "compile_stats", "compiled", "jitted",
+           "matmul_precision", "register_program", "use_compilation_cache"]
 
 # name -> (function, static argument names, donated argument names)
 _PROGRAMS: dict[str, tuple[Callable, tuple[str, ...], tuple[str, ...]]] = {
