@@ -136,12 +136,17 @@ def test_a_k_sweep_compiles_the_target_prefill_once(models, monkeypatch):
     assert outs[0] == outs[1] == outs[2] == gen(target, None, prompts, max_new_tokens=6, drafting="none").tokens
 
 
-def test_threads_compile_each_program_once(models, monkeypatch):
-    """Generations started from threads at once (the benchmark's warm-up): each program is compiled by one thread
-    while the others wait for it, and the outputs equal those of one thread."""
+def test_precompile_in_threads_builds_each_program_once(models, monkeypatch):
+    """`pjax.decode.precompile` from threads at once (the benchmark's warm-up): each program is compiled by one thread
+    while the others wait for it, nothing runs, and the generations afterwards compile nothing and give the outputs
+    of generations that compiled for themselves."""
     from concurrent.futures import ThreadPoolExecutor
     target, drafter = models
     C = sys.modules["pjax.decode.compiled"]
+    G = sys.modules["pjax.decode.generate"]
+    settings = dict(max_new_tokens=5, prefill="padded", num_speculative_tokens=3, compiler_options=FAST)
+    prompts = [[list(range(3, 3 + n))] * 2 for n in (2, 20)] * 3  # two prompt buckets, six settings
+    expected = [gen(target, drafter, p, **settings).tokens for p in prompts]
     monkeypatch.setattr(C, "_COMPILED", {})
     built = []
     orig_jitted = C.jitted
@@ -150,10 +155,10 @@ def test_threads_compile_each_program_once(models, monkeypatch):
         built.append(name)
         return orig_jitted(name, *a)
     monkeypatch.setattr(C, "jitted", counting)
-    prompts = [[list(range(3, 3 + n))] * 2 for n in (2, 20)] * 3  # two prompt buckets, six generations
     with ThreadPoolExecutor(6) as pool:
-        outs = list(pool.map(lambda p: gen(target, drafter, p, max_new_tokens=5, prefill="padded",
-                                           num_speculative_tokens=3).tokens, prompts))
+        seconds = list(pool.map(lambda p: pjax.decode.precompile(target, drafter, p, **settings), prompts))
     assert sorted(built) == ["chunk"] + ["prefill_drafter"] * 2 + ["prefill_target"] * 2, built
-    assert outs == [gen(target, drafter, p, max_new_tokens=5, prefill="padded", num_speculative_tokens=3).tokens
-                    for p in prompts]
+    assert sum(s > 0 for s in seconds) >= 1
+    before = G.compile_count()
+    assert [pjax.generate(target, drafter, p, **settings).tokens for p in prompts] == expected
+    assert G.compile_count() == before

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Mapping, Optional, Protocol, Sequence
 
 from pjax.bench.errors import BenchError
-from pjax.decode import Generation
+from pjax.decode import Generation, precompile
 from pjax.decode.compiled import COMPILE_THREADS
 from pjax.decode.inputs import bucket_capacity, prefill_buckets
 from pjax.serve.engine import STOP_WIDTH, Engine, EngineConfig, RequestParams
@@ -128,9 +128,11 @@ class BatchBackend:
     def batches(requests: Sequence[Request], concurrency: int) -> list[Sequence[Request]]:
         return [requests[i:i + concurrency] for i in range(0, len(requests), concurrency)]
 
-    def _generation(self, batch: Sequence[Request], settings: RunSettings, max_new_tokens: int) -> Generation:
+    def _generation(self, batch: Sequence[Request], settings: RunSettings, max_new_tokens: int, *,
+                    compile_only: bool = False):
+        """The Generation of `batch`; compile_only: its programs' compile seconds instead (`precompile`)."""
         s = settings
-        return Generation(
+        return (precompile if compile_only else Generation)(
             self.target, self.drafters.get(s.drafting), [list(r.tokens) for r in batch],
             max_new_tokens=max_new_tokens, num_speculative_tokens=max(s.k, 1), drafting=s.drafting,
             temperature=s.temperature, seed=[r.seed for r in batch], eos_token_id=list(s.eos_token_ids) or None,
@@ -139,19 +141,19 @@ class BatchBackend:
             draft_sampling=self.draft_sampling)
 
     def prepare(self, requests: Sequence[Request], settings: RunSettings) -> float:
-        """One short generation (K + 2 new tokens: prefill and a few rounds) per distinct program of the run, the
-        distinct ones in threads so that XLA compiles their programs in parallel; returns the compile seconds
-        (summed over programs)."""
+        """The programs of every distinct batch of the run compiled in threads (`pjax.decode.precompile`: XLA
+        compiles them in parallel, nothing runs), then one short generation (K + 2 new tokens: prefill and a few
+        rounds) per distinct batch, one after another; returns the compile seconds (summed over programs)."""
         firsts = {}
         for batch in self.batches(requests, settings.concurrency):
             firsts.setdefault(prefill_buckets([len(r.tokens) for r in batch], bucket_capacity(settings.max_positions),
                                               self.prefill), batch)
         new_tokens = min(settings.max_new_tokens, settings.k + 2)
-
-        def warm(batch) -> float:
-            return self._generation(batch, settings, new_tokens).result().stats["compile_time_s"]
         with ThreadPoolExecutor(max_workers=min(len(firsts), COMPILE_THREADS)) as pool:
-            return sum(pool.map(warm, firsts.values()))
+            compile_s = sum(pool.map(lambda batch: self._generation(batch, settings, new_tokens, compile_only=True),
+                                     firsts.values()))
+        return compile_s + sum(self._generation(batch, settings, new_tokens).result().stats["compile_time_s"]
+                               for batch in firsts.values())
 
     def run(self, requests: Sequence[Request], settings: RunSettings,
             on_progress: Optional[Callable[[int], None]] = None) -> RunResult:

@@ -31,7 +31,7 @@ from pjax.models.pairing import check_pair, pair_warnings
 from pjax.models.target import Target, consistent_target
 
 __all__ = ["Chunk", "GenerateResult", "Generation", "GenerationInterrupted", "acceptance_stats", "compile_count",
-           "generate", "make_spec"]
+           "generate", "make_spec", "precompile"]
 
 
 @dataclasses.dataclass
@@ -131,7 +131,8 @@ class Generation:
                  cache_capacity: Optional[int] = None, draft_sampling: str = "argmax",
                  implementation: str = "auto", cache_dtype=None, compiler_options: Optional[dict] = None,
                  chunk_seconds: Optional[float] = 1.0, progress: bool = False, allow_tf32: bool = False,
-                 simulate_acceptance: Optional[Sequence[float]] = None, loop: str = "device", prefill: str = "auto"):
+                 simulate_acceptance: Optional[Sequence[float]] = None, loop: str = "device", prefill: str = "auto",
+                 _compile_only: bool = False):
         t_start = time.perf_counter()
         if not isinstance(target, Target):
             raise TypeError(f"target must be a pjax Target (load one with pjax.load_target(path)), got "
@@ -221,15 +222,22 @@ class Generation:
                            self._options, self._precision)
         self._compile_s += c
         t0 = time.perf_counter()
-        self._state, aux = exe(*pre_t)
+        run = _shapes_of if _compile_only else (lambda exe, args: exe(*args))  # compile only: the outputs' shapes
+        self._state, aux = run(exe, pre_t)
         c = 0.0
         if spec.drafting != "none":
             pre_d = (drafter, self._state, aux, prompts_d, lengths_d, sampling)
             exe, c = _compiled("prefill_drafter", pre_d, dict(spec=spec, packed_len=packed_len, **statics),
                                self._options, self._precision)
             self._compile_s += c
-            self._state = dataclasses.replace(self._state, **exe(*pre_d))
+            self._state = dataclasses.replace(self._state, **run(exe, pre_d))
         del aux
+        if _compile_only:
+            self._loop, c = _compiled("chunk", (target, drafter, self._state, sampling, jnp.int32(1)), dict(spec=spec),
+                                      self._options, self._precision)
+            self._compile_s += c
+            self.close()
+            return
         self._snapshot()
         self._prefill_s = time.perf_counter() - t0 - c
         self._t_first = time.perf_counter() - t_start - self._compile_s  # time to first token (compile excluded)
@@ -437,6 +445,19 @@ def acceptance_stats(num_drafts: int, accepted: int, accepted_at) -> dict:
     return {"num_drafts": num_drafts, "num_accepted_tokens": accepted,
             "mean_acceptance_length": 1.0 + accepted / num_drafts if num_drafts else 1.0,
             "acceptance_rates": [float(x) / num_drafts if num_drafts else 0.0 for x in accepted_at]}
+
+
+def precompile(target, drafter, prompts: Sequence[Sequence[int]], **settings) -> float:
+    """Compile every program that `Generation(target, drafter, prompts, **settings)` runs, running nothing (no KV
+    cache is allocated), so that threads can compile many settings' programs at once; returns the compile seconds
+    (0.0 when all were compiled before)."""
+    return Generation(target, drafter, prompts, **settings, _compile_only=True)._compile_s
+
+
+def _shapes_of(exe, args):
+    """The output shapes of the compiled `exe` (instead of running it on `args`), as plain ShapeDtypeStructs."""
+    del args
+    return jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype), exe.out_info)
 
 
 def generate(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_tokens: Union[int, Sequence[int]],
