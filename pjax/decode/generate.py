@@ -232,18 +232,16 @@ class Generation:
             self._compile_s += c
             self._state = dataclasses.replace(self._state, **run(exe, pre_d))
         del aux
-        if _compile_only:
-            self._loop, c = _compiled("chunk", (target, drafter, self._state, sampling, jnp.int32(1)), dict(spec=spec),
-                                      self._options, self._precision)
-            self._compile_s += c
-            self.close()
-            return
-        self._snapshot()
-        self._prefill_s = time.perf_counter() - t0 - c
-        self._t_first = time.perf_counter() - t_start - self._compile_s  # time to first token (compile excluded)
+        if not _compile_only:
+            self._snapshot()
+            self._prefill_s = time.perf_counter() - t0 - c
+            self._t_first = time.perf_counter() - t_start - self._compile_s  # time to first token (compile excluded)
         loop_args = (target, drafter, self._state, sampling, jnp.int32(1))
         self._loop, c = _compiled("chunk", loop_args, dict(spec=spec), self._options, self._precision)
         self._compile_s += c
+        if _compile_only:
+            self.close()
+            return
         self._decode_s = 0.0
         self._first_pending = True
 
