@@ -30,8 +30,8 @@ RUNS = (  # name, planned seconds (the share of a deadline it may take), bench a
     ("c1-humaneval", 380, "--scheduling static --dataset humaneval --concurrency 1 --k 7,11,9,5,3,1"),
     ("c1-t1-sampled", 130, "--scheduling static --dataset humaneval --num-prompts 82 --concurrency 1 --temperature 1 "
                            "--draft-sampling sample --k 3,7"),
-    ("c8-64-humaneval", 200, "--scheduling static --dataset humaneval --concurrency 64,32,8 --k 3,5"),
-    ("c64-continuous", 100, "--scheduling continuous --rounds-per-step 32 --dataset {held_out} --num-prompts 128 "
+    ("c8-64-humaneval", 250, "--scheduling static --dataset humaneval --concurrency 64,32,8 --k 3,5"),
+    ("c64-continuous", 250, "--scheduling continuous --rounds-per-step 32 --dataset {held_out} --num-prompts 128 "
                             "--concurrency 64 --k 3,5"),
     ("c1-heldout", 150, "--scheduling static --dataset {held_out} --num-prompts 100 --concurrency 1 --k 7,5"),
     ("c1-2048", 90, "--scheduling static --dataset humaneval --num-prompts 4 --concurrency 1 --max-new-tokens 2048 "
