@@ -118,6 +118,33 @@ def test_cast_the_jax_way_works(models):
         gen(mixed, drafter, PROMPTS, max_new_tokens=4)
 
 
+def test_model_checks_are_remembered(models, monkeypatch):
+    """Every generation checks that a model's module definition fits its params' dtype; a definition equal to the
+    needed one but not the same object (a model built outside the loaders) is compared once, not on every call (a
+    24-layer definition takes ~1 ms to compare)."""
+    from pjax.models.target import abstract_target, consistent_target
+    target, _ = models
+    fresh = dataclasses.replace(target, graphdef=abstract_target(target.config, target.dtype).graphdef)
+    assert fresh.graphdef is not target.graphdef
+    cls = type(fresh.graphdef)
+    calls, real = [], cls.__eq__
+    monkeypatch.setattr(cls, "__eq__", lambda a, b: calls.append(1) or real(a, b))
+    assert consistent_target(fresh) is fresh and calls
+    n = len(calls)
+    assert consistent_target(fresh) is fresh and len(calls) == n
+
+
+def test_program_keys_see_shapes_dtypes_and_weak_types():
+    """A program is looked up by its arguments' (shape, dtype, weak type): numpy and JAX inputs and the compile-only
+    path's shape structs of one shape and dtype find the same program; a weakly typed scalar does not."""
+    from pjax.decode.compiled import _signature
+    want = ((2, 3), jnp.dtype(jnp.float32), False)
+    assert _signature(jnp.zeros((2, 3))) == _signature(np.zeros((2, 3))) == want
+    assert _signature(jax.ShapeDtypeStruct((2, 3), jnp.float32)) == want
+    assert _signature(np.int32(1)) == _signature(jnp.int32(1)) == ((), jnp.dtype(jnp.int32), False)
+    assert _signature(1) == _signature(jnp.asarray(1)) == ((), jnp.dtype(jnp.int32), True)
+
+
 def test_nonfinite_logits_stop_the_row(models):
     """NaN weights: the row stops with reason "nonfinite" instead of emitting argmax-of-NaN (token 0) forever."""
     target, drafter = models

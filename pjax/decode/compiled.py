@@ -85,13 +85,21 @@ def clear_compiled() -> None:
         _COMPILED.clear()
 
 
+def _signature(x) -> tuple:
+    """(shape, dtype, weakly typed?) of one argument as jit sees it. Arrays and shape structs (the compile-only path)
+    answer from their own fields: `jnp.result_type` costs ~4 us a leaf, over the ~260 leaves of a 24-layer pair 1 ms
+    of every generation's host time per program looked up."""
+    if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
+        return x.shape, x.dtype, x.weak_type
+    return np.shape(x), jnp.result_type(x), not isinstance(x, (np.ndarray, np.generic))
+
+
 def compiled(name, args, kwargs, options: tuple, precision: Optional[str]):
     """AOT-compile once per (function, static settings, compiler options, matmul precision, argument structure and
     shapes); returns (executable, compile seconds this call). Thread-safe: threads may compile different programs at
     once (XLA compiles in parallel), and a thread asking for a program another thread is compiling waits for it."""
     leaves, tree = jax.tree.flatten(args)
-    key = (name, tuple(sorted(kwargs.items())), options, precision, tree,
-           tuple((np.shape(x), jnp.result_type(x)) for x in leaves))
+    key = (name, tuple(sorted(kwargs.items())), options, precision, tree, tuple(map(_signature, leaves)))
     with _LOCK:
         hit = _COMPILED.get(key)
         if hit is not None:

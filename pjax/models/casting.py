@@ -41,4 +41,20 @@ def matching_module(value, abstract, what: str):
     if not floats:
         return value
     gd = _graphdef(abstract, value.config, jnp.dtype(floats.pop()))
-    return value if gd == value.graphdef else dataclasses.replace(value, graphdef=gd)
+    return value if _same_module(gd, value.graphdef) else dataclasses.replace(value, graphdef=gd)
+
+
+_SAME: dict = {}  # (id(a), id(b)) -> (a, b, a == b); the objects are kept so that an id is never reused
+
+
+def _same_module(a, b) -> bool:
+    """a == b for two module definitions, remembered: comparing a 24-layer graphdef costs ~1 ms, and every generation
+    checks its models (graphdefs are immutable)."""
+    if a is b:
+        return True
+    hit = _SAME.get((id(a), id(b)))
+    if hit is None:
+        if len(_SAME) >= 256:
+            _SAME.clear()
+        hit = _SAME[(id(a), id(b))] = (a, b, a == b)
+    return hit[2]
