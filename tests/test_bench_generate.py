@@ -1,4 +1,4 @@
-"""Smoke test of examples/benchmarks/bench_generate.py --tiny on CPU: the prefill comparison (padded vs packed) runs
+"""Smoke tests of examples/benchmarks/bench_generate.py --tiny on CPU: the host time of a generation's start; the prefill comparison (padded vs packed) runs
 both layouts for each drafting mode and reports the positions each computed, and its drafter part times the engine's
 drafter prefill programs (P-EAGLE and EAGLE-3) alone and after the target's, in both layouts."""
 import json
@@ -33,3 +33,20 @@ def test_bench_generate_prefill_tiny(tmp_path):
     # the drafter part reuses the generate part's target prefills (same target features) and compiles no decode loop:
     # per layout, the target's prefill for plain decoding and for the heads, and a drafter prefill for each head
     assert res["programs_compiled"] == {"prefill_target": 4, "chunk": 2, "prefill_drafter": 6}
+
+
+def test_bench_generate_host_tiny(tmp_path, monkeypatch):
+    """The host mode times a generation's start at each shape's layer count with tiny widths, for the three drafting
+    modes, and nothing compiles while it is timed (every call after the warm-up finds its programs)."""
+    from pjax.decode.compiled import compile_count
+    bench = load_example("benchmarks/bench_generate.py")
+    counts = []
+    real = bench.precompile
+    monkeypatch.setattr(bench, "precompile", lambda *a, **kw: (real(*a, **kw), counts.append(compile_count()))[0])
+    rows = bench.main(["host", "--shapes", "tiny", "--repeats", "1", "--k", "3", "--prompt-len", "8",
+                       "--new-tokens", "8", "--out", str(tmp_path / "host.json")])["host"]["rows"]
+    assert [(r["drafting"], r["layers"]) for r in rows] == [("none", 2), ("parallel", 2), ("sequential", 2)]
+    assert all(r["host_ms"] > 0 and r["arrays"] > 0 for r in rows)
+    assert len(counts) == 3 * 11
+    for i in range(3):  # per mode: the warm-up, then 10 timed calls that compile nothing
+        assert len(set(counts[i * 11:(i + 1) * 11])) == 1

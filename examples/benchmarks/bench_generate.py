@@ -6,6 +6,7 @@
     PYTHONPATH=. python examples/benchmarks/bench_generate.py profile  # where a generation's device time goes
     PYTHONPATH=. python examples/benchmarks/bench_generate.py fused    # the fused layer kernels: xla vs pallas
     PYTHONPATH=. python examples/benchmarks/bench_generate.py prefill  # a batch's prefill: padded vs packed
+    PYTHONPATH=. python examples/benchmarks/bench_generate.py host     # the host's ms to start a generation
     ... --tiny                                                          # CPU smoke run (tiny shapes)
 
 chunks: for the 8B shape at batch 1 and 64, output tokens/s of one device call for the whole generation
@@ -56,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import pjax  # noqa: E402
 from pjax.config import LayerSpec, ModelConfig, RopeSpec  # noqa: E402
+from pjax.decode import precompile  # noqa: E402
 from pjax.decode.compiled import compile_stats  # noqa: E402
 from pjax.decode.draft import packed_draft_length, prefill_mask_slots  # noqa: E402
 from pjax.models.drafter import DrafterConfig  # noqa: E402
@@ -92,9 +94,10 @@ def models(shape: str, head_layers: int, peagle: bool = True):
     return target, head(shape, head_layers, peagle)
 
 
-def head(shape: str, head_layers: int, peagle: bool = True):
-    """A random bf16 head of `head_layers` layers for the target of `shape`: P-EAGLE (a mask token) or EAGLE-3."""
-    n, h, inter, heads, kv, hd, vocab = SHAPES[shape]
+def head(shape, head_layers: int, peagle: bool = True):
+    """A random bf16 head of `head_layers` layers for the target of `shape` (a name of SHAPES or its tuple): P-EAGLE
+    (a mask token) or EAGLE-3."""
+    n, h, inter, heads, kv, hd, vocab = SHAPES[shape] if isinstance(shape, str) else shape
     aux = (2, n // 2, n - 3) if n >= 8 else (0, 1, 2)
     dcfg = DrafterConfig(layer=llama(head_layers, h, inter, heads, kv, hd, vocab), num_aux=3, target_hidden_size=h,
                          draft_vocab_size=vocab, mask_token_id=vocab - 1 if peagle else None, aux_layer_ids=aux,
@@ -105,6 +108,34 @@ def head(shape: str, head_layers: int, peagle: bool = True):
 def prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return rng.integers(0, vocab - 1, (batch, length)).tolist()
+
+
+def run_host(args) -> dict:
+    """host: the host's share of starting a generation (input checks, the models' dtype checks, the three program
+    lookups), a batch of one --prompt-len prompt, timed as `pjax.decode.precompile` after a warm-up (every program
+    compiled: it runs nothing on the device), median ms of 10 x --repeats calls, per shape of --shapes at its layer
+    count with the tiny shape's widths (the cost counts arrays, not bytes) and drafting mode."""
+    rows = []
+    for shape in args.shapes.split(","):
+        struct = (SHAPES[shape][0],) + SHAPES["tiny"][1:]
+        target = pjax.init_target(llama(*struct), jax.random.key(0), jnp.bfloat16)
+        for drafting in ("none", "parallel", "sequential"):
+            drafter = None if drafting == "none" else head(struct, 1 if drafting == "sequential" else 4,
+                                                           drafting == "parallel")
+            kw = dict(max_new_tokens=args.new_tokens, num_speculative_tokens=args.k, drafting=drafting)
+            ps = prompts(1, args.prompt_len, struct[-1])
+            precompile(target, drafter, ps, **kw)
+            times = []
+            for _ in range(10 * args.repeats):
+                t0 = time.perf_counter()
+                precompile(target, drafter, ps, **kw)
+                times.append(1e3 * (time.perf_counter() - t0))
+            rows.append({"shape": shape, "layers": struct[0], "drafting": drafting,
+                         "arrays": len(jax.tree.leaves((target, drafter))), "host_ms": statistics.median(times)})
+    print("| shape (layers) | drafting | model arrays | host ms per generation |\n|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['shape']} ({r['layers']}) | {r['drafting']} | {r['arrays']} | {r['host_ms']:.2f} |")
+    return {"rows": rows}
 
 
 def timed(target, drafter, ps, *, repeats: int, **kw) -> dict:
@@ -547,7 +578,7 @@ def sweep(argv: list[str]) -> dict:
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=("chunks", "steps", "profile", "fused", "prefill"))
+    ap.add_argument("what", choices=("chunks", "steps", "profile", "fused", "prefill", "host"))
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
     ap.add_argument("--k", type=int, default=7)
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -584,7 +615,7 @@ def main(argv=None):
         result = {"sweep": sweep(argv)}
     else:
         result = {args.what: {"chunks": run_chunks, "steps": run_steps, "profile": run_profile,
-                              "fused": run_fused, "prefill": run_prefill}[args.what](args)}
+                              "fused": run_fused, "prefill": run_prefill, "host": run_host}[args.what](args)}
     result["meta"] = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
                       "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": argv}
     out = args.out or (os.path.join(os.environ["OUT"], "bench_generate.json") if os.environ.get("OUT") else None)

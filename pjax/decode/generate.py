@@ -455,7 +455,7 @@ def precompile(target, drafter, prompts: Sequence[Sequence[int]], **settings) ->
 def _shapes_of(exe, args):
     """The output shapes of the compiled `exe` (instead of running it on `args`), as plain ShapeDtypeStructs."""
     del args
-    return jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype), exe.out_info)
+    return jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, weak_type=o.weak_type), exe.out_info)
 
 
 def generate(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_tokens: Union[int, Sequence[int]],
