@@ -77,7 +77,8 @@ def check_engine_pair(target, drafter, k: int, drafting: str) -> tuple[int, ...]
         raise ValueError(no_parallel_reason(dcfg) + "; use drafting='sequential'")
     if dcfg.num_depths is not None and drafting == "parallel" and k > dcfg.num_depths:
         warnings.warn(f"num_speculative_tokens={k} exceeds the depth the head was trained for "
-                      f"({dcfg.num_depths}); deeper drafts will rarely be accepted", stacklevel=4)
+                      f"({dcfg.num_depths}); the drafts past it are extrapolated: check their acceptance per position",
+                      stacklevel=4)
     return aux
 
 
