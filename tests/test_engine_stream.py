@@ -35,6 +35,19 @@ def test_chunked_equals_one_call_and_host_loop(models, drafting):
     assert many.stats["num_accepted_tokens"] == one.stats["num_accepted_tokens"]
 
 
+def test_the_first_chunk_is_sized_from_the_programs_last_run(models):
+    """A generation's first chunk is sized from the last chunk its program ran (8 rounds before it ever ran): with
+    chunk_seconds far above the generation's length, the first generation takes two device calls, the next one."""
+    from pjax.decode.generate import _SECONDS_PER_ROUND
+    target, drafter = models
+    kw = dict(max_new_tokens=30, num_speculative_tokens=2, drafting="parallel", chunk_seconds=60.0)
+    _SECONDS_PER_ROUND.clear()
+    first = gen(target, drafter, PROMPTS, **kw)
+    second = gen(target, drafter, PROMPTS, **kw)
+    assert first.stats["rounds"] > 8 and first.stats["device_chunks"] == 2
+    assert second.stats["device_chunks"] == 1 and second.tokens == first.tokens
+
+
 def test_stream_chunks_concatenate_to_the_result(models):
     target, drafter = models
     ref = gen(target, drafter, PROMPTS, max_new_tokens=16, **SAMPLED)

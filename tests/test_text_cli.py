@@ -149,7 +149,7 @@ def test_bad_input_in_process(dirs, tmp_path, capsys):
 
 
 def test_ctrl_c_prints_the_text_so_far(dirs, gen, capsys, monkeypatch):
-    """Ctrl-C during the third device chunk: exit 130, the text generated so far on stdout."""
+    """Ctrl-C during the sixth device chunk: exit 130, the text generated so far on stdout."""
     target, head = dirs
     full = gen.generate("The quick brown fox", max_new_tokens=NEW, k=3, ignore_eos=True)
     stream = T.TextGenerator.stream
@@ -160,7 +160,7 @@ def test_ctrl_c_prints_the_text_so_far(dirs, gen, capsys, monkeypatch):
 
         def flaky(*args):
             calls.append(1)
-            if len(calls) == 3:
+            if len(calls) == 6:
                 raise KeyboardInterrupt
             return loop(*args)
         s._gen._loop = flaky
