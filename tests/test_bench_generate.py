@@ -1,6 +1,7 @@
-"""Smoke tests of examples/benchmarks/bench_generate.py --tiny on CPU: the host time of a generation's start; the prefill comparison (padded vs packed) runs
-both layouts for each drafting mode and reports the positions each computed, and its drafter part times the engine's
-drafter prefill programs (P-EAGLE and EAGLE-3) alone and after the target's, in both layouts."""
+"""Smoke tests of examples/benchmarks/bench_generate.py --tiny on CPU: the host time of a generation's start; the
+prefill comparison (padded vs packed) runs both layouts for each drafting mode and reports the positions each
+computed, and its drafter part times the engine's drafter prefill programs (P-EAGLE and EAGLE-3) alone and after the
+target's, in both layouts."""
 import json
 
 from tests.example_utils import load_example

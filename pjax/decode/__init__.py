@@ -9,5 +9,5 @@ from pjax.decode.step import (decode_loop, prefill, prefill_drafter, prefill_sin
 
 __all__ = ["STOP_NAMES", "Chunk", "DecodeState", "EngineSpec", "GenerateResult", "Generation",
            "GenerationInterrupted", "Sampling", "compile_count", "decode_loop", "generate", "make_spec", "prefill",
-           "precompile", "prefill_drafter", "prefill_single", "prefill_target", "round_single", "spec_round", "target_spec",
-           "verify"]
+           "precompile", "prefill_drafter", "prefill_single", "prefill_target", "round_single", "spec_round",
+           "target_spec", "verify"]

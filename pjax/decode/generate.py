@@ -241,12 +241,12 @@ class Generation:
         loop_args = (target, drafter, self._state, sampling, jnp.int32(1))
         self._loop, c = _compiled("chunk", loop_args, dict(spec=spec), self._options, self._precision)
         self._compile_s += c
-        per_round = _SECONDS_PER_ROUND.get(self._loop)
-        if per_round is not None and self._chunk_seconds is not None:
-            self._rounds_per_chunk = _chunk_rounds(self._chunk_seconds, per_round)
         if _compile_only:
             self.close()
             return
+        per_round = _SECONDS_PER_ROUND.get(self._loop)
+        if per_round is not None and self._chunk_seconds is not None:
+            self._rounds_per_chunk = _chunk_rounds(self._chunk_seconds, per_round)
         self._decode_s = 0.0
         self._first_pending = True
 
