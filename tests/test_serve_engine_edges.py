@@ -1,13 +1,18 @@
 """The serving engine under interleavings the main tests do not walk: random arrivals and cancellations (with keep)
 against `pjax.generate` per request in every drafting mode, requests that exactly fill a slot's KV positions, a
-request that ends at its prefill token (stop id, max_new_tokens=1) while others wait, and the times of cancelled
-requests."""
+request that ends at its prefill token (stop id, max_new_tokens=1) while others wait, the times of cancelled
+requests, and the memory of an admission (the target's K/V written in place; a reused slot cleared)."""
+import dataclasses
 import random
 import time
+import warnings
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pjax.decode.compiled import jitted
 from pjax.serve import RequestParams
 from tests.serve_utils import (MAX_LEN, V, assert_free_rows_done, check_against_reference, drain, engine, reference,
                                serve_models)
@@ -135,3 +140,40 @@ def test_a_cancelled_request_ends_when_cancelled(models):
     assert 0 <= s["queue_s"] <= s["ttft_s"] <= s["e2e_s"] and s["tpot_s"] is not None
     assert np.isclose(s["tpot_s"], (s["e2e_s"] - s["ttft_s"]) / (s["output_tokens"] - 1))
     assert evs[other].new_tokens and not evs[other].finished
+
+
+@pytest.mark.parametrize("drafting", ["none", "parallel"])
+def test_an_admission_writes_the_target_cache_in_place(models, drafting):
+    """An admission of every slot allocates no second target cache: its temporary memory grows with the slots' KV
+    capacity by the drafter's cache built for the admitted rows (then scattered: up to twice its size) and the
+    zeros that clear one target cache array's rows (here 1/4 of the target's cache), not by a copy of the target's
+    cache (the program compiled with its state donated, as on the GPU; before, the growth was 1.27x the target's)."""
+    temp, caches = {}, {}
+    for max_len in (512, 2048):
+        eng = engine(models, drafting, max_slots=16, max_len=max_len)
+        args = eng._admission_args([], [], 16, 16)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # CPU: donation is compiled in, then ignored when run
+            exe = jitted("admit", True).lower(*args, spec=eng.spec, capacity=max_len, cache_dtype=None,
+                                              packed_len=None).compile()
+        temp[max_len] = exe.memory_analysis().temp_size_in_bytes
+        caches[max_len] = [sum(x.nbytes for x in jax.tree.leaves(c))
+                           for c in (eng._state.target_cache, eng._state.drafter_cache)]
+    grown_target, grown_drafter = (caches[2048][i] - caches[512][i] for i in (0, 1))
+    assert grown_target > 0
+    assert temp[2048] - temp[512] <= 2 * grown_drafter + 0.5 * grown_target, (temp, caches)
+
+
+def test_a_reused_slot_is_cleared(models):
+    """A slot's old K/V never reach the next request in it: positions past the new prompt hold what an earlier
+    request (here: non-finite values, as one that ended "nonfinite" may leave) wrote, and a masked attention weight
+    times inf or nan is nan, so the admission clears the slot's rows first."""
+    prompt, params = [5, 7, 3], RequestParams(8)
+    eng = engine(models, max_slots=1)
+    s = eng._state
+    eng._state = dataclasses.replace(s, target_cache=jax.tree.map(lambda x: jnp.full_like(x, jnp.nan),
+                                                                  s.target_cache))
+    rid = eng.submit(prompt, params)
+    outputs, finals = {}, {}
+    drain(eng, outputs, finals)
+    check_against_reference(models, "parallel", prompt, params, outputs[rid], finals[rid])

@@ -121,23 +121,25 @@ def target_spec(spec: EngineSpec) -> EngineSpec:
                                mask_token_id=0, simulate_acceptance=None)
 
 
-def _target_pass(target, prompts, lengths, cache, spec: EngineSpec, packed_len):
+def _target_pass(target, prompts, lengths, cache, spec: EngineSpec, packed_len, rows=None):
     """The target over the prompts [B, Lp] (lengths [B]), writing their K/V to `cache`: padded (one row per prompt,
     packed_len None) or packed (`pack_prompts`: one row of packed_len tokens under a document mask, each token's K/V
-    to its prompt's cache row). Returns (hidden [B, H] at each prompt's last token, aux [B, Lp, A*Ht] or None, the
-    cache); both layouts give the same values at every real position (the aux past a prompt's length: the padding's
-    in the padded layout, zeros in the packed one)."""
+    to its prompt's cache row). rows [B] i32: prompt b's cache row (None: row b; rows outside the cache are
+    dropped). Returns (hidden [B, H] at each prompt's last token, aux [B, Lp, A*Ht] or None, the cache); both
+    layouts give the same values at every real position (the aux past a prompt's length: the padding's in the padded
+    layout, zeros in the packed one)."""
     b, lp = prompts.shape
     kw = dict(aux_layer_ids=spec.aux_layer_ids, implementation=spec.implementation)
     j = jnp.arange(lp, dtype=jnp.int32)[None]
     if packed_len is None:  # a first pass: attend over the prompt's own tokens (flash), not the cache row
         out = forward(target, prompts, jnp.broadcast_to(j, (b, lp)), cache, valid=j < lengths[:, None],
-                      mask=causal_mask(lengths, lp), **kw)
+                      mask=causal_mask(lengths, lp),
+                      cache_rows=None if rows is None else jnp.broadcast_to(rows[:, None], (b, lp)), **kw)
         last_h = jnp.take_along_axis(out.hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
         return last_h, out.aux, out.cache
-    tokens, positions, segment, rows, starts = pack_prompts(prompts, lengths, packed_len)
+    tokens, positions, segment, prow, starts = pack_prompts(prompts, lengths, packed_len)
     out = forward(target, tokens, positions, cache, valid=segment >= 0, mask=document_mask(segment, span=lp),
-                  cache_rows=rows, **kw)
+                  cache_rows=prow if rows is None else rows[prow], **kw)
     last_h = out.hidden[0, starts + lengths - 1]
     aux = out.aux
     if aux is not None:  # unpacked: prompt b's token j from the packed index starts[b] + j
@@ -147,21 +149,28 @@ def _target_pass(target, prompts, lengths, cache, spec: EngineSpec, packed_len):
 
 
 def prefill_target(target, prompts, lengths, sampling: Sampling, *, spec: EngineSpec, capacity: int,
-                   cache_dtype=None, packed_len=None):
+                   cache_dtype=None, packed_len=None, cache=None, rows=None):
     """The target's part of `prefill`: run the prompts, sample and emit the first token.
 
     prompts [B, Lp] i32 (right-padded), lengths [B] i32 (1 <= L <= Lp, L <= capacity); sampling [B]; spec: a
     `target_spec` (K = 0). packed_len: None runs the target over [B, Lp] (one row per prompt); an integer N >=
     sum(lengths) runs it over the prompts packed into one row of N tokens (`pack_prompts`), each attending to its own
     earlier tokens only and writing its K/V to its row of the cache: the same results for B * Lp / N times fewer
-    positions computed. Returns (state with K = 0 and no drafter cache, aux features [B, Lp, A*Ht] or None).
+    positions computed. cache / rows: None, or a larger cache [R, capacity] (R rows of any content; donate it)
+    and rows [B] i32, each prompt's row in it (rows >= R: dropped, e.g. padding): those rows are cleared and take
+    the prompts' K/V in place, and the state's target_cache is that cache, so no [B, capacity] cache is allocated
+    (`pjax.serve.admit`). Returns (state with K = 0 and no drafter cache, aux features [B, Lp, A*Ht] or None).
     The first generated token sits at position L; its randomness is keyed on (seed, L).
     """
     b = prompts.shape[0]
     prompts = prompts.astype(jnp.int32)
     lengths = lengths.astype(jnp.int32)
-    tcache = init_cache(target.config, b, capacity, cache_dtype or target.dtype)
-    last_h, aux, tcache = _target_pass(target, prompts, lengths, tcache, spec, packed_len)
+    if cache is None:
+        tcache = init_cache(target.config, b, capacity, cache_dtype or target.dtype)
+    else:  # cleared rows: a masked position must hold a finite value (0 x inf is nan in the attention's product)
+        rows = rows.astype(jnp.int32)
+        tcache = jax.tree.map(lambda x: x.at[rows].set(0, mode="drop"), cache)
+    last_h, aux, tcache = _target_pass(target, prompts, lengths, tcache, spec, packed_len, rows)
     first_logits = logits_from_hidden(target, last_h)
     first = _sample_one(first_logits, sampling, lengths, spec)
     k = spec.k
@@ -199,16 +208,18 @@ def prefill_drafter(drafter, state: DecodeState, aux, prompts, lengths, sampling
 
 
 def prefill(target, drafter, prompts, lengths, sampling: Sampling, *, spec: EngineSpec, capacity: int,
-            cache_dtype=None, packed_len=None) -> DecodeState:
+            cache_dtype=None, packed_len=None, target_cache=None, rows=None) -> DecodeState:
     """Run the prompts, sample the first token, propose the first drafts (`prefill_target`, then
     `prefill_drafter` unless drafting is "none").
 
     prompts [B, Lp] i32 (right-padded), lengths [B] i32 (1 <= L <= Lp, L <= capacity); sampling [B]; packed_len:
     the target's pass over [B, Lp] (None) or over the prompts packed into one row of that many tokens
-    (`prefill_target`). The first generated token sits at position L; its randomness is keyed on (seed, L).
+    (`prefill_target`). target_cache / rows: the target's K/V written in place into rows `rows` [B] of that cache,
+    which the state then holds (`prefill_target`'s cache / rows). The first generated token sits at position L; its
+    randomness is keyed on (seed, L).
     """
     state, aux = prefill_target(target, prompts, lengths, sampling, spec=target_spec(spec), capacity=capacity,
-                                cache_dtype=cache_dtype, packed_len=packed_len)
+                                cache_dtype=cache_dtype, packed_len=packed_len, cache=target_cache, rows=rows)
     if spec.drafting == "none":
         return state
     return dataclasses.replace(state, **prefill_drafter(drafter, state, aux, prompts, lengths, sampling, spec=spec,

@@ -19,12 +19,13 @@ its previous event) and the statistics of the requests that finished, whose slot
 on the device state between steps.
 
 Cost model. Every round computes all max_slots rows (target verify of K + 1 positions per row, drafter pass(es)),
-running or not, so a round costs what a batch of max_slots costs whatever the occupancy; an admission costs a prefill of
-its rows bucket times its prompt bucket (or of its packed row) plus the scatter; each step costs one host round trip
-(dispatch, snapshot). Programs: one chunk program, plus one admission program per (rows bucket, prompt-length bucket,
-packed row bucket) used; sampling values, stop ids (a fixed-width table) and per-request limits are runtime data and
-never recompile. Every random draw is keyed on (seed, position), so a request's output does not depend on which slot it
-took or on the other requests.
+running or not, so a round costs what a batch of max_slots costs whatever the occupancy; an admission costs a
+prefill of its rows bucket times its prompt bucket (or of its packed row) plus the scatter (the target's K/V are
+written in place into the slots' rows, so an admission of every slot needs no second target cache); each step costs
+one host round trip (dispatch, snapshot). Programs: one chunk program, plus one admission program per (rows bucket,
+prompt-length bucket, packed row bucket) used; sampling values, stop ids (a fixed-width table) and per-request
+limits are runtime data and never recompile. Every random draw is keyed on (seed, position), so a request's output
+does not depend on which slot it took or on the other requests.
 """
 from __future__ import annotations
 
@@ -116,12 +117,16 @@ def admit(target, drafter, state: DecodeState, sampling: Sampling, prompts, leng
     """Prefill a batch of requests and write it into the big state at `slots`.
 
     state / sampling: B slots; prompts [b, Lp] i32 (right-padded), lengths [b] i32, new_sampling [b]; slots [b] i32
-    (B = a padding row, dropped); packed_len: the prefill's layout (`pjax.decode.prefill`: target and drafter). Returns the
-    big (state, sampling) with rows `slots` replaced. Pure."""
+    (B = a padding row, dropped); packed_len: the prefill's layout (`pjax.decode.prefill`: target and drafter). The
+    target's K/V go straight into the big cache's rows (no [b, capacity] copy of the target cache: an admission of
+    every slot needs no second cache's memory); the drafter's cache and the other fields are built for the b rows
+    and scattered. Returns the big (state, sampling) with rows `slots` replaced. Pure."""
     new = prefill(target, drafter, prompts, lengths, new_sampling, spec=spec, capacity=capacity,
-                  cache_dtype=cache_dtype, packed_len=packed_len)
+                  cache_dtype=cache_dtype, packed_len=packed_len, target_cache=state.target_cache, rows=slots)
     put = lambda big, small: big.at[slots].set(small.astype(big.dtype), mode="drop")  # noqa: E731
-    return jax.tree.map(put, state, new), jax.tree.map(put, sampling, new_sampling)
+    rest = lambda s: dataclasses.replace(s, target_cache=None)  # noqa: E731
+    merged = dataclasses.replace(jax.tree.map(put, rest(state), rest(new)), target_cache=new.target_cache)
+    return merged, jax.tree.map(put, sampling, new_sampling)
 
 
 register_program("admit", admit, static_argnames=("spec", "capacity", "cache_dtype", "packed_len"),
