@@ -483,7 +483,8 @@ def test_command_serves_then_stops(dirs, gen, sig, code):
     cleanly on SIGINT (130) / SIGTERM (0)."""
     target, head = dirs
     p = run_serve("--target", target, "--head", head, "--k", K, "--dtype", "float32", "--max-len", MAX_LEN,
-                  "--max-slots", 2, "--port", 0, "--served-model-name", NAME, "--warmup", "minimal")
+                  "--max-slots", 2, "--max-admit-rows", 1, "--port", 0, "--served-model-name", NAME,
+                  "--warmup", "minimal")
     try:
         lines = []
         for line in p.stderr:

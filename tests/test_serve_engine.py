@@ -262,6 +262,28 @@ def test_precompile_admissions_builds_exactly_their_programs(models):
         eng.precompile_admissions([[3] * 5])
 
 
+def test_admissions_run_in_groups_of_max_admit_rows(models):
+    """max_admit_rows=2 over 4 slots: one step admits all four queued requests as two programs of 2 rows (no 4-row
+    program is built, nor listed by admission_shapes / precompile_admissions), and each request's output equals
+    generate's alone."""
+    eng = engine(models, max_slots=4, max_admit_rows=3)
+    assert eng.max_admit_rows == 4  # rounded up to a power of two, at most max_slots
+    eng = engine(models, max_slots=4, max_admit_rows=2)
+    assert {n for n, _ in eng.admission_shapes(20)} == {1, 2}
+    eng.precompile_admissions([[3, 8, 6, 20]], warm=True)
+    assert sorted(eng._admit_exe) == [(2, 16, None), (2, 32, None)]
+    before = pjax.decode.compile_count()
+    params = [RequestParams(n) for n in NEW[:4]]
+    ids = [eng.submit(p, q) for p, q in zip(PROMPTS[:4], params)]
+    evs = eng.step()
+    assert sorted(e.request_id for e in evs) == ids and eng.num_running == 4 and eng.num_waiting == 0
+    outputs, finals = {e.request_id: list(e.new_tokens) for e in evs}, {}
+    drain(eng, outputs, finals)
+    assert pjax.decode.compile_count() == before  # both programs (and the chunk) were built ahead
+    for rid, prompt, q in zip(ids, PROMPTS, params):
+        check_against_reference(models, "parallel", prompt, q, outputs[rid], finals[rid])
+
+
 @pytest.mark.parametrize("drafting", ["parallel", "none"])
 def test_packed_admissions_equal_generate(models, drafting):
     """Admissions prefilled packed (the first one: four requests in one row) give every request `pjax.generate`'s
@@ -335,6 +357,7 @@ def test_the_longest_request_that_fits(models):
     (dict(max_slots=0), ValueError, "EngineConfig.max_slots must be an integer >= 1"),
     (dict(max_len=1), ValueError, "EngineConfig.max_len must be an integer >= 2"),
     (dict(rounds_per_step=0), ValueError, "EngineConfig.rounds_per_step must be an integer >= 1"),
+    (dict(max_admit_rows=0), ValueError, "EngineConfig.max_admit_rows must be an integer >= 1"),
     (dict(max_slots=2.0), ValueError, "EngineConfig.max_slots"),
     (dict(drafting="tree"), ValueError, "drafting='tree': expected one of"),
     (dict(num_speculative_tokens=0), ValueError, "num_speculative_tokens must be an integer >= 1"),

@@ -30,6 +30,8 @@ RUNS = (  # name, planned seconds (the share of a deadline it may take), bench a
     ("c1-humaneval", 380, "--scheduling static --dataset humaneval --concurrency 1 --k 11,7,5,3,1,9"),
     ("c1-t1-sampled", 130, "--scheduling static --dataset humaneval --num-prompts 82 --concurrency 1 --temperature 1 "
                            "--draft-sampling sample --k 3,7"),
+    ("c1-t1-argmax", 130, "--scheduling static --dataset humaneval --num-prompts 82 --concurrency 1 --temperature 1 "
+                          "--draft-sampling argmax --k 3,7"),
     ("c8-64-humaneval", 250, "--scheduling static --dataset humaneval --concurrency 64,32,8 --k 3,5"),
     ("c64-continuous", 250, "--scheduling continuous --rounds-per-step 32 --dataset {held_out} --num-prompts 128 "
                             "--concurrency 64 --k 3,5"),

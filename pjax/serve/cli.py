@@ -1,7 +1,7 @@
 """`python -m pjax serve`: an OpenAI-compatible HTTP server over the continuous-batching engine.
 
     python -m pjax serve --target DIR [--head DIR] [--tokenizer DIR] [--drafting parallel|sequential|none] [--k K]
-        [--max-slots N] [--max-len N] [--dtype bfloat16|float32] [--host 127.0.0.1] [--port 8000]
+        [--max-slots N] [--max-admit-rows N] [--max-len N] [--dtype bfloat16|float32] [--host 127.0.0.1] [--port 8000]
         [--served-model-name NAME] [--rounds-per-step N] [--warmup full|minimal]
 
 Loads the target (and head), builds the engine, compiles its programs (--warmup), then listens; clients speak the
@@ -73,6 +73,10 @@ def build_parser(prog: str = "python -m pjax serve") -> argparse.ArgumentParser:
                    help="draft tokens per round (default 7 parallel, capped by the head's depth; 3 sequential)")
     p.add_argument("--max-slots", type=_positive, default=8, metavar="N",
                    help="requests decoded at once: the device batch (default 8; rounded up to a power of two)")
+    p.add_argument("--max-admit-rows", type=_positive, metavar="N",
+                   help="requests prefilled by one admission program at most (default 8, pjax.serve.EngineConfig's): "
+                        "larger admissions run as several, and warm-up compiles admission programs of 1, 2, 4, ... "
+                        "up to N rows")
     p.add_argument("--max-len", type=_positive, metavar="N",
                    help=f"positions per request: prompt + new tokens + 2K (default {DEFAULT_MAX_LEN}, or the "
                         "target's max_position_embeddings when smaller)")
@@ -183,7 +187,8 @@ def _load(args):
     mpe = target.config.max_position_embeddings
     max_len = args.max_len or (min(DEFAULT_MAX_LEN, mpe) if mpe else DEFAULT_MAX_LEN)
     config = EngineConfig(max_slots=args.max_slots, max_len=max_len, num_speculative_tokens=max(k, 1),
-                          drafting=drafting, rounds_per_step=args.rounds_per_step)
+                          drafting=drafting, rounds_per_step=args.rounds_per_step,
+                          **({} if args.max_admit_rows is None else {"max_admit_rows": args.max_admit_rows}))
     engine = _checked("", Engine, target, drafter if drafting != "none" else None, config)
     slack = engine.slack
     if max_len - slack < 2:

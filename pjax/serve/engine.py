@@ -7,11 +7,12 @@ free, is prefilled into it, decodes together with whatever else runs, and frees 
 max_new_tokens, cancellation).
 
 A step (`step`) runs one piece of device work, then reads the result on the host. The work is either (a) an
-admission: up to (free slots) queued requests, oldest first, are prefilled as one batch (rows bucketed to a power of
-two, prompt positions to `inputs.bucket_length`, and with `EngineConfig.prefill` "auto" / "packed" the prompts packed
-into one row of a power-of-two length, `pjax.decode.prefill_target`; padding rows hold one token and stop at prefill)
-and scattered into the big state and the big Sampling at their slots, in one jitted program (`admit`; padding rows
-carry slot index max_slots and are dropped); the step then returns their first tokens at once (TTFT = queueing +
+admission: up to (free slots) queued requests, oldest first, are prefilled in groups of at most `max_admit_rows`,
+each group as one batch (rows bucketed to a power of two, prompt positions to `inputs.bucket_length`, and with
+`EngineConfig.prefill` "auto" / "packed" the prompts packed into one row of a power-of-two length,
+`pjax.decode.prefill_target`; padding rows hold one token and stop at prefill) and scattered into the big state and
+the big Sampling at their slots, in one jitted program call (`admit`; padding rows carry slot index max_slots and
+are dropped); the step then returns their first tokens at once (TTFT = queueing +
 prefill); or (b) one device chunk: `decode_chunk` with at most `rounds_per_step` rounds, ending early once every row
 is done. A step right after an admission always runs a chunk when anything runs, so admissions never starve running
 requests. The host snapshot of the rows' outputs and counters becomes `Event`s (the tokens each request produced since
@@ -22,8 +23,8 @@ Cost model. Every round computes all max_slots rows (target verify of K + 1 posi
 running or not, so a round costs what a batch of max_slots costs whatever the occupancy; an admission costs a
 prefill of its rows bucket times its prompt bucket (or of its packed row) plus the scatter (the target's K/V are
 written in place into the slots' rows, so an admission of every slot needs no second target cache); each step costs
-one host round trip (dispatch, snapshot). Programs: one chunk program, plus one admission program per (rows bucket,
-prompt-length bucket, packed row bucket) used; sampling values, stop ids (a fixed-width table) and per-request
+one host round trip (dispatch, snapshot). Programs: one chunk program, plus one admission program per (rows bucket
+up to max_admit_rows, prompt-length bucket, packed row bucket) used; sampling values, stop ids (a fixed-width table) and per-request
 limits are runtime data and never recompile. Every random draw is keyed on (seed, position), so a request's output
 does not depend on which slot it took or on the other requests.
 """
@@ -72,6 +73,9 @@ class EngineConfig:
       "auto"), "auto" or "packed". Packing compiles one admission program per packed-row bucket besides the (rows,
       prompt length) buckets, so `precompile` builds several programs per bucket pair (one per power of two the
       packed row can take).
+    max_admit_rows: requests prefilled by one admission program at most (rounded up to a power of two, at most
+      max_slots); a step admits every request that fits a free slot, in consecutive groups of this many. The rows
+      buckets, and so the admission programs, stop there: 1, 2, 4, 8 rows by default instead of up to max_slots.
     """
     max_slots: int = 8
     max_len: int = 2048
@@ -85,6 +89,7 @@ class EngineConfig:
     compiler_options: Optional[dict] = dataclasses.field(default=None, hash=False)
     simulate_acceptance: Optional[tuple[float, ...]] = None
     prefill: str = "padded"
+    max_admit_rows: int = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +191,7 @@ class Engine:
         for w in self.warnings:
             warnings.warn(w, stacklevel=2)
         self.config, self.spec, self.max_slots = c, spec, I.bucket_batch(slots)
+        self.max_admit_rows = min(I.bucket_batch(_check_int(c.max_admit_rows, "max_admit_rows", 1)), self.max_slots)
         self._cache_dtype = None if c.cache_dtype is None else parse_dtype(c.cache_dtype, what="cache_dtype")
         self._options = tuple(sorted((c.compiler_options or {}).items()))
         self._precision = matmul_precision(self._target, self._drafter, c.allow_tf32)
@@ -280,19 +286,23 @@ class Engine:
             if not 1 <= n <= self.max_slots or not 1 <= length <= self.max_len:
                 raise ValueError(f"precompile: {n} rows of {length} tokens do not fit {self.max_slots} slots of "
                                  f"{self.max_len} positions")
-            b, lp = self._buckets(n, length)
-            keys += [(b, lp, packed_len) for packed_len in self._packed_options(b, lp)]
+            for group in {min(n, self.max_admit_rows), n % self.max_admit_rows} - {0}:
+                b, lp = self._buckets(group, length)
+                keys += [(b, lp, packed_len) for packed_len in self._packed_options(b, lp)]
         return self._precompile(keys, warm)
 
     def precompile_admissions(self, admissions: Iterable[Sequence[int]], *, warm: bool = False) -> float:
-        """`precompile` for given admissions, each the prompt lengths of its requests: the chunk program and exactly
-        the admission programs these admissions run (`precompile` builds every program of their buckets)."""
+        """`precompile` for given admissions, each the prompt lengths of its requests (in queue order): the chunk
+        program and exactly the admission programs these admissions run, one per group of max_admit_rows
+        (`precompile` builds every program of their buckets)."""
         keys = []
         for lengths in admissions:
             if not 1 <= len(lengths) <= self.max_slots or not all(1 <= n <= self.max_len for n in lengths):
                 raise ValueError(f"precompile_admissions: prompts of {list(lengths)} tokens do not fit "
                                  f"{self.max_slots} slots of {self.max_len} positions")
-            keys.append(I.prefill_buckets(lengths, self.max_len, self.prefill))
+            a = self.max_admit_rows
+            keys += [I.prefill_buckets(lengths[i:i + a], self.max_len, self.prefill)
+                     for i in range(0, len(lengths), a)]
         return self._precompile(keys, warm)
 
     def _precompile(self, keys: Sequence[tuple[int, int, Optional[int]]], warm: bool) -> float:
@@ -391,7 +401,7 @@ class Engine:
         and no admission compiles while serving."""
         if not I.is_int(longest_prompt) or not 1 <= longest_prompt <= self.max_len:
             raise ValueError(f"longest_prompt must be an integer in [1, {self.max_len}], got {longest_prompt!r}")
-        rows = sorted({I.bucket_batch(n) for n in range(1, self.max_slots + 1)})
+        rows = sorted({I.bucket_batch(n) for n in range(1, self.max_admit_rows + 1)})
         lengths = sorted({min(I.bucket_length(n), longest_prompt) for n in range(1, longest_prompt + 1)})
         return [(n, length) for n in rows for length in lengths]
 
@@ -410,19 +420,20 @@ class Engine:
 
     # -- the step ------------------------------------------------------------------------------------------------
     def _admit(self, now: float) -> list[_Request]:
+        """Queued requests into free slots, oldest first: one admission program per group of max_admit_rows (their
+        calls queue on the device one after the other; the step reads the result once)."""
         free = [s for s in range(self.max_slots) if s not in self._slots]
         reqs = list(itertools.islice(self._queue.values(), len(free)))
-        if not reqs:
-            return []
-        for r in reqs:
-            del self._queue[r.id]
-        slots = free[:len(reqs)]
-        rows, lp, packed_len = I.prefill_buckets([len(r.prompt) for r in reqs], self.max_len, self.prefill)
-        args = self._admission_args(reqs, slots, rows, lp)
-        self._state, self._sampling = self._admit_program(rows, lp, packed_len, args)(*args)
-        for r, slot in zip(reqs, slots):
-            r.slot, r.t_admit = slot, now
-            self._slots[slot] = r
+        a = self.max_admit_rows
+        for i in range(0, len(reqs), a):
+            group, slots = reqs[i:i + a], free[i:i + a]
+            rows, lp, packed_len = I.prefill_buckets([len(r.prompt) for r in group], self.max_len, self.prefill)
+            args = self._admission_args(group, slots, rows, lp)
+            self._state, self._sampling = self._admit_program(rows, lp, packed_len, args)(*args)
+            for r, slot in zip(group, slots):
+                del self._queue[r.id]
+                r.slot, r.t_admit = slot, now
+                self._slots[slot] = r
         return reqs
 
     def _free(self, slot: int) -> _Request:
