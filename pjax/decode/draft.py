@@ -182,15 +182,18 @@ def packed_draft_length(packed_len: int, rows: int, k: int) -> int:
 
 
 def draft_prefill(drafter, cache, comb, prompts, lengths, first_token, active, sampling: Sampling,
-                  spec: EngineSpec, packed_len=None):
+                  spec: EngineSpec, packed_len=None, rows=None):
     """First drafts after prefill. comb [B, Lp, H] combined prompt features; first_token [B] sits at
     position lengths[b]. packed_len: None runs the drafter over the slots [B, S] (`prefill_draft_inputs`); the
     target's packed row length N packs each row's L + K - 1 slots into one row of `packed_draft_length` slots
     (`pack_prompts`: a document mask, each slot's K/V to its own cache row), the same values at every slot.
-    Returns (drafts [B, K], q or None, cache)."""
+    rows [B] i32: prompt b's row of `cache` (None: row b; rows outside the cache dropped); parallel drafting only
+    (sequential drafting's later passes read the cache by batch row). Returns (drafts [B, K], q or None, cache)."""
     k = spec.k
     use_masks = spec.drafting == "parallel"
     kk = k if use_masks else 1
+    if rows is not None and not use_masks:
+        raise ValueError("draft_prefill: rows (K/V written into other cache rows) needs parallel drafting")
     tokens, fr, positions, valid = prefill_draft_inputs(prompts, lengths, first_token, kk, spec.mask_token_id)
     b, s = tokens.shape
     if comb.shape[1] < s:
@@ -199,12 +202,13 @@ def draft_prefill(drafter, cache, comb, prompts, lengths, first_token, active, s
     valid = valid & active[:, None]
     idx = (lengths - 1)[:, None] + jnp.arange(kk, dtype=jnp.int32)  # [B, kk] the slots that draft
     if packed_len is None:  # a first pass: each row attends over its own L + kk - 1 slots (flash)
-        normed, prenorm, cache = drafter_forward(drafter, tokens, h_in, positions, cache, valid=valid,
-                                                 mask=causal_mask(lengths + kk - 1, s),
-                                                 implementation=spec.implementation)
+        normed, prenorm, cache = drafter_forward(
+            drafter, tokens, h_in, positions, cache, valid=valid, mask=causal_mask(lengths + kk - 1, s),
+            cache_rows=None if rows is None else jnp.broadcast_to(rows[:, None], (b, s)),
+            implementation=spec.implementation)
     else:  # slot (b, j) -> packed index starts[b] + j; the packed row's outputs back to [B, kk] by that index
         flat = jnp.arange(b * s, dtype=jnp.int32).reshape(b, s)
-        slot, ppos, seg, rows, starts = pack_prompts(flat, lengths + kk - 1, packed_draft_length(packed_len, b, kk))
+        slot, ppos, seg, prow, starts = pack_prompts(flat, lengths + kk - 1, packed_draft_length(packed_len, b, kk))
         real = seg >= 0
 
         def take(x):  # [B, S, ...] -> [1, N, ...] at the packed slots, 0 past the last one
@@ -212,7 +216,7 @@ def draft_prefill(drafter, cache, comb, prompts, lengths, first_token, active, s
             return jnp.where(real.reshape(real.shape + (1,) * (g.ndim - 2)), g, 0)
         normed, prenorm, cache = drafter_forward(
             drafter, take(tokens), take(h_in), ppos, cache, valid=take(valid), mask=document_mask(seg, span=s),
-            cache_rows=rows, implementation=spec.implementation)
+            cache_rows=prow if rows is None else rows[prow], implementation=spec.implementation)
         normed, prenorm = normed[0][starts[:, None] + idx], prenorm[0][starts[:, None] + idx]  # [B, kk, H]
         idx = jnp.broadcast_to(jnp.arange(kk, dtype=jnp.int32), (b, kk))
     first_pos = lengths + 1  # position of d_1

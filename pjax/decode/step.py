@@ -148,6 +148,12 @@ def _target_pass(target, prompts, lengths, cache, spec: EngineSpec, packed_len, 
     return last_h, aux, out.cache
 
 
+def _cleared(cache, rows):
+    """The cache with rows `rows` zeroed (rows outside it dropped): a position a query masks must still hold a
+    finite value, since the attention's product takes 0 x inf as nan."""
+    return jax.tree.map(lambda x: x.at[rows].set(0, mode="drop"), cache)
+
+
 def prefill_target(target, prompts, lengths, sampling: Sampling, *, spec: EngineSpec, capacity: int,
                    cache_dtype=None, packed_len=None, cache=None, rows=None):
     """The target's part of `prefill`: run the prompts, sample and emit the first token.
@@ -166,10 +172,10 @@ def prefill_target(target, prompts, lengths, sampling: Sampling, *, spec: Engine
     prompts = prompts.astype(jnp.int32)
     lengths = lengths.astype(jnp.int32)
     if cache is None:
-        tcache = init_cache(target.config, b, capacity, cache_dtype or target.dtype)
-    else:  # cleared rows: a masked position must hold a finite value (0 x inf is nan in the attention's product)
+        tcache, rows = init_cache(target.config, b, capacity, cache_dtype or target.dtype), None
+    else:
         rows = rows.astype(jnp.int32)
-        tcache = jax.tree.map(lambda x: x.at[rows].set(0, mode="drop"), cache)
+        tcache = _cleared(cache, rows)
     last_h, aux, tcache = _target_pass(target, prompts, lengths, tcache, spec, packed_len, rows)
     first_logits = logits_from_hidden(target, last_h)
     first = _sample_one(first_logits, sampling, lengths, spec)
@@ -189,34 +195,39 @@ def prefill_target(target, prompts, lengths, sampling: Sampling, *, spec: Engine
 
 
 def prefill_drafter(drafter, state: DecodeState, aux, prompts, lengths, sampling: Sampling, *, spec: EngineSpec,
-                    capacity: int, cache_dtype=None, packed_len=None) -> dict:
+                    capacity: int, cache_dtype=None, packed_len=None, cache=None, rows=None) -> dict:
     """The drafter's part of `prefill`: the first drafts, and the state's K-sized fields.
 
     state, aux: `prefill_target`'s outputs for the same prompts [B, Lp] and lengths [B]; spec: the full settings
     (drafting "parallel" or "sequential"); packed_len: the target prefill's packed row length or None, which packs
-    the drafter's prefill slots alike (`draft.draft_prefill`). Returns the fields to replace in `state`
+    the drafter's prefill slots alike (`draft.draft_prefill`); cache / rows: as `prefill_target`'s, for the
+    drafter's cache (parallel drafting only). Returns the fields to replace in `state`
     (drafter_cache, drafts [B, K], draft_probs, and out / accepted_at widened to K): nothing of the target's state
     passes through, so the compiled program neither copies nor donates its KV cache."""
     b, k = prompts.shape[0], spec.k
     widen = lambda x, n, v: jnp.pad(x, ((0, 0), (0, n - x.shape[1])), constant_values=v)  # noqa: E731
-    dcache = init_drafter_cache(drafter, b, capacity, cache_dtype or drafter.dtype)
+    if cache is None:
+        dcache, rows = init_drafter_cache(drafter, b, capacity, cache_dtype or drafter.dtype), None
+    else:
+        rows = rows.astype(jnp.int32)
+        dcache = _cleared(cache, rows)
     comb = combine(drafter, aux)
     drafts, q, dcache = D.draft_prefill(drafter, dcache, comb, prompts.astype(jnp.int32), lengths.astype(jnp.int32),
-                                        state.last, ~state.done, sampling, spec, packed_len)
+                                        state.last, ~state.done, sampling, spec, packed_len, rows)
     return dict(drafter_cache=dcache, drafts=drafts, draft_probs=q, out=widen(state.out, spec.out_len, -1),
                 accepted_at=widen(state.accepted_at, k, 0))
 
 
 def prefill(target, drafter, prompts, lengths, sampling: Sampling, *, spec: EngineSpec, capacity: int,
-            cache_dtype=None, packed_len=None, target_cache=None, rows=None) -> DecodeState:
+            cache_dtype=None, packed_len=None, target_cache=None, drafter_cache=None, rows=None) -> DecodeState:
     """Run the prompts, sample the first token, propose the first drafts (`prefill_target`, then
     `prefill_drafter` unless drafting is "none").
 
     prompts [B, Lp] i32 (right-padded), lengths [B] i32 (1 <= L <= Lp, L <= capacity); sampling [B]; packed_len:
     the target's pass over [B, Lp] (None) or over the prompts packed into one row of that many tokens
-    (`prefill_target`). target_cache / rows: the target's K/V written in place into rows `rows` [B] of that cache,
-    which the state then holds (`prefill_target`'s cache / rows). The first generated token sits at position L; its
-    randomness is keyed on (seed, L).
+    (`prefill_target`). target_cache / drafter_cache / rows: K/V written in place into rows `rows` [B] of those
+    caches, which the state then holds (`prefill_target`'s and `prefill_drafter`'s cache / rows; the drafter's with
+    parallel drafting only). The first generated token sits at position L; its randomness is keyed on (seed, L).
     """
     state, aux = prefill_target(target, prompts, lengths, sampling, spec=target_spec(spec), capacity=capacity,
                                 cache_dtype=cache_dtype, packed_len=packed_len, cache=target_cache, rows=rows)
@@ -224,7 +235,7 @@ def prefill(target, drafter, prompts, lengths, sampling: Sampling, *, spec: Engi
         return state
     return dataclasses.replace(state, **prefill_drafter(drafter, state, aux, prompts, lengths, sampling, spec=spec,
                                                         capacity=capacity, cache_dtype=cache_dtype,
-                                                        packed_len=packed_len))
+                                                        packed_len=packed_len, cache=drafter_cache, rows=rows))
 
 
 def verify(target, state: DecodeState, num_drafts, active, spec: EngineSpec):

@@ -123,14 +123,18 @@ def admit(target, drafter, state: DecodeState, sampling: Sampling, prompts, leng
 
     state / sampling: B slots; prompts [b, Lp] i32 (right-padded), lengths [b] i32, new_sampling [b]; slots [b] i32
     (B = a padding row, dropped); packed_len: the prefill's layout (`pjax.decode.prefill`: target and drafter). The
-    target's K/V go straight into the big cache's rows (no [b, capacity] copy of the target cache: an admission of
-    every slot needs no second cache's memory); the drafter's cache and the other fields are built for the b rows
-    and scattered. Returns the big (state, sampling) with rows `slots` replaced. Pure."""
+    K/V go straight into the big caches' rows (no [b, capacity] copy of a cache: an admission of every slot needs
+    no second cache's memory), except a sequential drafter's (built for the b rows, then scattered: its later
+    drafting passes read the cache by batch row); the other fields are built for the b rows and scattered. Returns
+    the big (state, sampling) with rows `slots` replaced. Pure."""
+    in_place = {"target_cache": state.target_cache}
+    if spec.drafting == "parallel":
+        in_place["drafter_cache"] = state.drafter_cache
     new = prefill(target, drafter, prompts, lengths, new_sampling, spec=spec, capacity=capacity,
-                  cache_dtype=cache_dtype, packed_len=packed_len, target_cache=state.target_cache, rows=slots)
+                  cache_dtype=cache_dtype, packed_len=packed_len, rows=slots, **in_place)
     put = lambda big, small: big.at[slots].set(small.astype(big.dtype), mode="drop")  # noqa: E731
-    rest = lambda s: dataclasses.replace(s, target_cache=None)  # noqa: E731
-    merged = dataclasses.replace(jax.tree.map(put, rest(state), rest(new)), target_cache=new.target_cache)
+    rest = lambda s: dataclasses.replace(s, **dict.fromkeys(in_place))  # noqa: E731
+    merged = dataclasses.replace(jax.tree.map(put, rest(state), rest(new)), **{k: getattr(new, k) for k in in_place})
     return merged, jax.tree.map(put, sampling, new_sampling)
 
 
