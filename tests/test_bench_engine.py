@@ -35,8 +35,9 @@ def test_admissions_are_runs_of_consecutive_requests():
     assert set(EngineBackend.admissions(reqs, 2, 48, "padded")) >= {(1, 48, None), (2, 48, None)}  # capped at 48
 
 
-@pytest.mark.parametrize("drafting, k, concurrency", [("parallel", 2, 3), ("none", 0, 2)])
-def test_continuous_equals_static_per_request(models, drafting, k, concurrency):
+@pytest.mark.parametrize("drafting, k, concurrency, admit", [("parallel", 2, 3, None), ("none", 0, 2, None),
+                                                             ("parallel", 2, 4, 2)])
+def test_continuous_equals_static_per_request(models, drafting, k, concurrency, admit):
     target, drafter = models
     requests = [Request(str(i), tuple(p), seed=i) for i, p in enumerate(PROMPTS)]
     settings = RunSettings(drafting=drafting, k=k, concurrency=concurrency, max_new_tokens=14,
@@ -45,7 +46,7 @@ def test_continuous_equals_static_per_request(models, drafting, k, concurrency):
     static.prepare(requests, settings)
     want = static.run(requests, settings)
 
-    cont = EngineBackend(target, {"parallel": drafter}, rounds_per_step=2, prefill="auto")
+    cont = EngineBackend(target, {"parallel": drafter}, rounds_per_step=2, prefill="auto", max_admit_rows=admit)
     cont.prepare(requests, settings)
     eng = cont.engine(settings)
     assert eng.max_slots == bucket_batch(concurrency)
@@ -55,15 +56,19 @@ def test_continuous_equals_static_per_request(models, drafting, k, concurrency):
         in_flight.append(eng.num_running + eng.num_waiting)
         queued = [r for r in eng._queue.values()]
         events = step()
-        if queued and not eng._queue:
-            admitted.append(prefill_buckets([len(r.prompt) for r in queued], eng.max_len, eng.prefill))
+        if queued and not eng._queue:  # one admission program per group of max_admit_rows
+            a = eng.max_admit_rows
+            admitted.extend(prefill_buckets([len(r.prompt) for r in queued[i:i + a]], eng.max_len, eng.prefill)
+                            for i in range(0, len(queued), a))
         return events
     eng.step = watched
     progress = []
     got = cont.run(requests, settings, on_progress=progress.append)
 
     assert max(in_flight) == concurrency and sum(progress) == len(requests)
-    assert set(admitted) <= set(EngineBackend.admissions(requests, concurrency, eng.max_len, eng.prefill))
+    assert eng.max_admit_rows == min(admit or 8, bucket_batch(concurrency))
+    runs = EngineBackend.admissions(requests, min(concurrency, eng.max_admit_rows), eng.max_len, eng.prefill)
+    assert set(admitted) <= set(runs)
     assert any(packed for _, _, packed in admitted)  # the prefill "auto" packed some admission
     assert got.compile_s == 0.0 and got.duration_s > 0  # prepare compiled every program the run used
     for a, b in zip(got.requests, want.requests):

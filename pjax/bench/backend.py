@@ -182,7 +182,8 @@ class EngineBackend:
     count from its admission into a slot (the moment vLLM's client would send it).
 
     drafters: as `BatchBackend`. rounds_per_step: rounds per device chunk (admission, streaming between chunks);
-    prefill / draft_sampling: the admissions' prefill layout and the drafts' sampling (`EngineConfig`).
+    prefill / draft_sampling / max_admit_rows: the admissions' prefill layout, the drafts' sampling and the requests
+    one admission program prefills at most (`EngineConfig`; None: its default).
     Every slot's KV cache holds `bucket_capacity(settings.max_positions)` positions (as `BatchBackend`). One engine
     is kept (the last configuration's, reused by its `run`).
     """
@@ -191,10 +192,12 @@ class EngineBackend:
                   "chunks (vLLM's --max-concurrency c); TTFT and end-to-end latency count from a request's admission")
 
     def __init__(self, target, drafters: Mapping[str, object], *, implementation: str = "auto", cache_dtype=None,
-                 rounds_per_step: int = 8, prefill: str = "padded", draft_sampling: str = "argmax"):
+                 rounds_per_step: int = 8, prefill: str = "padded", draft_sampling: str = "argmax",
+                 max_admit_rows: Optional[int] = None):
         self.target, self.drafters = target, dict(drafters)
         self.implementation, self.cache_dtype, self.rounds_per_step = implementation, cache_dtype, rounds_per_step
         self.prefill, self.draft_sampling = prefill, draft_sampling
+        self.admit = {} if max_admit_rows is None else {"max_admit_rows": max_admit_rows}
         self._engine: Optional[tuple[tuple, Engine]] = None
 
     def engine(self, settings: RunSettings) -> Engine:
@@ -207,7 +210,7 @@ class EngineBackend:
                                num_speculative_tokens=max(s.k, 1), drafting=s.drafting,
                                implementation=self.implementation, cache_dtype=self.cache_dtype,
                                rounds_per_step=self.rounds_per_step, simulate_acceptance=s.simulate_acceptance,
-                               prefill=self.prefill, draft_sampling=self.draft_sampling)
+                               prefill=self.prefill, draft_sampling=self.draft_sampling, **self.admit)
             self._engine = (key, Engine(self.target, self.drafters.get(s.drafting), cfg))
         return self._engine[1]
 
@@ -216,8 +219,9 @@ class EngineBackend:
                    prefill: str) -> dict[tuple[int, int, Optional[int]], tuple[int, ...]]:
         """The admission programs the run can use, (rows bucket, prompt-length bucket, packed row or None:
         `pjax.decode.inputs.prefill_buckets` for KV capacity `capacity` and layout `prefill`) -> the prompt lengths of
-        one admission that uses it: requests are fed in order, so an admission is a run of at most `concurrency`
-        consecutive requests (a superset of those made)."""
+        one admission that uses it: requests are fed in order, so an admission program takes a run of at most
+        `concurrency` consecutive requests (pass min(concurrency, the engine's max_admit_rows): a larger admission
+        runs as groups of that many; a superset of those made)."""
         lengths = [len(r.tokens) for r in requests]
         out: dict[tuple[int, int, Optional[int]], tuple[int, ...]] = {}
         for i in range(len(lengths)):
@@ -260,8 +264,8 @@ class EngineBackend:
         serve the first `concurrency` requests for K + 2 new tokens (warm-up)."""
         eng = self.engine(settings)
         before = eng.compile_s
-        eng.precompile_admissions(self.admissions(requests, settings.concurrency, eng.max_len, eng.prefill).values(),
-                                  warm=True)
+        runs = self.admissions(requests, min(settings.concurrency, eng.max_admit_rows), eng.max_len, eng.prefill)
+        eng.precompile_admissions(runs.values(), warm=True)
         self._serve(eng, requests[:settings.concurrency], settings, min(settings.max_new_tokens, settings.k + 2))
         return eng.compile_s - before
 
