@@ -1,7 +1,8 @@
 """`python -m pjax serve`: an OpenAI-compatible HTTP server over the continuous-batching engine.
 
     python -m pjax serve --target DIR [--head DIR] [--tokenizer DIR] [--drafting parallel|sequential|none] [--k K]
-        [--max-slots N] [--max-admit-rows N] [--max-len N] [--dtype bfloat16|float32] [--host 127.0.0.1] [--port 8000]
+        [--max-slots N] [--max-admit-rows N] [--max-len N] [--dtype bfloat16|float32] [--host 127.0.0.1]
+        [--port 8000]
         [--served-model-name NAME] [--rounds-per-step N] [--warmup full|minimal]
 
 Loads the target (and head), builds the engine, compiles its programs (--warmup), then listens; clients speak the

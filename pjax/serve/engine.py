@@ -12,21 +12,21 @@ each group as one batch (rows bucketed to a power of two, prompt positions to `i
 `EngineConfig.prefill` "auto" / "packed" the prompts packed into one row of a power-of-two length,
 `pjax.decode.prefill_target`; padding rows hold one token and stop at prefill) and scattered into the big state and
 the big Sampling at their slots, in one jitted program call (`admit`; padding rows carry slot index max_slots and
-are dropped); the step then returns their first tokens at once (TTFT = queueing +
-prefill); or (b) one device chunk: `decode_chunk` with at most `rounds_per_step` rounds, ending early once every row
-is done. A step right after an admission always runs a chunk when anything runs, so admissions never starve running
-requests. The host snapshot of the rows' outputs and counters becomes `Event`s (the tokens each request produced since
-its previous event) and the statistics of the requests that finished, whose slots are freed. Cancellation ends a row
-on the device state between steps.
+are dropped); the step then returns their first tokens at once (TTFT = queueing + prefill); or (b) one device
+chunk: `decode_chunk` with at most `rounds_per_step` rounds, ending early once every row is done. A step right
+after an admission always runs a chunk when anything runs, so admissions never starve running requests. The host
+snapshot of the rows' outputs and counters becomes `Event`s (the tokens each request produced since its previous
+event) and the statistics of the requests that finished, whose slots are freed. Cancellation ends a row on the
+device state between steps.
 
 Cost model. Every round computes all max_slots rows (target verify of K + 1 positions per row, drafter pass(es)),
 running or not, so a round costs what a batch of max_slots costs whatever the occupancy; an admission costs a
-prefill of its rows bucket times its prompt bucket (or of its packed row) plus the scatter (the target's K/V are
-written in place into the slots' rows, so an admission of every slot needs no second target cache); each step costs
-one host round trip (dispatch, snapshot). Programs: one chunk program, plus one admission program per (rows bucket
-up to max_admit_rows, prompt-length bucket, packed row bucket) used; sampling values, stop ids (a fixed-width table) and per-request
-limits are runtime data and never recompile. Every random draw is keyed on (seed, position), so a request's output
-does not depend on which slot it took or on the other requests.
+prefill of its rows bucket times its prompt bucket (or of its packed row) plus the scatter (the K/V are written in
+place into the slots' rows, so an admission of every slot needs no second cache); each step costs one host round
+trip (dispatch, snapshot). Programs: one chunk program, plus one admission program per (rows bucket up to
+max_admit_rows, prompt-length bucket, packed row bucket) used; sampling values, stop ids (a fixed-width table) and
+per-request limits are runtime data and never recompile. Every random draw is keyed on (seed, position), so a
+request's output does not depend on which slot it took or on the other requests.
 """
 from __future__ import annotations
 
