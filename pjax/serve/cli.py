@@ -2,8 +2,7 @@
 
     python -m pjax serve --target DIR [--head DIR] [--tokenizer DIR] [--drafting parallel|sequential|none] [--k K]
         [--max-slots N] [--max-admit-rows N] [--max-len N] [--dtype bfloat16|float32] [--host 127.0.0.1]
-        [--port 8000]
-        [--served-model-name NAME] [--rounds-per-step N] [--warmup full|minimal]
+        [--port 8000] [--served-model-name NAME] [--rounds-per-step N] [--warmup full|minimal]
 
 Loads the target (and head), builds the engine, compiles its programs (--warmup), then listens; clients speak the
 OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health), e.g. with the `openai` package. Ctrl-C or
