@@ -32,7 +32,7 @@ RUNS = (  # name, planned seconds (the share of a deadline it may take), bench a
                            "--draft-sampling sample --k 3,7"),
     ("c1-t1-argmax", 130, "--scheduling static --dataset humaneval --num-prompts 82 --concurrency 1 --temperature 1 "
                           "--draft-sampling argmax --k 3,7"),
-    ("c8-64-humaneval", 250, "--scheduling static --dataset humaneval --concurrency 64,32,8 --k 3,5"),
+    ("c8-64-humaneval", 250, "--scheduling static --dataset humaneval --concurrency 8,32,64 --k 3,5"),
     ("c64-continuous", 250, "--scheduling continuous --rounds-per-step 32 --dataset {held_out} --num-prompts 128 "
                             "--concurrency 64 --k 3,5"),
     ("c1-heldout", 150, "--scheduling static --dataset {held_out} --num-prompts 100 --concurrency 1 --k 7,5"),
