@@ -292,12 +292,19 @@ def _now() -> str:
 
 
 @contextlib.contextmanager
-def _locked(out: Path):
-    with open(out / ".lock", "w") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise RecipeError(f"{out}: another build is running in this directory") from None
+def _locked(out: Path, stage: str):
+    """Hold `stage` for this process (exclusive) and its inputs against a rebuild (shared): different stages of one
+    build may run at once, e.g. the two heads each on its own GPU (examples/benchmarks/code_pair_table.py --gpus)."""
+    with contextlib.ExitStack() as stack:
+        for name, mode in [(stage, fcntl.LOCK_EX)] + [(u, fcntl.LOCK_SH) for u in _inputs(stage)]:
+            f = stack.enter_context(open(out / f".{name}.lock", "a"))
+            try:
+                fcntl.flock(f, mode | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise RecipeError(f"{out}: stage {name} is in use by another process (being built, or read by a "
+                                  f"stage being built)" if name == stage else
+                                  f"{out}: stage {name}, which stage {stage} reads, is being built by another "
+                                  f"process") from None
         yield
 
 
@@ -946,9 +953,9 @@ def build(out, recipe: Recipe = FULL, *, stages=STAGES, force: bool = False, pro
     b = Build(out, recipe, force=force, progress=progress, deadline=deadline, save_seconds=60 * save_minutes,
               implementation=implementation, log=log, should_stop=should_stop)
     result = {}
-    with _locked(out):
-        for stage in [s for s in STAGES if s in stages]:
-            t0 = time.time()
+    for stage in [s for s in STAGES if s in stages]:
+        t0 = time.time()
+        with _locked(out, stage):
             result[stage] = run_stage(b, stage)
             if result[stage] == "built":
                 log(f"stage {stage}: built in {time.time() - t0:.0f} s")

@@ -140,6 +140,23 @@ def test_rerun_does_nothing(build_dir):
     assert before == {s: (build_dir / s / "stage.json").stat().st_mtime_ns for s in cp.STAGES}
 
 
+def test_stage_locks(build_dir):
+    """Different stages of one build may run at once (the two heads, each on its own GPU); a stage being built, or
+    one a running stage reads, is refused to another process."""
+    def run(stage):
+        return cp.build(build_dir, cp.TINY, stages=(stage,), progress=False, log=lambda s: None)
+
+    with cp._locked(build_dir, "eagle3"):
+        assert run("peagle") == {"peagle": "done"}
+        for stage in ("eagle3", "regen"):  # built by another process, read by it
+            with pytest.raises(cp.RecipeError, match=f"stage {stage} is in use by another process"):
+                run(stage)
+    with cp._locked(build_dir, "regen"):
+        with pytest.raises(cp.RecipeError, match="stage regen, which stage peagle reads, is being built"):
+            run("peagle")
+    assert run("eagle3") == {"eagle3": "done"} and run("regen") == {"regen": "done"}
+
+
 def _copy_stages(src: Path, dst: Path, stages):
     dst.mkdir()
     shutil.copy(src / "pjax_output.json", dst)
@@ -287,3 +304,33 @@ def test_table_script_commands(tmp_path, capsys):
     assert table.budget(300, 1920, 2000)[0] is False
     with pytest.raises(SystemExit):
         table.main(["--build", "b", "--out", "o", "--only", "c1-nothing", "--dry-run"])
+
+
+def test_table_script_spreads_over_gpus(tmp_path, monkeypatch):
+    """--gpus 0,1: the heads train at once, one per GPU (each waits here until the other has started), every other
+    stage runs on the first GPU, and each benchmark runs whole on one GPU with that GPU's compilation cache."""
+    import sys
+    table = load_example("benchmarks/code_pair_table.py")
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    fake = ("import os, sys, time; from pathlib import Path; gpu, name = os.environ['CUDA_VISIBLE_DEVICES'], "
+            "sys.argv[1]; m = Path(sys.argv[2]); (m / name).touch(); other = {'peagle': 'eagle3', 'eagle3': "
+            "'peagle'}.get(name); t = time.time() + 60\n"
+            "while other and not (m / other).exists() and time.time() < t: time.sleep(0.05)\n"
+            "print(gpu, *sys.argv[1:2], *sys.argv[3:]); sys.exit(int(bool(other) and not (m / other).exists()))")
+    monkeypatch.setattr(table, "build_commands", lambda build, stages=table.STAGES: [
+        [sys.executable, "-c", fake, s, str(marks)] for s in stages])
+    monkeypatch.setattr(table, "bench_command", lambda build, out, name, args, budget_s=None, cache=".jax_cache": [
+        sys.executable, "-c", fake, name, str(marks), cache])
+    out, runs = tmp_path / "bench", ["c1-humaneval", "c1-2048", "c1-heldout"]
+    assert table.main(["--build", str(tmp_path / "cpb"), "--out", str(out), "--gpus", "0,1",
+                       "--only", ",".join(runs)]) == 0
+    assert (out / "build-peagle.log").read_text().split() == ["0", "peagle"]
+    assert (out / "build-eagle3.log").read_text().split() == ["1", "eagle3"]
+    assert [ln.split() for ln in (out / "build.log").read_text().splitlines()] == [
+        ["0", s] for s in table.STAGES if s not in ("peagle", "eagle3")]
+    for name in runs:
+        gpu, ran, cache = (out / f"{name}.log").read_text().split()
+        assert gpu in ("0", "1") and ran == name and cache == f".jax_cache-{gpu}"
+    log = (out / "table.log").read_text().splitlines()
+    assert log[-1].endswith("table done") and sum("bench" in ln and "done" in ln for ln in log) == len(runs)

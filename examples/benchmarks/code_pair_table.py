@@ -11,13 +11,19 @@ configuration builds its own programs; they are kept in OUT/.jax_cache for a re-
 the whole into a machine held for a limited time: every benchmark gets a `--time-budget` from what is left (its
 last configurations are cut first) and one that would start with under a minute left is skipped and logged.
 `--skip-build` benchmarks a pair already built in --build. OUT/table.log has the stage and run times.
+
+`--gpus 0,1` spreads the work over a machine's GPUs: the two heads train at once, one per GPU, and each benchmark
+runs whole on one GPU, the next in order starting on the first GPU free (each GPU keeps its own compilation cache,
+OUT/.jax_cache-GPU). A benchmark's comparisons (its configurations, one after another) stay on one GPU.
 """
 from __future__ import annotations
 
 import argparse
 import shlex
+import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -43,16 +49,25 @@ MARGIN_S = 40  # kept back at a deadline: writing the last results
 MIN_RUN_S = 60  # a benchmark with less time than this left is skipped
 
 
-def build_commands(build: Path) -> list[list[str]]:
+def build_commands(build: Path, stages=STAGES) -> list[list[str]]:
     return [[sys.executable, str(ROOT / "examples" / "code_pair.py"), "--out", str(build), "--no-progress",
-             "--stage", s] for s in STAGES]
+             "--stage", s] for s in stages]
 
 
-def bench_command(build: Path, out: Path, name: str, args: str, budget_s=None) -> list[str]:
+def build_groups(gpus: int) -> list[tuple[str, ...]]:
+    """The build's stages in order, grouped into what runs at once: with two GPUs or more, the two heads."""
+    heads = ("peagle", "eagle3")
+    groups = [(s,) for s in STAGES if gpus < 2 or s not in heads]
+    if gpus >= 2:
+        groups.insert(STAGES.index(heads[0]), heads)
+    return groups
+
+
+def bench_command(build: Path, out: Path, name: str, args: str, budget_s=None, cache: str = ".jax_cache") -> list[str]:
     pair = build / "pair"
     cmd = [sys.executable, "-m", "pjax", "bench", "--target", str(pair / "target"), "--head", str(pair / "peagle"),
            "--sequential-head", str(pair / "eagle3"), "--chat", "off", "--no-progress",
-           "--compilation-cache", str(out / ".jax_cache"), "--out", str(out / name)]
+           "--compilation-cache", str(out / cache), "--out", str(out / name)]
     cmd += shlex.split(args.format(held_out=HELD_OUT.format(pair=pair)))
     return cmd + (["--time-budget", str(int(budget_s))] if budget_s is not None else [])
 
@@ -74,6 +89,9 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-build", action="store_true", help="the pair in --build is complete: benchmark only")
     ap.add_argument("--only", default=None,
                     help=f"comma-separated runs, in the order to run them, of {', '.join(n for n, _, _ in RUNS)}")
+    ap.add_argument("--gpus", default=None,
+                    help="comma-separated GPU indices to spread the work over (the heads train at once; each "
+                         "benchmark runs on one GPU); default: the processes see every GPU and use the first")
     ap.add_argument("--dry-run", action="store_true", help="print the commands and exit")
     a = ap.parse_args(argv)
     names = [n for n, _, _ in RUNS]
@@ -90,30 +108,64 @@ def main(argv=None) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
 
+    log_lock = threading.Lock()
+
     def log(line: str) -> None:
         line = f"{time.strftime('%H:%M:%S')} {line}"
-        print(line, flush=True)
-        with open(a.out / "table.log", "a") as f:
-            f.write(line + "\n")
+        with log_lock:
+            print(line, flush=True)
+            with open(a.out / "table.log", "a") as f:
+                f.write(line + "\n")
 
-    if not a.skip_build:
-        with open(a.out / "build.log", "a") as blog:
-            for stage, cmd in zip(STAGES, build_commands(a.build)):
-                t = time.monotonic()
-                if subprocess.run(cmd, stdout=blog, stderr=subprocess.STDOUT, cwd=ROOT).returncode:
-                    log(f"stage {stage} failed: see {a.out / 'build.log'}")
-                    return 1
-                log(f"stage {stage} took {time.monotonic() - t:.0f} s (total {time.monotonic() - t0:.0f} s)")
-    for name, planned, args in runs:
-        go, time_budget = budget(planned, time.monotonic() - t0, deadline)
-        if not go:
-            log(f"bench {name} skipped: the deadline is too close")
-            continue
+    def run(cmd, log_path: Path, gpu) -> int:
+        env = dict(os.environ) if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}
+        with open(log_path, "a") as f:
+            return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env).returncode
+
+    def stage(name: str, log_path: Path, gpu, ok: list) -> None:
         t = time.monotonic()
-        with open(a.out / f"{name}.log", "w") as rlog:
-            rc = subprocess.run(bench_command(a.build, a.out, name, args, time_budget), stdout=rlog,
-                                stderr=subprocess.STDOUT, cwd=ROOT).returncode
-        log(f"bench {name} {'failed (see its log)' if rc else 'done'} in {time.monotonic() - t:.0f} s")
+        rc = run(build_commands(a.build, (name,))[0], log_path, gpu)
+        log(f"stage {name} failed: see {log_path}" if rc else
+            f"stage {name} took {time.monotonic() - t:.0f} s (total {time.monotonic() - t0:.0f} s)"
+            + ("" if gpu is None else f" on GPU {gpu}"))
+        ok.append(not rc)
+
+    gpus = [None] if a.gpus is None else a.gpus.split(",")
+    if not a.skip_build:
+        for group in build_groups(len(gpus)):  # one stage: the build's log; two at once: one log each
+            ok = []
+            threads = [threading.Thread(target=stage, args=(
+                name, a.out / ("build.log" if len(group) == 1 else f"build-{name}.log"), gpu, ok))
+                for name, gpu in zip(group, gpus)]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
+            if not all(ok):
+                return 1
+    queue, qlock = list(runs), threading.Lock()
+
+    def worker(gpu) -> None:
+        cache = ".jax_cache" if a.gpus is None else f".jax_cache-{gpu}"
+        while True:
+            with qlock:
+                if not queue:
+                    return
+                name, planned, args = queue.pop(0)
+                go, time_budget = budget(planned, time.monotonic() - t0, deadline)
+            if not go:
+                log(f"bench {name} skipped: the deadline is too close")
+                continue
+            t = time.monotonic()
+            rc = run(bench_command(a.build, a.out, name, args, time_budget, cache), a.out / f"{name}.log", gpu)
+            log(f"bench {name} {'failed (see its log)' if rc else 'done'} in {time.monotonic() - t:.0f} s"
+                + ("" if gpu is None else f" on GPU {gpu}"))
+
+    workers = [threading.Thread(target=worker, args=(g,)) for g in gpus]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
     log("table done")
     return 0
 
