@@ -334,3 +334,21 @@ def test_table_script_spreads_over_gpus(tmp_path, monkeypatch):
         assert gpu in ("0", "1") and ran == name and cache == f".jax_cache-{gpu}"
     log = (out / "table.log").read_text().splitlines()
     assert log[-1].endswith("table done") and sum("bench" in ln and "done" in ln for ln in log) == len(runs)
+    assert not (out / "table.md").exists()  # no run wrote a bench.json
+
+
+def test_table_script_summary(tmp_path):
+    """--summary: OUT/table.md from every OUT/RUN/bench.json, the table's runs first in their order."""
+    table = load_example("benchmarks/code_pair_table.py")
+    with pytest.raises(SystemExit):
+        table.main(["--build", "b", "--out", str(tmp_path), "--summary"])
+    row = dict(dataset="humaneval", max_new_tokens=256, temperature=0.0, draft_sampling="argmax",
+               scheduling="static", drafting="none", k=0, concurrency=1, output_tokens_per_s=1.0,
+               mean_acceptance_length=None)
+    for run in ("extra", "c1-humaneval", "c8-64-heldout"):
+        (tmp_path / run).mkdir()
+        (tmp_path / run / "bench.json").write_text(json.dumps([row]))
+    assert table.main(["--build", "b", "--out", str(tmp_path), "--summary"]) == 0
+    md = (tmp_path / "table.md").read_text()
+    assert [ln.split(" | ")[0] for ln in md.splitlines() if ln.startswith("| ") and "static" in ln] == [
+        "| c8-64-heldout", "| c1-humaneval", "| extra"]

@@ -12,6 +12,10 @@ the whole into a machine held for a limited time: every benchmark gets a `--time
 last configurations are cut first) and one that would start with under a minute left is skipped and logged.
 `--skip-build` benchmarks a pair already built in --build. OUT/table.log has the stage and run times.
 
+At the end OUT/table.md sums the runs up (`pjax.bench.report.summary`: per run, setting and concurrency, plain
+decoding and the best K of each head, P-EAGLE's speedups over both) with a plot of those speedups
+(OUT/speedups.png); `--summary` writes only that, from every OUT/*/bench.json.
+
 `--gpus 0,1` spreads the work over a machine's GPUs: the two heads train at once, one per GPU, and each benchmark
 runs whole on one GPU, the next in order starting on the first GPU free (each GPU keeps its own compilation cache,
 OUT/.jax_cache-GPU). A benchmark's comparisons (its configurations, one after another) stay on one GPU.
@@ -19,6 +23,7 @@ OUT/.jax_cache-GPU). A benchmark's comparisons (its configurations, one after an
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import os
 import subprocess
@@ -72,6 +77,27 @@ def bench_command(build: Path, out: Path, name: str, args: str, budget_s=None, c
     return cmd + (["--time-budget", str(int(budget_s))] if budget_s is not None else [])
 
 
+def write_summary(out: Path) -> bool:
+    """OUT/table.md (and OUT/speedups.png where matplotlib is installed) from every OUT/*/bench.json, the table's
+    runs first in their order; False when there is none."""
+    from pjax.bench import report
+    from pjax.checkpoint.files import write_atomic
+    found = {p.parent.name: json.loads(p.read_text()) for p in sorted(out.glob("*/bench.json"))}
+    if not found:
+        return False
+    names = [n for n, _, _ in RUNS]
+    lines = report.summary({n: found[n] for n in sorted(found, key=lambda n: (
+        names.index(n) if n in names else len(names), n))})
+    text = ["# The pair's table", "", "Each run's plain decoding and best K of each head, from OUT/RUN/bench.json "
+            "(ratios within a run: one process, one GPU). AL: mean acceptance length.", "",
+            report.summary_markdown(lines)]
+    if report.plots_available():
+        write_atomic(out / "speedups.png", lambda tmp: report.write_summary_plot(lines, tmp))
+        text += ["![P-EAGLE's speedups vs concurrency](speedups.png)", ""]
+    write_atomic(out / "table.md", lambda tmp: tmp.write_text("\n".join(text)))
+    return True
+
+
 def budget(planned_s: float, elapsed_s: float, deadline_s):
     """(run?, --time-budget or None): without a deadline every run is whole."""
     if deadline_s is None:
@@ -92,6 +118,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gpus", default=None,
                     help="comma-separated GPU indices to spread the work over (the heads train at once; each "
                          "benchmark runs on one GPU); default: the processes see every GPU and use the first")
+    ap.add_argument("--summary", action="store_true", help="only write OUT/table.md from the runs in OUT")
     ap.add_argument("--dry-run", action="store_true", help="print the commands and exit")
     a = ap.parse_args(argv)
     names = [n for n, _, _ in RUNS]
@@ -104,6 +131,10 @@ def main(argv=None) -> int:
         for cmd in ([] if a.skip_build else build_commands(a.build)) + [
                 bench_command(a.build, a.out, n, args) for n, _, args in runs]:
             print(shlex.join(cmd))
+        return 0
+    if a.summary:
+        if not write_summary(a.out):
+            ap.error(f"--summary: no run in {a.out} (expected {a.out}/RUN/bench.json)")
         return 0
     a.out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
@@ -166,6 +197,8 @@ def main(argv=None) -> int:
         w.start()
     for w in workers:
         w.join()
+    if write_summary(a.out):
+        log(f"summary: {a.out / 'table.md'}")
     log("table done")
     return 0
 

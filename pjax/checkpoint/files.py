@@ -22,7 +22,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 from pjax.checkpoint.errors import CheckpointError, OutputError
 
@@ -56,10 +56,15 @@ def read_hf_config(path) -> dict:
 
 def write_json(path: Path, obj) -> None:
     """Write `obj` as indented JSON to `path` atomically (temporary file beside it, then rename)."""
+    write_atomic(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n"))
+
+
+def write_atomic(path: Path, write: Callable[[Path], object]) -> None:
+    """`write(tmp)` into a temporary file beside `path`, then rename it to `path`."""
     path = Path(path)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     try:
-        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+        write(tmp)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
