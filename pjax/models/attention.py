@@ -16,7 +16,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pjax.config import LayerSpec, ModelConfig
-from pjax.kernels import fused_linear
 from pjax.kernels.cache_attention import cache_attention
 from pjax.kernels.flash_attention import AttentionMask, attention, position_mask
 from pjax.models.cache import LayerKV
@@ -82,27 +81,6 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope_tables(self.rope, self.head_dim, positions)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-    @property
-    def fusable(self) -> bool:
-        """The fused few-row kernels cover this attention's projections: no biases, separate v_proj, no v-norm (the
-        q/k-norm is covered)."""
-        return not self.q_proj.use_bias and self.v_proj is not None and not self.v_norm
-
-    def fused_qkv(self, x, norm: RMSNorm, positions, implementation: str):
-        """`qkv(norm(x), positions)` as one fused kernel (`pjax.kernels.fused_linear.norm_qkv`: the norm, the three
-        products from the weights as stored, q/k-norm and RoPE). x [B, T, H]; only where `fusable` and the caller's
-        decision (`DecoderLayer.fused`) took the kernels."""
-        b, t, h = x.shape
-        cos, sin = rope_tables(self.rope, self.head_dim, positions)
-        half = self.head_dim // 2
-        qk = {} if self.q_norm is None else dict(q_norm=self.q_norm.weight[...], k_norm=self.k_norm.weight[...])
-        q, k, v = fused_linear.norm_qkv(
-            x.reshape(b * t, h), norm.weight[...], self.q_proj.kernel[...], self.k_proj.kernel[...],
-            self.v_proj.kernel[...], cos.reshape(b * t, half), sin.reshape(b * t, half), head_dim=self.head_dim,
-            eps=norm.eps, fp32_multiply=norm.fp32_multiply, **qk, implementation=implementation)
-        return (q.reshape(b, t, self.num_heads, self.head_dim), k.reshape(b, t, self.num_kv_heads, self.head_dim),
-                v.reshape(b, t, self.num_kv_heads, self.head_dim))
 
     def __call__(self, x, positions, kv=None, *, valid=None, mask: Optional[AttentionMask] = None, cache_rows=None,
                  implementation: str = "auto"):

@@ -1,8 +1,5 @@
 """Shared building blocks of targets and drafters: RMSNorm, RoPE, linear layers, gated MLPs.
 
-`rms_norm`, `apply_rope` and the SwiGLU activation are defined once, in `pjax.kernels.fused_linear.reference` (the
-fused few-row kernels follow them), and re-exported here.
-
 NNX modules in tree style (no shared submodules, no mutable state) and pure functions.
 Shapes: B batch, T new tokens, H hidden, hd head dim.
 """
@@ -16,11 +13,38 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pjax.config import ModelConfig, RopeSpec
-from pjax.kernels import fused_linear
-from pjax.kernels.fused_linear.reference import apply_rope, rms_norm, swiglu
 
 __all__ = ["Linear", "MLP", "RMSNorm", "activation", "apply_rope", "head_logits", "linear", "rms_norm", "rope_tables",
            "softcap"]
+
+
+def rms_norm(x, weight=None, eps: float = 1e-6, fp32_multiply: bool = False):
+    """RMSNorm over the last axis in float32. weight None = weightless (gemma4 v_norm).
+
+    fp32_multiply=False is Llama/Qwen (cast, then multiply by the weight); True is GPT-OSS/Gemma-4
+    (multiply in float32, then cast).
+    """
+    dtype = x.dtype
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if weight is None:
+        return xf.astype(dtype)
+    if fp32_multiply:
+        return (xf * weight.astype(jnp.float32)).astype(dtype)
+    return weight * xf.astype(dtype)
+
+
+def apply_rope(x, cos, sin):
+    """Half-split (rotate_half) RoPE. x [B, T, n, hd]; cos/sin [B, T, hd/2]."""
+    half = x.shape[-1] // 2
+    cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def swiglu(gate, up):
+    """silu(gate) * up, in the inputs' dtype (the gated MLP's "silu" activation)."""
+    return jax.nn.silu(gate) * up
 
 
 class RMSNorm(nnx.Module):
@@ -116,19 +140,3 @@ class MLP(nnx.Module):
 
     def __call__(self, x):
         return self.down_proj(activation(self.cfg.mlp_act, self.gate_proj(x), self.up_proj(x), self.cfg))
-
-    @property
-    def fusable(self) -> bool:
-        """The fused few-row kernels cover this MLP: SwiGLU ("silu") without biases."""
-        return self.cfg.mlp_act == "silu" and not self.gate_proj.use_bias
-
-    def fused_block(self, x, norm: RMSNorm, implementation: str):
-        """x + self(norm(x)) for x [B, T, H] with two fused kernels (`pjax.kernels.fused_linear`: the norm and SwiGLU
-        around the gate / up products; the residual add after the down product). Only where `fusable` and the
-        caller's decision (`DecoderLayer.fused`) took the kernels."""
-        b, t, h = x.shape
-        rows = x.reshape(b * t, h)
-        act = fused_linear.norm_swiglu(rows, norm.weight[...], self.gate_proj.kernel[...], self.up_proj.kernel[...],
-                                       eps=norm.eps, fp32_multiply=norm.fp32_multiply, implementation=implementation)
-        out = fused_linear.linear_residual(act, self.down_proj.kernel[...], rows, implementation=implementation)
-        return out.reshape(b, t, h)

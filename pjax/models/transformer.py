@@ -9,7 +9,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pjax.config import LayerSpec, ModelConfig
-from pjax.kernels import fused_linear
 from pjax.kernels.rows import take_rows
 from pjax.models.attention import Attention
 from pjax.models.cache import LayerKV
@@ -34,15 +33,6 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, positions, kv: Optional[LayerKV], *, valid=None, mask=None, cache_rows=None,
                  implementation: str = "auto"):
         """x [B, T, H] -> (x [B, T, H], kv); arguments as `Attention`."""
-        if self.fused(x, implementation):
-            attn = self.self_attn
-            q, k, v = attn.fused_qkv(x, self.input_layernorm, positions, implementation)
-            out, kv = attn.attend(q, k, v, positions, kv, valid=valid, mask=mask, cache_rows=cache_rows,
-                                  implementation=implementation)
-            b, t, h = x.shape
-            x = fused_linear.linear_residual(out.reshape(b * t, -1), attn.o_proj.kernel[...], x.reshape(b * t, h),
-                                             implementation=implementation).reshape(b, t, h)
-            return self.mlp.fused_block(x, self.post_attention_layernorm, implementation), kv
         a, kv = self.self_attn(self.input_layernorm(x), positions, kv, valid=valid, mask=mask, cache_rows=cache_rows,
                                implementation=implementation)
         if self.sandwich:
@@ -54,29 +44,6 @@ class DecoderLayer(nnx.Module):
         if self.layer_scalar is not None:
             x = x * self.layer_scalar[...]
         return x, kv
-
-    def fused(self, x, implementation: str) -> bool:
-        """The one decision whether this layer runs as the fused few-row kernels (`pjax.kernels.fused_linear`: norm +
-        q/k/v + q/k-norm + RoPE; o-projection + residual; norm + gate/up + SwiGLU; down-projection + residual) around
-        the attention and the KV-cache write, which stay as they are. Covered: pre-norm layers with a dense SwiGLU
-        MLP and no biases (Llama, Qwen3; not MoE, sandwich norms, layer scalars, GPT-OSS / Gemma-4 activations,
-        k = v or v-norm), for B x T rows and shapes the kernels take (`fused_linear.use_kernel`) where
-        `implementation` resolves to them ("pallas"; "auto" on a GPU up to `FusedLinearConfig.auto_max_rows`).
-        Elsewhere the layer runs its XLA ops."""
-        attn, mlp = self.self_attn, self.mlp
-        if (self.sandwich or self.layer_scalar is not None or not isinstance(mlp, MLP) or not mlp.fusable
-                or not attn.fusable):
-            return False
-        weights = [self.input_layernorm.weight, self.post_attention_layernorm.weight, attn.q_proj.kernel,
-                   attn.k_proj.kernel, attn.v_proj.kernel, attn.o_proj.kernel, mlp.gate_proj.kernel,
-                   mlp.up_proj.kernel, mlp.down_proj.kernel]
-        if attn.q_norm is not None:
-            weights += [attn.q_norm.weight, attn.k_norm.weight]
-        return fused_linear.use_kernel(
-            implementation, rows=x.shape[0] * x.shape[1], k=x.shape[-1],
-            widths=(attn.q_proj.kernel.shape[1], attn.k_proj.kernel.shape[1], mlp.gate_proj.kernel.shape[1]),
-            dtypes=[x.dtype] + [w[...].dtype for w in weights], head_dim=attn.head_dim,
-            qk_norm=attn.q_norm is not None)
 
     def _mlp(self, x, implementation):
         return self.mlp(x, implementation) if isinstance(self.mlp, MoE) else self.mlp(x)
