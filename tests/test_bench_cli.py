@@ -20,7 +20,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 import pjax
 from pjax.bench import load_dataset
 from pjax.bench.report import plots_available
-from pjax.checkpoint.files import OUTPUT_MARKER
+from pjax._io import OUTPUT_MARKER
 from pjax.cli import main
 from pjax.text import load_tokenizer
 from tests.engine_utils import fast_default_compiles, hf_greedy, make_drafter

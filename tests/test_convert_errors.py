@@ -162,7 +162,7 @@ def test_native_round_trip(hf_dir, tmp_path):
         for a, b in zip(jax.tree.leaves(ref.params), jax.tree.leaves(t.params)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert pjax.load_target(out).dtype == jnp.bfloat16
-    with pytest.raises(pjax.CheckpointError, match="already exists"):
+    with pytest.raises(pjax.OutputError, match="already exists"):
         save_native_target(ref, hf, out)
     (out / "pjax_target.json").write_text(json.dumps({"format": "other"}))
     with pytest.raises(pjax.CheckpointError, match=r"pjax_target.json: format 'other'"):

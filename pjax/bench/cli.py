@@ -44,6 +44,7 @@ from typing import Optional
 
 import jax.numpy as jnp
 
+from pjax._io import OutputError, prepare_output
 from pjax.bench.backend import SCHEDULING, BatchBackend, EngineBackend
 from pjax.bench.datasets import DATASET_NAMES, load_dataset
 from pjax.bench.errors import BenchError
@@ -52,7 +53,6 @@ from pjax.bench.models import RANDOM_SHAPES, parse_random, random_head, random_t
 from pjax.bench.report import PLOTS_MISSING, plots_available, write_outputs
 from pjax.bench.runner import BenchSettings, build_prompt_set, environment, run_bench
 from pjax.checkpoint.errors import CheckpointError
-from pjax.checkpoint.files import prepare_output
 from pjax.checkpoint.heads import load_drafter
 from pjax.checkpoint.target import load_target
 from pjax.command import run_command
@@ -381,7 +381,7 @@ def run(args, argv) -> int:
 def main(argv=None, prog: str = "python -m pjax bench") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(prog).parse_args(argv)
-    return run_command(lambda: run(args, argv), user_errors=(BenchError, CheckpointError, ConfigError),
+    return run_command(lambda: run(args, argv), user_errors=(BenchError, CheckpointError, ConfigError, OutputError),
                        interrupted="interrupted (the configurations that finished are in --out)")
 
 

@@ -11,8 +11,8 @@ import re
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
+from pjax._io import write_json, write_output_dir
 from pjax.bench.runner import BenchResult
-from pjax.checkpoint.files import write_json, write_output_dir
 
 __all__ = ["PLOTS_MISSING", "markdown", "plots_available", "write_outputs", "write_plots"]
 

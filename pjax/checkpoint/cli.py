@@ -19,8 +19,9 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
+from pjax._io import NATIVE_MARKER, OutputError, prepare_output
 from pjax.checkpoint.errors import CheckpointError
-from pjax.checkpoint.files import NATIVE_MARKER, prepare_output, read_hf_config
+from pjax.checkpoint.files import read_hf_config
 from pjax.checkpoint.heads import describe_head, load_drafter, save_drafter
 from pjax.checkpoint.hf import load_hf_params, read_target_config
 from pjax.checkpoint.native import load_native_target, param_count, read_marker, save_native_target
@@ -193,7 +194,8 @@ def build_parser(prog: str = "python -m pjax convert") -> argparse.ArgumentParse
 
 def main(argv=None, prog: str = "python -m pjax convert") -> int:
     args = build_parser(prog).parse_args(argv)
-    return run_command(lambda: COMMANDS[args.command][2](args), user_errors=(CheckpointError, ConfigError, OSError))
+    return run_command(lambda: COMMANDS[args.command][2](args),
+                       user_errors=(CheckpointError, ConfigError, OutputError, OSError))
 
 
 if __name__ == "__main__":

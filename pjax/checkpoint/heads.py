@@ -20,9 +20,10 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from pjax._io import NATIVE_MARKER, write_json, write_output_dir
 from pjax.checkpoint import integrity
 from pjax.checkpoint.errors import CheckpointError
-from pjax.checkpoint.files import NATIVE_MARKER, read_hf_config, write_json, write_output_dir
+from pjax.checkpoint.files import read_hf_config
 from pjax.checkpoint.hf import TensorSource
 from pjax.checkpoint.safetensors import Checkpoint, save_file
 from pjax.config import ConfigError, ModelConfig, RopeSpec
@@ -452,7 +453,7 @@ def save_drafter(drafter: Drafter, path, *, dtype="bfloat16", verifier_name_or_p
     dtype: "bfloat16" (default), "float16" or "float32" for floating tensors. The directory is built beside
     `path` and renamed into place with the pjax output marker (kind "drafter"). overwrite: replace a head
     written earlier by pjax; any other existing directory (a downloaded head, a model) is refused, as is a
-    `path` equal to, inside or containing one of `sources` (`pjax.checkpoint.files.prepare_output`).
+    `path` equal to, inside or containing one of `sources` (`pjax.checkpoint.prepare_output`).
     """
     try:
         dtype = parse_dtype(dtype, what="save_drafter dtype").name

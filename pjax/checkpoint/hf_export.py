@@ -9,7 +9,7 @@ Hugging Face form here.
 
 Layout of OUT_DIR: config.json; model.safetensors (or model-0000k-of-0000n.safetensors shards + model.safetensors.
 index.json above `max_shard_bytes`); generation_config.json; the tokenizer files of `tokenizer_dir`; the pjax output
-marker (kind "hf-target"). Written beside its final place and renamed in (`files.write_output_dir`): never half
+marker (kind "hf-target"). Written beside its final place and renamed in (`write_output_dir`): never half
 there; `overwrite` replaces only an earlier pjax output of the same kind.
 """
 from __future__ import annotations
@@ -25,8 +25,8 @@ import jax
 import ml_dtypes
 import numpy as np
 
+from pjax._io import write_json, write_output_dir
 from pjax.checkpoint.errors import CheckpointError
-from pjax.checkpoint.files import write_json, write_output_dir
 from pjax.checkpoint.hf import hf_name
 from pjax.checkpoint.safetensors import save_file
 from pjax.config import ConfigError, ModelConfig, RopeSpec
@@ -204,7 +204,7 @@ def save_hf_target(target: Target, path, *, dtype: str = "bfloat16", tokenizer_d
     files (TOKENIZER_FILE_NAMES present there; tokenizer.json or tokenizer.model required) are copied; the bos / eos /
     pad ids it names fill the ones not given. max_position_embeddings: the context written (default the target's).
     overwrite: replace an earlier pjax "hf-target" output at `path`; anything else there is refused, as is a `path`
-    equal to, inside or containing one of `sources` (`pjax.checkpoint.files.prepare_output`)."""
+    equal to, inside or containing one of `sources` (`pjax.checkpoint.prepare_output`)."""
     ids = dict(bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
     tok_files = []
     if tokenizer_dir is not None:

@@ -6,7 +6,7 @@ Layout of OUT_DIR:
     params/            orbax checkpoint of `Target.params`
     pjax_target.json   format, version, model_type, dtype, parameter count; per-tensor checksums
                        (`pjax.checkpoint.integrity`) and the size of every file under params/
-    pjax_output.json   the pjax output marker (kind "target"; see `pjax.checkpoint.files`)
+    pjax_output.json   the pjax output marker (kind "target"; see `pjax._io`)
 The directory is written beside its final location and renamed into place (`write_output_dir`), so it never
 exists half-way. Loading checks that every recorded file is present with its recorded size (a truncated or
 deleted file is one error naming it), then compares the checksums of the restored tensors (one device pass;
@@ -22,9 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pjax._io import NATIVE_MARKER, signals_deferred, write_json, write_output_dir
 from pjax.checkpoint import integrity
 from pjax.checkpoint.errors import CheckpointError
-from pjax.checkpoint.files import NATIVE_MARKER, read_hf_config, signals_deferred, write_json, write_output_dir
+from pjax.checkpoint.files import read_hf_config
 from pjax.config import ConfigError
 from pjax.dtypes import parse_dtype
 from pjax.models.families import config_from_hf
@@ -73,7 +74,7 @@ def save_native_target(target: Target, hf_config: dict, out, *, overwrite: bool 
 
     hf_config: the Hugging Face config dict the target was parsed from (must round-trip to `target.config`).
     overwrite: replace an existing pjax-native copy at `out`; any other existing directory is refused, as is
-    an `out` equal to, inside or containing one of `sources` (`pjax.checkpoint.files.prepare_output`).
+    an `out` equal to, inside or containing one of `sources` (`pjax.checkpoint.prepare_output`).
     """
     hf_config = {k: v for k, v in hf_config.items() if k != "quantization_config"}
     try:

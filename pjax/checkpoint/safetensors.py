@@ -29,8 +29,8 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
+from pjax._io import termination_raises
 from pjax.checkpoint.errors import CheckpointError
-from pjax.checkpoint.files import termination_raises
 
 __all__ = ["Checkpoint", "DTYPES", "SafetensorsFile", "save_file"]
 

@@ -5,8 +5,9 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
+from pjax._io import NATIVE_MARKER
 from pjax.checkpoint.errors import CheckpointError
-from pjax.checkpoint.files import NATIVE_MARKER, read_hf_config
+from pjax.checkpoint.files import read_hf_config
 from pjax.checkpoint.heads import describe_head
 from pjax.checkpoint.hf import load_hf_params, read_target_config
 from pjax.checkpoint.native import load_native_target
