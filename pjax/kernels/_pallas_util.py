@@ -1,4 +1,4 @@
-"""Small helpers shared by the Pallas (Triton) kernels: compiler params, power-of-two padding, dot precision."""
+"""Small helpers shared by the Pallas (Triton) kernels: compiler params, power-of-two padding, dot precision, exp2."""
 from __future__ import annotations
 
 import jax
@@ -33,3 +33,12 @@ def dot_precision(dtype) -> jax.lax.Precision:
         return jax.lax.Precision(setting)
     except ValueError:  # another dot algorithm preset (bf16 / tf32 passes): not full float32
         return jax.lax.Precision.DEFAULT
+
+
+def exp2(x, interpret: bool):
+    """2 ** x as one MUFU `ex2.approx.ftz` instruction per element (what Triton's own exp2 emits; Pallas lowers
+    jnp.exp2 to libdevice's slower exp2f). Interpret mode uses jnp.exp2."""
+    if interpret:
+        return jnp.exp2(x)
+    return pltriton.elementwise_inline_asm("ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=r,r", pack=1,
+                                           result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, x.dtype)])[0]

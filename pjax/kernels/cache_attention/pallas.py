@@ -33,21 +33,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pjax.kernels import dispatch, hardware
-from pjax.kernels._pallas_util import call_kwargs, dot_precision, next_pow2
+from pjax.kernels._pallas_util import call_kwargs, dot_precision, exp2, next_pow2
 from pjax.kernels.cache_attention.config import DEFAULT, AttentionConfig
 from pjax.kernels.cache_attention.reference import check_inputs
 
 NEG_INF = float("-inf")
 LOG2E = 1.4426950408889634
-
-
-def _exp2(x, interpret: bool):
-    """2 ** x as one MUFU `ex2.approx.ftz` instruction per element (what Triton's own exp2 emits; Pallas lowers
-    jnp.exp2 to libdevice's slower exp2f). Interpret mode uses jnp.exp2."""
-    if interpret:
-        return jnp.exp2(x)
-    return pltriton.elementwise_inline_asm("ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=r,r", pack=1,
-                                           result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, x.dtype)])[0]
 
 
 def key_range(qmin, qmax, kv_hi, *, bk, window):
@@ -114,8 +105,8 @@ def _kernel(q_ref, k_ref, v_ref, qpos_ref, *refs, t, g, s_len, hd, hdp, m_rows, 
         sc = jax.lax.cond((start < full_lo) | (start + bk > full_hi), mask, lambda s_: s_, sc)
         m_new = jnp.maximum(m, jnp.max(sc, axis=1))
         mc = jnp.where(m_new == NEG_INF, 0.0, m_new) * c
-        alpha = _exp2(m * c - mc, interpret)
-        p = _exp2(sc * c - mc[:, None], interpret)
+        alpha = exp2(m * c - mc, interpret)
+        p = exp2(sc * c - mc[:, None], interpret)
         l = l * alpha + jnp.sum(p, axis=1)
         vb = pltriton.load(v_ref.at[b, pl.ds(start, bk), h, pl.ds(0, hdp)], mask=tmask, other=other)
         pv = jax.lax.dot_general(p.astype(vb.dtype), vb, (((1,), (0,)), ((), ())), precision=precision,

@@ -31,8 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pjax.kernels import dispatch
-from pjax.kernels._pallas_util import dot_precision, next_pow2
-from pjax.kernels.cache_attention.pallas import _exp2
+from pjax.kernels._pallas_util import dot_precision, exp2, next_pow2
 from pjax.kernels.flash_attention.config import DEFAULT, FlashConfig
 from pjax.kernels.flash_attention.reference import MASK_VALUE
 
@@ -103,8 +102,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, lo_ref, hi_ref, first_ref, end_ref, o_ref, 
         s = _scores(q, kt, start, lo, hi, c=c, bk=bk, precision=precision,
                     interior=_interior(start, bk, lo_max, hi_min))
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        alpha = _exp2(m - m_new, interpret)
-        p = _exp2(s - m_new[:, None], interpret)
+        alpha = exp2(m - m_new, interpret)
+        p = exp2(s - m_new[:, None], interpret)
         vt = pltriton.load(v_ref.at[b, pl.ds(start, bk), kvh, dims])
         pv = jax.lax.dot_general(p.astype(vt.dtype), vt, (((1,), (0,)), ((), ())), precision=precision,
                                  preferred_element_type=jnp.float32)
@@ -134,7 +133,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lo_ref, hi_ref, 
         vt = pltriton.load(v_ref.at[b, pl.ds(start, bk), kvh, dims])
         s = _scores(q, kt, start, lo, hi, c=c, bk=bk, precision=precision,
                     interior=_interior(start, bk, lo_max, hi_min))
-        p = _exp2(s - lse[:, None], interpret)
+        p = exp2(s - lse[:, None], interpret)
         dp = jax.lax.dot_general(do, vt, (((1,), (1,)), ((), ())), precision=precision,
                                  preferred_element_type=jnp.float32)
         ds = p * (dp - delta[:, None])
@@ -169,7 +168,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, lo_ref, hi_ref,
             lo, hi = pltriton.load(lo_ref.at[bm, rows]), pltriton.load(hi_ref.at[bm, rows])
             s = _scores(q, kt, start, lo, hi, c=c, bk=bk, precision=precision,
                         interior=_interior(start, bk, jnp.max(lo), jnp.min(hi)))
-            p = _exp2(s - lse[:, None], interpret)  # [bq, bk]
+            p = exp2(s - lse[:, None], interpret)  # [bq, bk]
             dv = dv + jax.lax.dot_general(p.astype(do.dtype), do, (((0,), (0,)), ((), ())), precision=precision,
                                           preferred_element_type=jnp.float32)
             dp = jax.lax.dot_general(do, vt, (((1,), (1,)), ((), ())), precision=precision,
