@@ -95,7 +95,7 @@ def tiny_job(argv=None, objective="peagle") -> dict:
     """The README main job: tiny target + head, export, acceptance length. Returns a report dict."""
     a = _args(argv, objective)
     from pjax.checkpoint import save_drafter
-    from pjax.train import tiny_run
+    from examples.tiny_pair import tiny_run
     t0 = time.time()
     run = tiny_run(objective=a.objective, seq_len=a.seq_len or 128, batch_rows=a.batch_rows or 8,
                    target_steps=a.target_steps, head_steps=a.steps or 300, num_depths=a.num_depths,

@@ -1,7 +1,6 @@
 """Smoke tests of examples/benchmarks/bench_generate.py --tiny on CPU: the host time of a generation's start; the
 prefill comparison (padded vs packed) runs both layouts for each drafting mode and reports the positions each
-computed, and its drafter part times the engine's drafter prefill programs (P-EAGLE and EAGLE-3) alone and after the
-target's, in both layouts."""
+computed."""
 import json
 
 from tests.example_utils import load_example
@@ -11,7 +10,7 @@ def test_bench_generate_prefill_tiny(tmp_path):
     bench = load_example("benchmarks/bench_generate.py")
     out = tmp_path / "prefill.json"
     result = bench.main(["prefill", "--tiny", "--repeats", "1", "--prefill-batches", "4", "--prefill-median", "20",
-                         "--prefill-longest", "40", "--k", "3", "--drafter-layers", "2", "--out", str(out)])
+                         "--prefill-longest", "40", "--k", "3", "--out", str(out)])
     res = result["prefill"]
     assert json.loads(out.read_text())["prefill"] == res
     rows = res["generate"]
@@ -22,18 +21,8 @@ def test_bench_generate_prefill_tiny(tmp_path):
         assert r["padded_positions"] == 4 * 64  # 4 rows of the 40-token prompt's bucket
         assert r["packed_positions"] == 128  # the next power of two of the total
         assert r["padded_ms"] > 0 and r["packed_ms"] > 0
-    rows = res["drafter"]
-    assert [(r["drafting"], r["head_layers"], r["k"]) for r in rows] == [("parallel", 2, 3), ("sequential", 1, 3)]
-    # P-EAGLE: 4 rows of 64 + 16 mask slots; packed: 128 + 4 x (K - 1) rounded up to 16. EAGLE-3: the target's layout
-    assert (rows[0]["padded_slots"], rows[0]["packed_slots"]) == (4 * 80, 144)
-    assert (rows[1]["padded_slots"], rows[1]["packed_slots"]) == (4 * 64, 128)
-    for r in rows:
-        assert r["prompt_tokens"] == sum(lengths)
-        for layout in ("padded", "packed"):
-            assert 0 < r[f"{layout}_drafter_ms"] and 0 < r[f"{layout}_first_token_ms"]
-    # the drafter part reuses the generate part's target prefills (same target features) and compiles no decode loop:
-    # per layout, the target's prefill for plain decoding and for the heads, and a drafter prefill for each head
-    assert res["programs_compiled"] == {"prefill_target": 4, "chunk": 2, "prefill_drafter": 6}
+    # per layout, the target's prefill for plain decoding and for the head, the head's prefill and one decode loop
+    assert res["programs_compiled"] == {"prefill_target": 4, "chunk": 2, "prefill_drafter": 2}
 
 
 def test_bench_generate_host_tiny(tmp_path, monkeypatch):

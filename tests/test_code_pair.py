@@ -1,4 +1,4 @@
-"""examples/code_pair.py --tiny end to end on CPU: the pair it exports loads in transformers (target, same float32
+"""examples/code_pair (`python -m examples.code_pair --tiny`) end to end on CPU: the pair it exports loads in transformers (target, same float32
 logits) and speculators (heads, same logits); greedy speculative decoding through pjax.generate equals plain
 decoding; a re-run does nothing; a training stage stopped mid-way and resumed gives the same weights bit for bit;
 changed settings are refused without --force."""
@@ -19,18 +19,14 @@ import speculators.models.peagle.core as pcore
 from speculators.models.eagle3 import Eagle3DraftModel
 from speculators.models.peagle import PEagleDraftModel
 
+import examples.code_pair as cp
 import pjax
+from examples.code_pair.corpus import function_prompts, read_texts
 from pjax.train import draft_logits
-from pjax.train.corpus import function_prompts, read_texts
 from tests.example_utils import load_example
 from tests.hf_utils import rel_err
 
 
-def load_recipe():
-    return load_example("code_pair.py")
-
-
-cp = load_recipe()
 
 
 @pytest.fixture(scope="module")
@@ -146,12 +142,12 @@ def test_stage_locks(build_dir):
     def run(stage):
         return cp.build(build_dir, cp.TINY, stages=(stage,), progress=False, log=lambda s: None)
 
-    with cp._locked(build_dir, "eagle3"):
+    with cp.locked(build_dir, "eagle3"):
         assert run("peagle") == {"peagle": "done"}
         for stage in ("eagle3", "regen"):  # built by another process, read by it
             with pytest.raises(cp.RecipeError, match=f"stage {stage} is in use by another process"):
                 run(stage)
-    with cp._locked(build_dir, "regen"):
+    with cp.locked(build_dir, "regen"):
         with pytest.raises(cp.RecipeError, match="stage regen, which stage peagle reads, is being built"):
             run("peagle")
     assert run("eagle3") == {"eagle3": "done"} and run("regen") == {"regen": "done"}
@@ -175,7 +171,7 @@ class StopAfter:
 
 @pytest.mark.parametrize("stage", ["target"])  # the heads resume through train_drafter (tests/test_train_loop.py)
 def test_stopped_training_resumes_exactly(build_dir, tmp_path, stage):
-    upstream = cp._inputs(stage)
+    upstream = cp.inputs(stage)
     out = tmp_path / "build"
     _copy_stages(build_dir, out, upstream)
     with pytest.raises(cp.Incomplete, match="checkpoint saved"):
@@ -195,7 +191,7 @@ def test_stopped_training_resumes_exactly(build_dir, tmp_path, stage):
 
 def test_target_minutes_fixes_the_steps_after_the_warmup(build_dir, tmp_path):
     out = tmp_path / "build"
-    _copy_stages(build_dir, out, cp._inputs("target"))
+    _copy_stages(build_dir, out, cp.inputs("target"))
     recipe = dataclasses.replace(cp.TINY, target_minutes=1e-4)  # far less than the full token budget takes
     cp.build(out, recipe, stages=("target",), progress=False, log=lambda s: None)
     plan = json.loads((out / "target" / "plan.json").read_text())
@@ -206,7 +202,7 @@ def test_target_minutes_fixes_the_steps_after_the_warmup(build_dir, tmp_path):
 
 def test_regenerated_head_data(build_dir, tmp_path):
     out = tmp_path / "build"
-    _copy_stages(build_dir, out, cp._inputs("regen"))
+    _copy_stages(build_dir, out, cp.inputs("regen"))
     recipe = dataclasses.replace(cp.TINY, head_data="regenerated", head_steps=4, regen_prompt_tokens=160)
     assert cp.build(out, recipe, stages=("regen", "peagle"), progress=False, log=lambda s: None) == {
         "regen": "built", "peagle": "built"}

@@ -1,4 +1,4 @@
-"""pjax.train.corpus (collection, skips, split, manifest, benchmark prompts) and pjax.train.bpe (the code tokenizer
+"""examples/code_pair/corpus.py (collection, skips, split, manifest, benchmark prompts) and bpe.py (the code tokenizer
 in the Hugging Face layout) on small synthetic package trees."""
 import hashlib
 import json
@@ -7,8 +7,8 @@ import textwrap
 import pytest
 import transformers as tf
 
-from pjax.train import corpus as C
-from pjax.train.bpe import SPECIAL_TOKENS, train_bpe_tokenizer, write_tokenizer_files
+from examples.code_pair import corpus as C
+from examples.code_pair.bpe import SPECIAL_TOKENS, train_bpe_tokenizer, write_tokenizer_files
 
 MODULE = textwrap.dedent('''\
     """A module."""

@@ -1,8 +1,10 @@
 """The package layering holds: a lower layer never imports a higher one, and no import cycle exists inside pjax/ or
 convert/. Every import statement counts, also those inside functions (a lazy import is still a dependency).
 
-Layers, lowest first: config / _compat / dtypes / command < kernels < models < checkpoint < decode < text, train < bench, serve <
-cli, the package root and convert/. A module may import its own layer and the layers below it."""
+Layers, lowest first: _io (atomic output files) < config / _compat / dtypes / command < kernels < models <
+checkpoint < decode < text, train < bench, serve < cli, the package root and convert/. A module may import its own
+layer and the layers below it. A private name (`_name`) is used only inside the package that holds it, also by the
+examples."""
 import ast
 from pathlib import Path
 
@@ -10,6 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [
+    ("pjax._io",),
     ("pjax.config", "pjax._compat", "pjax.dtypes", "pjax.command"),
     ("pjax.kernels",),
     ("pjax.models",),
@@ -120,18 +123,78 @@ def test_no_import_cycles():
     assert cycles(package_edges_only(graph())) == []
 
 
-@pytest.mark.parametrize("bad", ["kernel_imports_decode", "cycle"])
+@pytest.mark.parametrize("bad", ["kernel_imports_decode", "cycle", "private_name"])
 def test_checks_catch_violations(tmp_path, bad):
     """The checks fail on a deliberate back-import and on a deliberate cycle (in a copy of the tree)."""
     import shutil
     for d in ("pjax", "convert"):
         shutil.copytree(ROOT / d, tmp_path / d)
+    (tmp_path / "examples").mkdir()
     if bad == "kernel_imports_decode":
         p = tmp_path / "pjax" / "kernels" / "rng.py"
         p.write_text(p.read_text() + "\nimport pjax.decode.step  # deliberate back-import\n")
         assert any("pjax.kernels.rng" in line for line in back_imports(graph(tmp_path)))
+    elif bad == "private_name":
+        p = tmp_path / "pjax" / "kernels" / "flash_attention" / "pallas.py"
+        p.write_text(p.read_text() + "\nfrom pjax.kernels.cache_attention.pallas import _kernel  # deliberate\n")
+        assert all_private_uses(tmp_path) == ["pjax.kernels.flash_attention.pallas imports "
+                                              "pjax.kernels.cache_attention.pallas._kernel"]
     else:
         p = tmp_path / "pjax" / "models" / "layers.py"
         p.write_text(p.read_text() + "\nfrom pjax.models import drafter  # deliberate cycle\n")
         assert any("pjax.models.layers" in c for c in cycles(package_edges_only(graph(tmp_path))))
 
+
+
+def private_uses(path: Path, module: str, root: Path = ROOT) -> list[str]:
+    """Private names of pjax (a module or attribute whose name starts with one underscore) that `path` reaches from
+    outside the package holding them: `from pjax.a.b import _c`, `import pjax.a._b`, `mod._c` on an imported pjax
+    module. A private name is usable only inside its own package (`pjax._compat` everywhere in pjax,
+    `pjax.kernels._pallas_util` inside `pjax.kernels`)."""
+    def private(name):
+        return name.startswith("_") and not name.startswith("__")
+
+    def owner(parts):  # the package holding the first private segment (a module's package for a module's name)
+        i = next(i for i, p in enumerate(parts) if private(p))
+        return ".".join(parts[:i] if root.joinpath(*parts[:i], "__init__.py").exists() else parts[:i - 1])
+
+    def inside(pkg):
+        return module == pkg or module.startswith(pkg + ".")
+
+    tree = ast.parse(path.read_text(), str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out, modules = [], {}
+    for node in ast.walk(tree):
+        full = []
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                full.append(a.name)
+                if a.name.startswith("pjax.") and a.asname:
+                    modules[a.asname] = a.name
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            for a in node.names:
+                full.append(f"{base}.{a.name}")
+                modules[a.asname or a.name] = f"{base}.{a.name}"
+        for name in full:
+            parts = name.split(".")
+            if parts[0] == "pjax" and any(private(p) for p in parts) and not inside(owner(parts)):
+                out.append(f"{module} imports {name}")
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules
+                and modules[node.value.id].startswith("pjax") and private(node.attr)):
+            name = f"{modules[node.value.id]}.{node.attr}"
+            if not inside(owner(name.split("."))):
+                out.append(f"{module} uses {name}")
+    return sorted(set(out))
+
+
+def all_private_uses(root: Path = ROOT) -> list[str]:
+    files = sorted(p for d in ("pjax", "convert", "examples") for p in (root / d).rglob("*.py"))
+    return [line for f in files for line in private_uses(f, module_name(f, root), root)]
+
+
+def test_no_private_name_is_used_outside_its_package():
+    assert all_private_uses() == []

@@ -13,10 +13,11 @@ from pjax.decode.generate import make_spec
 from pjax.decode.state import Sampling
 from pjax.decode.step import prefill, spec_round
 from pjax.models.pairing import check_pair
-from pjax.train import CodConfig, cod_sample, draft_logits, replay_rounds, target_features, teacher_forced_drafts
+from pjax.train import CodConfig, cod_sample, draft_logits, target_features
 from pjax.train.data import eagle_shift
 from pjax.train.losses import cod_hidden
-from pjax.train.recipes import tiny_run
+from pjax.train.replay import replay_rounds, teacher_forced_drafts
+from examples.tiny_pair import tiny_run
 
 K = 4
 

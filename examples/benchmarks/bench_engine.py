@@ -46,8 +46,7 @@ from pjax.config import LayerSpec, ModelConfig, RopeSpec  # noqa: E402
 from pjax.models.cache import init_cache  # noqa: E402
 from pjax.decode import DecodeState, Sampling, make_spec, spec_round, verify  # noqa: E402
 from pjax.decode import draft as D  # noqa: E402
-from pjax.decode.step import _accept  # noqa: E402
-from pjax.kernels import IMPLEMENTATIONS  # noqa: E402
+from pjax.kernels import IMPLEMENTATIONS, accept  # noqa: E402
 from pjax.kernels.metadata import build_draft_inputs  # noqa: E402
 from pjax.models.drafter import DrafterConfig, combine, init_drafter, init_drafter_cache  # noqa: E402
 
@@ -153,6 +152,13 @@ def verify_only(target, cache, last, drafts, pos, spec):
     return cache, logits, aux
 
 
+def accept_only(logits, drafts, q, sampling, positions, num_drafts, spec):
+    """The round's chain acceptance (`pjax.kernels.accept`) without top-k / top-p filters."""
+    return accept(logits, drafts, q, temperature=sampling.temperature.astype(jnp.float32),
+                  seeds=sampling.seed.astype(jnp.uint32), positions=positions.astype(jnp.int32),
+                  num_drafts=num_drafts.astype(jnp.int32), implementation=spec.implementation)
+
+
 def rounds_in_loop(target, drafter, state, sampling, spec, rounds):
     """`rounds` rounds in one program (fori_loop, a while_loop with a counter: no host round-trip)."""
     return jax.lax.fori_loop(0, rounds, lambda i, s: spec_round(target, drafter, s, sampling, spec=spec), state)
@@ -165,7 +171,7 @@ def jitted(compiler_options=None):
     return dict(
         draft=jit(draft_only, static_argnames=("spec",), donate_argnums=don),
         verify=jit(verify_only, static_argnames=("spec",), donate_argnums=don),
-        accept=jit(_accept, static_argnames=("spec",)),
+        accept=jit(accept_only, static_argnames=("spec",)),
         round=jit(spec_round, static_argnames=("spec",), donate_argnames=("state",) if DONATE else ()),
         loop=jit(rounds_in_loop, static_argnames=("spec", "rounds"), donate_argnames=("state",) if DONATE else ()))
 

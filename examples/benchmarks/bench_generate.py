@@ -4,7 +4,6 @@
     PYTHONPATH=. python examples/benchmarks/bench_generate.py steps    # ms per round: none / P-EAGLE / EAGLE-3
     PYTHONPATH=. python examples/benchmarks/bench_generate.py steps --xla-sweep   # the same under XLA flag sets
     PYTHONPATH=. python examples/benchmarks/bench_generate.py profile  # where a generation's device time goes
-    PYTHONPATH=. python examples/benchmarks/bench_generate.py fused    # the fused layer kernels: xla vs pallas
     PYTHONPATH=. python examples/benchmarks/bench_generate.py prefill  # a batch's prefill: padded vs packed
     PYTHONPATH=. python examples/benchmarks/bench_generate.py host     # the host's ms to start a generation
     ... --tiny                                                          # CPU smoke run (tiny shapes)
@@ -18,21 +17,12 @@ under each XLA_FLAGS set of FLAG_SETS (e.g. XLA command buffers, i.e. CUDA graph
 table. profile: one generation per case (--shapes x --batches, plain and P-EAGLE) under the profiler (GPU):
 kernels per round, kernel-busy vs wall time of the device span, the longest idle gaps (launch-bound steps, chunk
 boundaries) and the most launched kernels (launches per round, mean time each).
-fused: the fused few-row layer kernels (pjax.kernels.fused_linear) on the 445M shape (--fused-shapes), in one process:
-(1) per op at 1 / 8 / 16 rows (decode, K = 7 verify, a 16-slot draft), the device time of the model's XLA ops against
-the Pallas kernel that replaces them (one copy per layer's weights in one program, so weights come from HBM, not
-L2), with the weight bytes' roofline at 4.3 TB/s; --sweep adds the kernels under the tile variants of FUSED_SWEEP;
-(2) ms per round of plain decoding and P-EAGLE / EAGLE-3 K = 7 rounds at batch 1 for each of --implementations,
-with kernels per round and the GPU's busy fraction from one traced generation each.
 prefill: the prefill of a static batch of B ragged prompts (lengths drawn log-normally around --prefill-median, the
 longest --prefill-longest: the code pair's prompts have median 82 and longest 347 tokens), padded (each prompt a row
 of the longest one's bucket) against packed (the prompts in one row under a document mask), per shape and B of
---prefill-batches. Two parts (--prefill-parts): "generate", for plain decoding (the target's prefill) and P-EAGLE
-(target and drafter): positions computed and median prefill ms (the engine's clock: both prefill programs and the
-first tokens' copy to the host); "drafter", for a P-EAGLE head of --drafter-layers layers and a 1-layer EAGLE-3 head
-(K = --k): the drafter's prefill slots padded / packed (each prompt's L + K - 1 slots, L for EAGLE-3) and the median
-host ms of the engine's own compiled prefill programs (`engine_prefill`), the drafter's alone and target + drafter
-(the first-token path), synchronised calls; the programs compiled are listed at the end.
+--prefill-batches, for plain decoding (the target's prefill) and P-EAGLE (target and drafter): positions computed
+and median prefill ms (the engine's clock: both prefill programs and the first tokens' copy to the host); the
+programs compiled are listed at the end.
 Weights are random bf16; acceptance is then ~0, so every round emits one token and has the same cost as a
 round with accepted drafts (the same slots are computed). Compilation is excluded (a warm-up generation first).
 Prints markdown; writes JSON to --out (default $OUT/bench_generate.json when $OUT is set).
@@ -40,7 +30,6 @@ Prints markdown; writes JSON to --out (default $OUT/bench_generate.json when $OU
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import statistics
@@ -59,18 +48,12 @@ import pjax  # noqa: E402
 from pjax.config import LayerSpec, ModelConfig, RopeSpec  # noqa: E402
 from pjax.decode import precompile  # noqa: E402
 from pjax.decode.compiled import compile_stats  # noqa: E402
-from pjax.decode.draft import packed_draft_length, prefill_mask_slots  # noqa: E402
 from pjax.models.drafter import DrafterConfig  # noqa: E402
 
 SHAPES = {  # name: (layers, hidden, intermediate, heads, kv heads, head dim, vocab)
     "llama3.1-8b": (32, 4096, 14336, 32, 8, 128, 128256),
     "llama-445m": (24, 1024, 3840, 16, 16, 64, 32000),
-    "tiny": (2, 64, 128, 4, 2, 32, 257),  # head_dim 32: RoPE halves of 16, the smallest the fused kernels take
-}
-FUSED_SWEEP = {  # `fused --sweep`: FusedLinearConfig variants timed for every kernel (pjax.kernels.fused_linear.config)
-    "block_k=128": dict(block_k=128), "block_k=512": dict(block_k=512), "stages=3": dict(stages=3),
-    "stages=6": dict(stages=6), "min_block_n=32": dict(min_block_n=32), "programs_per_sm=1": dict(programs_per_sm=1),
-    "programs_per_sm=4": dict(programs_per_sm=4), "warps=2": dict(warps=2), "warps=8": dict(warps=8),
+    "tiny": (2, 64, 128, 4, 2, 32, 257),
 }
 FLAG_SETS = {  # XLA_FLAGS variants for --xla-sweep (each in its own process)
     "default": "",
@@ -198,51 +181,6 @@ def ragged_lengths(batch: int, median: int, longest: int, seed: int = 0) -> list
     return lengths.tolist()
 
 
-def host_ms(f, args, calls: int) -> float:
-    """Median host ms of `calls` synchronised calls f(*args), after one warm-up call."""
-    jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(ts)
-
-
-class _PrefillDone(Exception):
-    """`engine_prefill`: the generation's prefill has run; stop before its decode loop compiles."""
-
-
-def engine_prefill(target, drafter, ps, **kw) -> dict:
-    """The engine's own prefill programs for a generation of the prompts `ps` (`pjax.Generation` with `kw`):
-    {"prefill_target" / "prefill_drafter": (executable, arguments, static settings)}, recorded from the engine's
-    compilation cache as the generation builds and runs them (so they are compiled and warm), the generation stopped
-    before it compiles its decode loop. Calling exe(*arguments) repeats that prefill program exactly."""
-    G = importlib.import_module("pjax.decode.generate")
-    engine_compiled, got = G._compiled, {}
-
-    def record(name, args, kwargs, *rest):
-        if name not in ("prefill_target", "prefill_drafter"):
-            raise _PrefillDone
-        exe, seconds = engine_compiled(name, args, kwargs, *rest)
-        got[name] = (exe, args, kwargs)
-        return exe, seconds
-    G._compiled = record
-    try:
-        G.Generation(target, drafter, ps, max_new_tokens=1, **kw)
-    except _PrefillDone:
-        pass
-    finally:
-        G._compiled = engine_compiled
-    return got
-
-
-def first_token_path(exe_t, args_t, exe_d, args_d):
-    """The target's prefill program, then the drafter's on its state and features (as `pjax.Generation` runs them)."""
-    state, aux = exe_t(*args_t)
-    return exe_d(args_d[0], state, aux, *args_d[3:])
-
-
 def prefill_generate_rows(args, shape, target, peagle, ps) -> list[dict]:
     """Per drafting mode (none, P-EAGLE): a generation's prefill padded and packed on the engine's clock."""
     rows = []
@@ -259,48 +197,18 @@ def prefill_generate_rows(args, shape, target, peagle, ps) -> list[dict]:
     return rows
 
 
-def prefill_drafter_rows(args, shape, target, heads, ps) -> list[dict]:
-    """Per head (drafting mode, drafter, K): the engine's drafter prefill program alone, and the first-token path
-    (target prefill + drafter prefill), padded and packed, median host ms of synchronised calls."""
-    rows = []
-    for mode, drafter, k in heads:
-        row = {"shape": shape, "batch": len(ps), "drafting": mode, "head_layers": drafter.config.layer.num_layers,
-               "k": k, "prompt_tokens": sum(map(len, ps))}
-        kk = k if mode == "parallel" else 1  # slots each prompt adds: K - 1 mask slots, none for EAGLE-3
-        for layout in ("padded", "packed"):
-            progs = engine_prefill(target, drafter, ps, drafting=mode, num_speculative_tokens=k, prefill=layout)
-            exe_t, args_t, _ = progs["prefill_target"]
-            exe_d, args_d, static = progs["prefill_drafter"]
-            (b, lp), n = args_d[3].shape, static["packed_len"]
-            row[f"{layout}_slots"] = b * (lp + prefill_mask_slots(kk)) if n is None else packed_draft_length(n, b, kk)
-            row[f"{layout}_drafter_ms"] = host_ms(exe_d, args_d, args.repeats)
-            row[f"{layout}_first_token_ms"] = host_ms(first_token_path, (exe_t, args_t, exe_d, args_d), args.repeats)
-        row["drafter_padded_over_packed"] = row["padded_drafter_ms"] / row["packed_drafter_ms"]
-        row["first_token_padded_over_packed"] = row["padded_first_token_ms"] / row["packed_first_token_ms"]
-        rows.append(row)
-    return rows
-
-
 def run_prefill(args) -> dict:
-    parts = args.prefill_parts.split(",")
-    if not set(parts) <= {"generate", "drafter"}:
-        raise ValueError(f"--prefill-parts {args.prefill_parts!r}: expected generate and/or drafter")
-    out = {"generate": [], "drafter": []}
+    out = {"generate": []}
     before = compile_stats()
     head_layers = {"tiny": 1, "llama-445m": 2, "llama3.1-8b": 4}
     for shape in (["tiny"] if args.tiny else args.shapes.split(",")):
         target, peagle = models(shape, head_layers[shape])
-        heads = [("parallel", head(shape, args.drafter_layers), args.k),
-                 ("sequential", head(shape, 1, peagle=False), args.k)]
         vocab = SHAPES[shape][-1]
         for batch in map(int, args.prefill_batches.split(",")):
             lengths = ragged_lengths(batch, args.prefill_median, args.prefill_longest)
             rng = np.random.default_rng(batch)
             ps = [rng.integers(0, vocab - 1, n).tolist() for n in lengths]
-            if "generate" in parts:
-                out["generate"] += prefill_generate_rows(args, shape, target, peagle, ps)
-            if "drafter" in parts:
-                out["drafter"] += prefill_drafter_rows(args, shape, target, heads, ps)
+            out["generate"] += prefill_generate_rows(args, shape, target, peagle, ps)
     out["programs_compiled"] = {name: n - before.get(name, (0, 0.0))[0] for name, (n, _) in compile_stats().items()
                                 if n > before.get(name, (0, 0.0))[0]}
     if out["generate"]:
@@ -311,19 +219,6 @@ def run_prefill(args) -> dict:
             print(f"| {r['shape']} | {r['batch']} | {r['drafting']} | {r['prompt_tokens']} | {r['padded_positions']} "
                   f"| {r['packed_positions']} | {r['padded_ms']:.2f} | {r['packed_ms']:.2f} | "
                   f"{r['padded_over_packed']:.2f}x |")
-    if out["drafter"]:
-        print(f"\nThe drafter's prefill alone and the first-token path (target + drafter prefill), median host ms "
-              f"of {args.repeats}:")
-        print("| shape | B | drafting | head layers | K | padded slots | packed slots | drafter padded ms "
-              "| drafter packed ms | padded / packed | target + drafter padded ms | target + drafter packed ms "
-              "| padded / packed |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-        for r in out["drafter"]:
-            print(f"| {r['shape']} | {r['batch']} | {r['drafting']} | {r['head_layers']} | {r['k']} "
-                  f"| {r['padded_slots']} | {r['packed_slots']} | {r['padded_drafter_ms']:.2f} "
-                  f"| {r['packed_drafter_ms']:.2f} | {r['drafter_padded_over_packed']:.2f}x "
-                  f"| {r['padded_first_token_ms']:.2f} | {r['packed_first_token_ms']:.2f} "
-                  f"| {r['first_token_padded_over_packed']:.2f}x |")
     print("\nprograms compiled: " + ", ".join(f"{n} {name}" for name, n in out["programs_compiled"].items()))
     return out
 
@@ -388,164 +283,6 @@ def run_profile(args) -> list[dict]:
     return rows
 
 
-def _device_us(op, target, inputs, calls: int):
-    """(us per copy, kernels per copy, {kernel name: median us}) of op(layer i, inputs[i]) for every copy i in one
-    jitted program (copy i uses layer i's weights). Without a GPU (smoke runs): host time per copy, no kernels."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from devtime import profile_calls
-    r = len(inputs)
-    prog = jax.jit(lambda t, ins: [op(t.module.layers[i], ins[i]) for i in range(r)])
-    prof = profile_calls(prog, (target, inputs), calls=calls)
-    if prof is None:
-        return host_ms(prog, (target, inputs), calls) / r * 1e3, float("nan"), {}
-    spans, kernels = prof
-    by_name = {}
-    for ks in kernels:
-        for name, _, dur in ks:
-            by_name.setdefault(name, []).append(dur / 1e3)
-    return (statistics.median(spans) / r / 1e3, len(kernels[0]) / r,
-            {n: statistics.median(d) for n, d in by_name.items() if n.startswith("pjax_")})
-
-
-def fused_ops(cfg: ModelConfig, config):
-    """name -> (weight bytes, the decoder layer's XLA ops, the Pallas kernel(s) under `config`), as functions of
-    (layer, inputs): x [B, T, H] the residual stream, pos [B, T], o [B, T, nh x hd] the attention output, h [B, T, I]
-    the MLP activation."""
-    from pjax.kernels.fused_linear import pallas as fl
-    from pjax.models.layers import activation, rope_tables
-    spec = cfg.layers[0]
-    hd, nh, nkv, h, inter = spec.head_dim, cfg.num_heads, spec.num_kv_heads, cfg.hidden_size, cfg.intermediate_size
-    flat = lambda a: a.reshape(-1, a.shape[-1])  # noqa: E731
-
-    def xla_qkv(lay, i):
-        return lay.self_attn.qkv(lay.input_layernorm(i["x"]), i["pos"])
-
-    def pallas_qkv(lay, i):
-        a, n = lay.self_attn, lay.input_layernorm
-        cos, sin = rope_tables(a.rope, hd, i["pos"])
-        qk = {} if a.q_norm is None else dict(q_norm=a.q_norm.weight[...], k_norm=a.k_norm.weight[...])
-        return fl.norm_qkv(flat(i["x"]), n.weight[...], a.q_proj.kernel[...], a.k_proj.kernel[...],
-                           a.v_proj.kernel[...], flat(cos), flat(sin), head_dim=hd, eps=n.eps,
-                           fp32_multiply=n.fp32_multiply, **qk, config=config)
-
-    def xla_swiglu(lay, i):
-        xn = lay.post_attention_layernorm(i["x"])
-        return activation("silu", lay.mlp.gate_proj(xn), lay.mlp.up_proj(xn), cfg)
-
-    def pallas_swiglu(lay, i):
-        n = lay.post_attention_layernorm
-        return fl.norm_swiglu(flat(i["x"]), n.weight[...], lay.mlp.gate_proj.kernel[...], lay.mlp.up_proj.kernel[...],
-                              eps=n.eps, fp32_multiply=n.fp32_multiply, config=config)
-
-    def xla_layer(lay, i):  # the layer without its attention: the attention output stands in by q
-        q, _, _ = xla_qkv(lay, i)
-        x = i["x"] + lay.self_attn.o_proj(q.reshape(i["o"].shape))
-        return x + lay.mlp(lay.post_attention_layernorm(x))
-
-    def pallas_layer(lay, i):
-        q, _, _ = pallas_qkv(lay, i)
-        x = fl.linear_residual(q, lay.self_attn.o_proj.kernel[...], flat(i["x"]), config=config)
-        return fl.linear_residual(pallas_swiglu(lay, dict(x=x)), lay.mlp.down_proj.kernel[...], x, config=config)
-
-    b = 2  # bytes per bf16 weight
-    return {
-        "norm + q/k/v + RoPE": (b * h * (nh + 2 * nkv) * hd, xla_qkv, pallas_qkv),
-        "o-proj + residual": (b * nh * hd * h, lambda lay, i: i["x"] + lay.self_attn.o_proj(i["o"]),
-                              lambda lay, i: fl.linear_residual(flat(i["o"]), lay.self_attn.o_proj.kernel[...],
-                                                                flat(i["x"]), config=config)),
-        "norm + gate/up + SwiGLU": (b * 2 * h * inter, xla_swiglu, pallas_swiglu),
-        "down-proj + residual": (b * inter * h, lambda lay, i: i["x"] + lay.mlp.down_proj(i["h"]),
-                                 lambda lay, i: fl.linear_residual(flat(i["h"]), lay.mlp.down_proj.kernel[...],
-                                                                   flat(i["x"]), config=config)),
-        "layer without attention": (b * h * ((nh + 2 * nkv) * hd + nh * hd + 3 * inter), xla_layer, pallas_layer),
-    }
-
-
-def fused_kernel_rows(args, shape: str, target) -> list[dict]:
-    """Per op and row count: the XLA ops vs the Pallas kernel (and --sweep's tile variants), device us per call."""
-    import dataclasses
-
-    from pjax.kernels.fused_linear.config import DEFAULT
-    cfg = target.config
-    spec = cfg.layers[0]
-    copies = min(cfg.num_layers, 2 if args.tiny else 8)  # 8 x 32 MB of 445M layer weights: well past the 50 MB L2
-    rows, variants = [], {"default": DEFAULT}
-    if args.sweep:
-        variants.update({n: dataclasses.replace(DEFAULT, **kw) for n, kw in FUSED_SWEEP.items()})
-    for t in ((1, 3) if args.tiny else (1, 8, 16)):
-        rs = np.random.default_rng(t)
-        rnd = lambda *shape_: jnp.asarray(rs.normal(size=shape_), jnp.bfloat16)  # noqa: E731
-        inputs = [dict(x=rnd(1, t, cfg.hidden_size), pos=jnp.asarray(rs.integers(0, 4096, (1, t)), jnp.int32),
-                       o=rnd(1, t, cfg.num_heads * spec.head_dim), h=rnd(1, t, cfg.intermediate_size))
-                  for _ in range(copies)]
-        for name, (nbytes, xla_op, pallas_op) in fused_ops(cfg, DEFAULT).items():
-            xla_us, xla_k, _ = _device_us(xla_op, target, inputs, args.calls)
-            outs = [np.concatenate([np.asarray(a, np.float32).reshape(-1) for a in jax.tree.leaves(
-                jax.jit(lambda tg, i, op=op: op(tg.module.layers[0], i))(target, inputs[0]))]) for op in (xla_op,
-                                                                                                    pallas_op)]
-            rel_err = float(np.abs(outs[1] - outs[0]).max() / np.abs(outs[0]).max())  # bf16: ~1e-2 = an ulp or two
-            row = {"shape": shape, "op": name, "rows": t, "weight_mb": nbytes / 1e6, "roofline_us": nbytes / 4.3e6,
-                   "xla_us": xla_us, "xla_kernels": xla_k, "pallas_rel_err": rel_err, "pallas": {}}
-            for vname, config in variants.items():
-                _, _, pallas_op = fused_ops(cfg, config)[name]
-                try:
-                    us, k, named = _device_us(pallas_op, target, inputs, args.calls)
-                except Exception as e:  # a tile variant that does not compile: report it, time the others
-                    print(f"  {name} rows={t} {vname}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-                    continue
-                row["pallas"][vname] = {"us": us, "kernels": k, "kernel_us": named, "tb_per_s": nbytes / us / 1e6}
-            rows.append(row)
-            p = row["pallas"].get("default", {"us": float("nan"), "kernels": float("nan"), "tb_per_s": float("nan")})
-            print(f"| {name} | {t} | {row['weight_mb']:.1f} | {row['roofline_us']:.2f} | {xla_us:.2f} ({xla_k:.0f}) | "
-                  f"{p['us']:.2f} ({p['kernels']:.0f}) | {xla_us / p['us']:.2f} | {p['tb_per_s']:.2f} | {rel_err:.1e} |",
-                  flush=True)
-    if args.sweep:
-        print("\n| op | rows | " + " | ".join(variants) + " |  (Pallas us per call)")
-        print("|---|---|" + "---|" * len(variants))
-        for r in rows:
-            cells = " | ".join(f"{r['pallas'][v]['us']:.2f}" if v in r["pallas"] else "failed" for v in variants)
-            print(f"| {r['op']} | {r['rows']} | {cells} |")
-    return rows
-
-
-def run_fused(args) -> dict:
-    """The fused layer kernels: per-op device time against the XLA ops they replace, then whole rounds."""
-    out = {"kernels": [], "steps": []}
-    head_layers = {"tiny": 2, "llama-445m": 2, "llama3.1-8b": 4}
-    impls = args.implementations.split(",")
-    for shape in (["tiny"] if args.tiny else args.fused_shapes.split(",")):
-        target, peagle = models(shape, head_layers[shape], peagle=True)
-        if args.only in ("all", "kernels"):
-            print(f"\n{shape}, bf16, batch 1: device us per call (kernels per call)")
-            print("| op | rows | weight MB | roofline us (4.3 TB/s) | XLA us | Pallas us | XLA / Pallas | Pallas TB/s | "
-                  "Pallas vs XLA max err / max |XLA| |")
-            print("|---|---|---|---|---|---|---|---|---|", flush=True)
-            out["kernels"] += fused_kernel_rows(args, shape, target)
-        if args.only not in ("all", "steps"):
-            continue
-        _, eagle3 = models(shape, 1, peagle=False)
-        ps = prompts(1, args.prompt_len, SHAPES[shape][-1])
-        kw = dict(max_new_tokens=min(args.new_tokens, 16) if args.tiny else args.new_tokens, chunk_seconds=None)
-        print(f"\n{shape}, batch 1, {kw['max_new_tokens']} new tokens, K = {args.k}, median of {args.repeats}")
-        print("| drafting | implementation | ms per round | vs xla | kernels per round | GPU busy |")
-        print("|---|---|---|---|---|---|", flush=True)
-        for mode, drafter, k in (("none", None, 0), ("parallel", peagle, args.k), ("sequential", eagle3, args.k)):
-            base = None
-            for impl in impls:
-                run_kw = dict(kw, drafting=mode, num_speculative_tokens=max(k, 1), implementation=impl)
-                m = timed(target, drafter, ps, repeats=args.repeats, **run_kw)
-                events, stats = traced_generation(target, drafter, ps, **run_kw)
-                if events:
-                    busy = sum(e - s for s, e, _ in events) / (events[-1][1] - events[0][0])
-                    m.update(kernels_per_round=len(events) / max(stats["rounds"], 1), busy_fraction=busy)
-                base = base or m["decode_ms_per_round"]
-                out["steps"].append({"shape": shape, "drafting": mode, "k": k, "implementation": impl, **m})
-                print(f"| {mode} K={k} | {impl} | {m['decode_ms_per_round']:.3f} | "
-                      f"{base / m['decode_ms_per_round']:.2f}x | {m.get('kernels_per_round', float('nan')):.1f} | "
-                      f"{m.get('busy_fraction', float('nan')):.0%} |", flush=True)
-    return out
-
-
 def sweep(argv: list[str]) -> dict:
     """Re-run `steps` under every XLA flag set, each in a fresh process; one table."""
     out = {}
@@ -578,7 +315,7 @@ def sweep(argv: list[str]) -> dict:
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=("chunks", "steps", "profile", "fused", "prefill", "host"))
+    ap.add_argument("what", choices=("chunks", "steps", "profile", "prefill", "host"))
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
     ap.add_argument("--k", type=int, default=7)
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -590,21 +327,12 @@ def main(argv=None):
     ap.add_argument("--shapes", default="llama-445m,llama3.1-8b",
                     help="steps, prefill, profile: comma-separated shapes of SHAPES")
     ap.add_argument("--xla-sweep", action="store_true", help="steps under each XLA_FLAGS set (subprocesses)")
-    ap.add_argument("--fused-shapes", default="llama-445m", help="fused: comma-separated shapes of SHAPES")
-    ap.add_argument("--implementations", default="xla,auto,pallas", help="fused: kernel switches compared per round")
-    ap.add_argument("--only", choices=("all", "kernels", "steps"), default="all", help="fused: one part only")
-    ap.add_argument("--sweep", action="store_true", help="fused: also time the kernels under FUSED_SWEEP's tiles")
-    ap.add_argument("--calls", type=int, default=20, help="fused: profiled calls per op timing")
     ap.add_argument("--prefill-batches", default=None, help="prefill: comma-separated batch sizes (default 8,32,64; "
                                                              "--tiny: 4)")
     ap.add_argument("--prefill-median", type=int, default=None,
                     help="prefill: median prompt length (default 82; --tiny: 20)")
     ap.add_argument("--prefill-longest", type=int, default=None,
                     help="prefill: longest prompt (default 347; --tiny: 40)")
-    ap.add_argument("--prefill-parts", default="generate,drafter",
-                    help="prefill: comma-separated parts: generate (a generation's prefill per drafting mode), "
-                         "drafter (the drafter's prefill alone and target + drafter, P-EAGLE and EAGLE-3)")
-    ap.add_argument("--drafter-layers", type=int, default=4, help="prefill: the P-EAGLE head's layers (drafter part)")
     ap.add_argument("--out", default=None, help="JSON output path (default $OUT/bench_generate.json)")
     args = ap.parse_args(argv)
     for name, full, tiny in (("prefill_batches", "8,32,64", "4"), ("prefill_median", 82, 20),
@@ -615,7 +343,7 @@ def main(argv=None):
         result = {"sweep": sweep(argv)}
     else:
         result = {args.what: {"chunks": run_chunks, "steps": run_steps, "profile": run_profile,
-                              "fused": run_fused, "prefill": run_prefill, "host": run_host}[args.what](args)}
+                              "prefill": run_prefill, "host": run_host}[args.what](args)}
     result["meta"] = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
                       "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": argv}
     out = args.out or (os.path.join(os.environ["OUT"], "bench_generate.json") if os.environ.get("OUT") else None)

@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -39,7 +40,6 @@ from pjax.config import LayerSpec, ModelConfig, RopeSpec  # noqa: E402
 from pjax.models.drafter import DrafterConfig  # noqa: E402
 from pjax.decode.inputs import bucket_batch  # noqa: E402
 from pjax.serve import AsyncEngine, Engine, EngineConfig, RequestParams  # noqa: E402
-from pjax.serve.cli import _bind  # noqa: E402
 from pjax.serve.openai_api import ServedModel, create_app  # noqa: E402
 from pjax.text.tokenizer import Tokenizer  # noqa: E402
 
@@ -107,7 +107,8 @@ def served(engine: Engine, model: ServedModel, prompts, max_tokens: int) -> dict
     import uvicorn
 
     bridge = AsyncEngine(engine)
-    sock = _bind("127.0.0.1", 0)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(create_app(bridge, model), log_level="warning", access_log=False))
     thread = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)
     thread.start()

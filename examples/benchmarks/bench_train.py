@@ -43,7 +43,7 @@ LM_SHAPES = {  # (layers, H, I, heads, kv heads, head dim, vocab), rows, tokens 
 }
 HEAD_SHAPES = {  # target (layers, H, I, heads, kv heads, head dim, vocab), P-EAGLE head layers, draft vocab
     "llama3.1-8b": ((32, 4096, 14336, 32, 8, 128, 128256), 4, 32000),
-    "code-pair": ((24, 1024, 2816, 16, 4, 64, 32768), 4, 32768),  # examples/code_pair.py's target and heads
+    "code-pair": ((24, 1024, 2816, 16, 4, 64, 32768), 4, 32768),  # examples/code_pair's target and heads
     "tiny": ((4, 64, 128, 4, 2, 16, 260), 2, 200),
 }
 LM_IMPLEMENTATIONS = ("auto", "pallas", "xla")

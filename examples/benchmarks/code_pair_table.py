@@ -1,4 +1,4 @@
-"""The trained pair's speed table in one command: build the pair with `examples/code_pair.py` (stage by stage; a
+"""The trained pair's speed table in one command: build the pair with `python -m examples.code_pair` (stage by stage; a
 re-run continues), then run the table's `python -m pjax bench` invocations, most informative first, each into
 OUT/NAME (bench.md, bench.json, plots) with its log beside it.
 
@@ -55,8 +55,8 @@ MIN_RUN_S = 60  # a benchmark with less time than this left is skipped
 
 
 def build_commands(build: Path, stages=STAGES) -> list[list[str]]:
-    return [[sys.executable, str(ROOT / "examples" / "code_pair.py"), "--out", str(build), "--no-progress",
-             "--stage", s] for s in stages]
+    return [[sys.executable, "-m", "examples.code_pair", "--out", str(build), "--no-progress", "--stage", s]
+            for s in stages]
 
 
 def build_groups(gpus: int) -> list[tuple[str, ...]]:
@@ -109,7 +109,7 @@ def budget(planned_s: float, elapsed_s: float, deadline_s):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--build", required=True, type=Path, help="the pair's build directory (examples/code_pair.py)")
+    ap.add_argument("--build", required=True, type=Path, help="the pair's build directory (python -m examples.code_pair)")
     ap.add_argument("--out", required=True, type=Path, help="directory for the benchmarks (one folder per run)")
     ap.add_argument("--deadline-minutes", type=float, default=None, help="finish within this many minutes")
     ap.add_argument("--skip-build", action="store_true", help="the pair in --build is complete: benchmark only")

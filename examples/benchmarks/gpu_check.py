@@ -10,10 +10,9 @@ target family against transformers in float32, and a P-EAGLE head against a floa
    cache attention at decode / verify / draft shapes (bf16 and float32, sliding windows, sinks, ragged kv_len, GQA
    geometries of Llama and GPT-OSS, a prefill-sized shape that "pallas" sends to the reference), training attention
    (output and q / k / v / sinks gradients: packed documents with the Pallas kernel, windows, sinks, causal rows with
-   cuDNN), the MoE expert matmul at few-pair shapes (and one past the kernel's 128 pairs), the fused few-row linear
-   ops (norm + q/k/v + RoPE with and without q/k-norm, norm + SwiGLU, projection + residual at 445M / 8B layer
-   shapes, one past the kernels' 16 rows), acceptance (greedy, sampled, top-k / top-p,
-   sampled drafts with their probabilities; integer outputs must be equal), the drafter-input metadata (equal).
+   cuDNN), the MoE expert matmul at few-pair shapes (and one past the kernel's 128 pairs), acceptance (greedy,
+   sampled, top-k / top-p, sampled drafts with their probabilities; integer outputs must be equal), the
+   drafter-input metadata (equal).
    The "ran" column lists the Pallas kernels the traced call contains.
 2. Targets: llama, qwen3, qwen3_moe, gpt_oss and gemma4 tiny checkpoints written by transformers (random float32
    weights), loaded by pjax in float32; a ragged-free cached prefill, a verify-sized extend (K + 1 = 4 tokens: the
@@ -23,8 +22,7 @@ target family against transformers in float32, and a P-EAGLE head against a floa
    each implementation, draft logits against a float64 numpy forward written from the parameters: <= 1e-4.
 Float32 products run at full precision (jax_default_matmul_precision = "highest", the engine's setting for float32
 models), so float32 kernels must match the reference to 1e-5 (max abs error / max |reference|); bf16 attention to
-2e-2 absolute (unit-normal inputs), bf16 expert matmul to 1e-2 relative, bf16 fused linear ops to
-2e-2 relative (two ulps).
+2e-2 absolute (unit-normal inputs), bf16 expert matmul to 1e-2 relative.
 Prints one table (op, implementation, shape, max abs / relative error, bound, pass); exits 1 on any failure.
 Needs transformers and torch (CPU torch is enough) for section 2; --json PATH writes the rows.
 """
@@ -46,7 +44,6 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from pjax import _compat  # noqa: E402
 from pjax.kernels import IMPLEMENTATIONS  # noqa: E402
 from pjax.kernels.acceptance import accept  # noqa: E402
 from pjax.kernels.acceptance import reference as acc_ref  # noqa: E402
@@ -54,8 +51,6 @@ from pjax.kernels.cache_attention import cache_attention, mosaic  # noqa: E402
 from pjax.kernels.cache_attention import reference as attn_ref  # noqa: E402
 from pjax.kernels.expert_matmul import expert_matmul  # noqa: E402
 from pjax.kernels.expert_matmul import reference as em_ref  # noqa: E402
-from pjax.kernels import fused_linear  # noqa: E402
-from pjax.kernels.fused_linear import reference as fl_ref  # noqa: E402
 from pjax.kernels.metadata import build_draft_inputs  # noqa: E402
 from pjax.kernels.metadata import reference as meta_ref  # noqa: E402
 from tests.kernel_jaxpr import pallas_kernel_names  # noqa: E402
@@ -77,6 +72,11 @@ class Row:
 
 
 ROWS: list[Row] = []
+
+
+def mosaic_interpret_runs() -> bool:
+    """Mosaic GPU kernels run in interpret mode on a CPU from JAX 0.11 on."""
+    return tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11)
 
 
 def log(*a):
@@ -128,7 +128,7 @@ def attention_cases(quick):
 
 
 def check_attention(quick):
-    on_mosaic = mosaic.available() or (jax.default_backend() != "gpu" and _compat.mosaic_gpu_interpret_runs())
+    on_mosaic = mosaic.available() or (jax.default_backend() != "gpu" and mosaic_interpret_runs())
     for i, (label, b, t, nh, nkv, hd, s, dtype, window, sinks, ragged) in enumerate(attention_cases(quick)):
         key = jax.random.key(i)
         kq, kk, kv_, ks, kl = jax.random.split(key, 5)
@@ -244,55 +244,6 @@ def check_expert_matmul(quick):
             bound = F32_BOUND if dtype == jnp.float32 else BF16_REL_BOUND
             record("kernels", "expert_matmul", impl, shape, abs_err=abs_err, rel_err=rel, bound=f"rel<={bound}",
                    ok=rel <= bound, ran=kernels_in(fn, x, ids, w))
-
-
-def fused_cases(quick):
-    """(label, rows, hidden, intermediate, heads, kv heads, head_dim, q/k-norm, dtype)."""
-    if quick:
-        return [("f32", 3, 64, 96, 4, 2, 32, False, jnp.float32), ("bf16 q/k-norm", 5, 48, 80, 2, 1, 64, True,
-                                                                      jnp.bfloat16)]
-    return [("llama-445m decode", 1, 1024, 3840, 16, 16, 64, False, jnp.bfloat16),
-            ("llama-445m verify K=7", 8, 1024, 3840, 16, 16, 64, False, jnp.bfloat16),
-            ("llama-3.1-8b draft 16 slots", 16, 4096, 14336, 32, 8, 128, False, jnp.bfloat16),
-            ("qwen3-8b q/k-norm verify K=3", 4, 4096, 12288, 32, 8, 128, True, jnp.bfloat16),
-            ("f32 verify K=3", 4, 512, 1024, 8, 2, 64, True, jnp.float32),
-            ("past 16 rows", 24, 256, 512, 4, 2, 64, False, jnp.bfloat16)]
-
-
-def check_fused_linear(quick):
-    """Each fused linear op against its reference, jitted on the device. bf16 bound: rel 2e-2 (up to two bf16 ulps
-    at the largest outputs: the reference compiled as one program keeps some roundings in float32 that the kernels
-    make as written, and the kernels' RoPE / SwiGLU round once)."""
-    for i, (label, m, h, inter, nh, nkv, hd, qk, dtype) in enumerate(fused_cases(quick)):
-        rs = np.random.default_rng(200 + i)
-        rnd = lambda *s_, sc=1.0, off=0.0: jnp.asarray(rs.normal(size=s_) * sc + off, dtype)  # noqa: E731
-        x, nw, res = rnd(m, h), rnd(h, sc=0.5, off=1.0), rnd(m, h)
-        wq, wk, wv = (rnd(h, n * hd, sc=h ** -0.5) for n in (nh, nkv, nkv))
-        wg, wu, wd = rnd(h, inter, sc=h ** -0.5), rnd(h, inter, sc=h ** -0.5), rnd(inter, h, sc=inter ** -0.5)
-        act = rnd(m, inter)
-        angles = rs.uniform(0, 6.3, (m, hd // 2))
-        cos, sin = jnp.asarray(np.cos(angles), jnp.float32), jnp.asarray(np.sin(angles), jnp.float32)
-        qkn = dict(q_norm=rnd(hd, sc=0.5, off=1.0), k_norm=rnd(hd, sc=0.5, off=1.0)) if qk else {}
-        ops = {
-            "norm_qkv": (lambda impl: lambda *a: fused_linear.norm_qkv(*a, head_dim=hd, eps=1e-6, **qkn,
-                                                                       implementation=impl),
-                         lambda *a: fl_ref.norm_qkv(*a, head_dim=hd, eps=1e-6, **qkn),
-                         (x, nw, wq, wk, wv, cos, sin)),
-            "norm_swiglu": (lambda impl: lambda *a: fused_linear.norm_swiglu(*a, eps=1e-6, implementation=impl),
-                            lambda *a: fl_ref.norm_swiglu(*a, eps=1e-6), (x, nw, wg, wu)),
-            "linear_residual": (lambda impl: lambda *a: fused_linear.linear_residual(*a, implementation=impl),
-                                fl_ref.linear_residual, (act, wd, res)),
-        }
-        shape = f"{label}: {m} rows, {h}x{inter}, {nh}/{nkv} heads x {hd} {jnp.dtype(dtype).name}"
-        for op, (make, ref, args) in ops.items():
-            want = jnp.concatenate([a.reshape(-1) for a in jax.tree.leaves(jax.jit(ref)(*args))])
-            for impl in IMPLEMENTATIONS:
-                fn = make(impl)
-                got = jnp.concatenate([a.reshape(-1) for a in jax.tree.leaves(jax.jit(fn)(*args))])
-                abs_err, rel = float_errors(got, want)
-                bound = F32_BOUND if dtype == jnp.float32 else BF16_ATTN_BOUND
-                record("kernels", op, impl, shape, abs_err=abs_err, rel_err=rel, bound=f"rel<={bound}",
-                       ok=rel <= bound, ran=kernels_in(fn, *args))
 
 
 def acceptance_cases(quick):
@@ -497,7 +448,7 @@ def check_drafter(quick):
                ok=rel <= PARITY_BOUND, ran=kernels_in(run, *args))
 
 
-SECTIONS = {"kernels": (check_attention, check_flash_attention, check_expert_matmul, check_fused_linear, check_acceptance,
+SECTIONS = {"kernels": (check_attention, check_flash_attention, check_expert_matmul, check_acceptance,
                         check_metadata),
             "targets": (check_targets,), "drafter": (check_drafter,)}
 

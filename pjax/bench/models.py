@@ -1,6 +1,6 @@
 """The models a benchmark runs: checkpoints from directories, or random weights of a published geometry for timing
 large shapes (`random:llama3.1-8b`, `random:gpt-oss-20b`, `random:qwen3-30b-a3b` targets, `random:code-pair` (the
-target `examples/code_pair.py` trains), and `random:tiny` for CPU smoke runs; `random:N` heads of N layers shaped
+target `examples/code_pair/` trains), and `random:tiny` for CPU smoke runs; `random:N` heads of N layers shaped
 for the target).
 
 Random geometries are the published `config.json` values of meta-llama/Llama-3.1-8B-Instruct, openai/gpt-oss-20b
@@ -47,7 +47,7 @@ RANDOM_SHAPES = {
         "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
         "rms_norm_eps": 1e-6, "max_position_embeddings": 40960, "rope_theta": 1000000.0,
         "tie_word_embeddings": False},
-    "code-pair": {  # examples/code_pair.py's target at its full-build defaults (0.34 B parameters)
+    "code-pair": {  # examples/code_pair's target at its full-build defaults (0.34 B parameters)
         "model_type": "llama", "vocab_size": 32768, "hidden_size": 1024, "intermediate_size": 2816,
         "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 4, "rms_norm_eps": 1e-5,
         "max_position_embeddings": 2048, "rope_theta": 10000.0, "tie_word_embeddings": False},

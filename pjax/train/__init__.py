@@ -1,10 +1,9 @@
-"""Training drafter heads (P-EAGLE and EAGLE-3) against a frozen target, and small targets for demos.
+"""Training drafter heads (P-EAGLE and EAGLE-3) against a frozen target, and a target on next-token prediction.
 
 The curated API; the parts live in submodules: `cod` (COD sampling, partitioning), `masks`, `losses`,
-`eagle3`, `data` (documents, packing, streams, vocabularies, offline features), `step`, `loop`, `checkpoint`,
-`replay` (greedy parallel decoding replayed from teacher forcing).
+`eagle3`, `data` (documents, packing, streams, vocabularies, offline features), `step`, `loop`, `checkpoint`
+(orbax training checkpoints), `replay` (greedy parallel decoding replayed from teacher forcing), `target_lm`.
 """
-from pjax.train.checkpoint import Checkpointer
 from pjax.train.cod import CodConfig, cod_sample
 from pjax.train.config import TrainConfig
 from pjax.train.data import (FeatureStream, RowStream, build_vocab_mapping, chat_document, load_documents,
@@ -14,15 +13,13 @@ from pjax.train.heads import drafter_config_for_target, init_drafter_for_target
 from pjax.train.loop import TrainResult, evaluate_drafter, train_drafter
 from pjax.train.losses import draft_logits, peagle_loss
 from pjax.train.optim import OptimConfig
-from pjax.train.recipes import tiny_run
-from pjax.train.replay import replay_rounds, teacher_forced_drafts
 from pjax.train.state import TrainState
 from pjax.train.step import make_mesh
 from pjax.train.target_features import target_features
 from pjax.train.target_lm import train_target_lm
 
-__all__ = ["Checkpointer", "CodConfig", "FeatureStream", "OptimConfig", "RowStream", "TrainConfig", "TrainResult",
-           "TrainState", "build_vocab_mapping", "chat_document", "cod_sample", "draft_logits",
-           "drafter_config_for_target", "eagle3_loss", "evaluate_drafter", "init_drafter_for_target", "load_documents",
-           "make_mesh", "peagle_loss", "replay_rounds", "save_feature_sample", "target_features", "teacher_forced_drafts",
-           "text_document", "tiny_run", "token_frequencies", "train_drafter", "train_target_lm"]
+__all__ = ["CodConfig", "FeatureStream", "OptimConfig", "RowStream", "TrainConfig", "TrainResult", "TrainState",
+           "build_vocab_mapping", "chat_document", "cod_sample", "draft_logits", "drafter_config_for_target",
+           "eagle3_loss", "evaluate_drafter", "init_drafter_for_target", "load_documents", "make_mesh", "peagle_loss",
+           "save_feature_sample", "target_features", "text_document", "token_frequencies", "train_drafter",
+           "train_target_lm"]

@@ -1,6 +1,6 @@
-"""Ready-made runs. `tiny_run` trains a tiny byte-level target on a small corpus (by default Python
-standard-library sources, present on every machine), then a P-EAGLE (or EAGLE-3) head against it —
-the "main job" of the README and the end-to-end CI test. Runs in well under a minute on 2 CPU cores."""
+"""The README main job's pair: a tiny byte-level target trained on a small corpus (by default Python standard-library
+sources, present on every machine), then a P-EAGLE (or EAGLE-3) head against it. `examples/train_peagle.py` runs it
+and exports the head; minutes on 2 CPU cores."""
 from __future__ import annotations
 
 import dataclasses
