@@ -1,9 +1,17 @@
 """The README main job's pair: a tiny byte-level target trained on a small corpus (by default Python standard-library
 sources, present on every machine), then a P-EAGLE (or EAGLE-3) head against it. `examples/train_peagle.py` runs it
-and exports the head; minutes on 2 CPU cores."""
+and exports the head; minutes on 2 CPU cores.
+
+What the result depends on, besides the seed: the corpus (the default is the running Python's standard library, whose
+files differ between Python versions and releases: `corpus_fingerprint` names it) and the floating-point arithmetic of
+the machine (XLA's CPU code depends on the instruction set and the thread count; a few hundred training steps carry a
+rounding difference into different weights)."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import os
+import platform
 from typing import Optional, Sequence
 
 import jax
@@ -13,8 +21,7 @@ from pjax.config import LayerSpec, ModelConfig, RopeSpec
 from pjax.models.drafter import Drafter
 from pjax.models.target import Target, init_target
 from pjax.train.cod import CodConfig
-from pjax.train.data import (ByteTokenizer, RowStream, build_vocab_mapping, default_corpus_files, load_documents,
-                             token_frequencies)
+from pjax.train.data import ByteTokenizer, RowStream, build_vocab_mapping, load_documents, token_frequencies
 from pjax.train.loop import train_drafter
 from pjax.train.optim import OptimConfig
 from pjax.train.config import TrainConfig
@@ -35,6 +42,30 @@ class TinyRun:
     target_history: list  # [(step, loss)]
     head_history: list  # summaries from train_drafter
     docs: list
+    corpus: dict  # `corpus_fingerprint` of the files trained on
+
+
+def stdlib_corpus(max_files: int = 12, min_bytes: int = 4000, max_bytes: int = 60000) -> list[str]:
+    """The first `max_files` standard-library modules by name of min_bytes..max_bytes, leaving out
+    `_sysconfigdata_*` (generated when Python is built: install paths and compiler flags, different on every
+    machine)."""
+    root = os.path.dirname(os.__file__)
+    files = [os.path.join(root, n) for n in sorted(os.listdir(root))
+             if n.endswith(".py") and not n.startswith("_sysconfigdata")
+             and min_bytes <= os.path.getsize(os.path.join(root, n)) <= max_bytes]
+    return files[:max_files]
+
+
+def corpus_fingerprint(files: Sequence[str]) -> dict:
+    """{"files": base names, "bytes", "sha256" over (name, content) in order, "python": the interpreter's version}:
+    what tells two runs' corpora apart."""
+    h, total = hashlib.sha256(), 0
+    for f in files:
+        data = open(f, "rb").read()
+        h.update(os.path.basename(f).encode() + b"\t" + hashlib.sha256(data).hexdigest().encode() + b"\n")
+        total += len(data)
+    return dict(files=[os.path.basename(f) for f in files], bytes=total, sha256=h.hexdigest(),
+                python=platform.python_version())
 
 
 def tiny_run(*, corpus_files: Optional[Sequence[str]] = None, objective: str = "peagle", seq_len: int = 128,
@@ -45,7 +76,7 @@ def tiny_run(*, corpus_files: Optional[Sequence[str]] = None, objective: str = "
              compiler_options: Optional[dict] = None) -> TinyRun:
     """Train a tiny target (unless given) and a head on it; returns both plus the metric histories."""
     tok = ByteTokenizer()
-    files = list(corpus_files) if corpus_files else default_corpus_files(max_files)
+    files = list(corpus_files) if corpus_files else stdlib_corpus(max_files)
     docs = load_documents(files, tok)
     tcfg = tiny_target_config(tok.vocab_size)
     target_hist = []
@@ -69,4 +100,4 @@ def tiny_run(*, corpus_files: Optional[Sequence[str]] = None, objective: str = "
     stream = RowStream(docs, seq_len, batch_rows, seed=seed + 100)
     res = train_drafter(target, drafter, stream, cfg, checkpoint_dir=checkpoint_dir, progress=progress,
                         log_every=log_every, log_fn=log_fn, mesh=mesh, compiler_options=compiler_options)
-    return TinyRun(target, res.drafter, tok, target_hist, res.history, docs)
+    return TinyRun(target, res.drafter, tok, target_hist, res.history, docs, corpus_fingerprint(files))

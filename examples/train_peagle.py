@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import sys
 import time
 
@@ -31,7 +32,8 @@ def _args(argv=None, objective="peagle"):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--objective", choices=("peagle", "eagle3"), default=objective)
     p.add_argument("--target", help="Hugging Face target directory (default: the tiny built-in job)")
-    p.add_argument("--data", nargs="*", default=None, help="training files (.jsonl or text)")
+    p.add_argument("--data", nargs="*", default=None, help="training files (.jsonl or text); tiny job: its corpus "
+                   "(default: Python standard-library sources)")
     p.add_argument("--init-head", help="start from this head (speculators or vLLM-native checkpoint)")
     p.add_argument("--out", default="runs/tiny_head", help="export directory (speculators format)")
     p.add_argument("--force", action="store_true", help="replace --out when it holds a head pjax wrote before")
@@ -97,12 +99,15 @@ def tiny_job(argv=None, objective="peagle") -> dict:
     from pjax.checkpoint import save_drafter
     from examples.tiny_pair import tiny_run
     t0 = time.time()
-    run = tiny_run(objective=a.objective, seq_len=a.seq_len or 128, batch_rows=a.batch_rows or 8,
-                   target_steps=a.target_steps, head_steps=a.steps or 300, num_depths=a.num_depths,
+    run = tiny_run(corpus_files=a.data, objective=a.objective, seq_len=a.seq_len or 128,
+                   batch_rows=a.batch_rows or 8, target_steps=a.target_steps, head_steps=a.steps or 300, num_depths=a.num_depths,
                    ttt_steps=a.ttt_steps, head_layers=a.num_layers, draft_vocab_size=a.draft_vocab_size,
                    seed=a.seed, checkpoint_dir=a.checkpoint_dir, progress=not a.no_progress,
                    log_every=a.log_every, log_fn=_log if a.no_progress else None)
-    report = dict(train_seconds=round(time.time() - t0, 1), target_history=run.target_history,
+    report = dict(train_seconds=round(time.time() - t0, 1), corpus=run.corpus,
+                  environment=dict(python=run.corpus["python"], jax=jax.__version__, backend=jax.default_backend(),
+                                   machine=platform.machine(), cpus=os.cpu_count()),
+                  target_history=run.target_history,
                   head_history=run.head_history, export=str(save_drafter(run.drafter, a.out, overwrite=a.force)))
     if not a.no_generate:
         k = a.num_depths if a.objective == "peagle" else a.ttt_steps
@@ -116,6 +121,10 @@ def tiny_job(argv=None, objective="peagle") -> dict:
     if "acceptance_length" in report:
         print(f"speculative decoding (greedy, K={k}): mean acceptance length {report['acceptance_length']:.3f}; "
               f"tokens identical to plain greedy decoding: {report['identical_to_plain']}")
+        env, corpus = report["environment"], run.corpus
+        print(f"this number depends on the corpus ({len(corpus['files'])} files, {corpus['bytes']} bytes, sha256 "
+              f"{corpus['sha256'][:12]}: Python {corpus['python']}'s standard library unless --data) and on the "
+              f"machine's arithmetic (JAX {env['jax']}, {env['backend']} {env['machine']}, {env['cpus']} CPUs)")
     return report
 
 

@@ -29,10 +29,13 @@ from tests.hf_utils import rel_err
 
 
 
+LOG: list[str] = []  # the tiny build's log lines
+
+
 @pytest.fixture(scope="module")
 def build_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny") / "build"
-    result = cp.build(out, cp.TINY, progress=False, log=lambda s: None)
+    result = cp.build(out, cp.TINY, progress=False, log=LOG.append)
     assert result == {s: "built" for s in cp.STAGES}
     return out
 
@@ -128,6 +131,33 @@ def test_speculative_equals_plain(build_dir):
     for head in ("peagle", "eagle3"):
         assert check[head]["identical_to_plain"], check[head]
         assert 1.0 <= check[head]["mean_acceptance_length"] <= check[head]["k"] + 1
+
+
+def test_tiny_pair_shows_a_working_head_and_readable_text(build_dir):
+    """The tiny pair is a demo that shows something: both heads learned (held-out depth-0 accuracy, decoding
+    acceptance well above one token per round, no warning in the log), and the target continues a prompt with text
+    a person can read, not only whitespace."""
+    pair = json.loads((build_dir / "pair" / "pair.json").read_text())
+    check = json.loads((build_dir / "check" / "stage.json").read_text())["summary"]
+    for head in ("peagle", "eagle3"):
+        assert pair["heads"][head]["learned"] and pair["heads"][head]["held_out"]["acc"][0] >= 0.3, pair["heads"][head]
+        assert check[head]["mean_acceptance_length"] >= 1.5, check[head]
+    assert not [line for line in LOG if "has not learned" in line]
+    tok = cp.load_tokenizer(cp.Build(build_dir, cp.TINY))
+    prompt = json.loads((build_dir / "pair" / "prompts.jsonl").open().readline())["prompt"]
+    target = pjax.load_target(build_dir / "pair" / "target", dtype=jnp.float32)
+    out = pjax.generate(target, None, [tok.encode(prompt).ids], max_new_tokens=32, drafting="none")
+    text = tok.decode(out.tokens[0])
+    assert sum(c.isalpha() for c in text) >= 10, repr(text)
+
+
+def test_recipe_warns_when_a_head_does_not_learn():
+    """What the recipe logs when a head's held-out depth-0 accuracy or its decoding acceptance says it learned
+    nothing (the tiny pair's P-EAGLE head once reached acceptance length 1.00 without a word)."""
+    assert "has not learned" in cp.not_learned("peagle", first_accuracy=0.0)
+    assert "has not learned" in cp.not_learned("peagle", acceptance_length=1.0)
+    assert cp.not_learned("eagle3", first_accuracy=0.7) is None
+    assert cp.not_learned("eagle3", acceptance_length=2.5) is None
 
 
 def test_rerun_does_nothing(build_dir):

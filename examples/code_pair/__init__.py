@@ -46,9 +46,9 @@ from examples.code_pair.build import Build, build, locked, open_build, run_stage
 from examples.code_pair.cli import main, parse_args, recipe_from_args
 from examples.code_pair.data import documents, load_tokenizer, special_ids
 from examples.code_pair.recipe import (EXIT_INCOMPLETE, FULL, STAGES, TINY, Incomplete, Recipe, RecipeError,
-                                       inputs)
+                                       inputs, not_learned)
 from examples.code_pair.regen import head_documents
 
 __all__ = ["EXIT_INCOMPLETE", "FULL", "STAGES", "TINY", "Build", "Incomplete", "Recipe", "RecipeError", "build",
-           "documents", "head_documents", "inputs", "load_tokenizer", "locked", "main", "open_build", "parse_args",
-           "recipe_from_args", "run_stage", "special_ids"]
+           "documents", "head_documents", "inputs", "load_tokenizer", "locked", "main", "not_learned", "open_build",
+           "parse_args", "recipe_from_args", "run_stage", "special_ids"]

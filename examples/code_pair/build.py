@@ -64,6 +64,21 @@ class Build:
         return (self.deadline is not None and time.time() >= self.deadline) or bool(self.should_stop and
                                                                                    self.should_stop())
 
+    def save_or_stop(self, name: str, done: int, total: int, last_save: float, bar, ckpt, save) -> float:
+        """After a training step: `save()` (a checkpoint and the history) when the run stops here or save_seconds
+        have passed since `last_save`; when it stops (the deadline, should_stop), close the bar and the
+        checkpointer and raise Incomplete. Returns the time of the last save."""
+        stopping = self.stop_now() and done < total
+        if done < total and (stopping or time.time() - last_save >= self.save_seconds):
+            save()
+            last_save = time.time()
+        if stopping:
+            if bar is not None:
+                bar.close()
+            ckpt.close()
+            raise Incomplete(f"{name}: stopped at step {done}/{total} (checkpoint saved)")
+        return last_save
+
     def bar(self, total, desc, initial=0, unit="it"):
         if not self.progress:
             return None

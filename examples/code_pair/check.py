@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from examples.code_pair.data import load_tokenizer
-from examples.code_pair.recipe import RecipeError, fmt, now, write_json
+from examples.code_pair.recipe import RecipeError, fmt, not_learned, now, write_json
 from examples.code_pair.target import load_code_target
 
 PAIR_KIND = "code-pair"
@@ -72,6 +72,9 @@ def stage_check(b, work: Path) -> dict:
         b.log(f"check {head}: K={k} mean acceptance length {res.stats['mean_acceptance_length']:.3f}, per-position "
               f"{[round(x, 3) for x in rates]}; {same}/{len(prompts)} rows identical to plain greedy decoding "
               f"({r.export_dtype})")
+        warning = not_learned(head, acceptance_length=res.stats["mean_acceptance_length"])
+        if warning:
+            b.log(warning)
         conditional = [a / p if p else float("nan") for a, p in zip(rates, [1.0] + list(rates[:-1]))]
         b.log(f"check {head}: decoding, position i accepted given i - 1 {fmt(conditional)}; the same sequences "
               f"teacher-forced: depth d right given depths < d {fmt(forced['cond_acc'])}"

@@ -10,7 +10,7 @@ from pathlib import Path
 import jax
 
 from examples.code_pair.data import special_ids
-from examples.code_pair.recipe import Incomplete, fmt, write_json
+from examples.code_pair.recipe import fmt, not_learned, write_json
 from examples.code_pair.regen import head_documents
 from examples.code_pair.target import load_code_target
 
@@ -82,16 +82,8 @@ def _train_head(b, work: Path, objective: str) -> dict:
             eta = (r.head_steps - stop) * r.head_batch_rows * r.head_seq_len / rate if rate > 0 else float("nan")
             b.log(f"{objective} {format_metrics(res.history[-1])} ETA {eta / 60:.1f} min")
         done = stop
-        stopping = b.stop_now() and done < r.head_steps
-        if done < r.head_steps and (stopping or time.time() - t_save >= b.save_seconds):
-            ckpt.save(state)
-            write_json(history_path, history)
-            t_save = time.time()
-        if stopping:
-            if bar is not None:
-                bar.close()
-            ckpt.close()
-            raise Incomplete(f"{objective}: stopped at step {done}/{r.head_steps} (checkpoint saved)")
+        t_save = b.save_or_stop(objective, done, r.head_steps, t_save, bar, ckpt,
+                                lambda: (ckpt.save(state), write_json(history_path, history)))
     if bar is not None:
         bar.close()
     ckpt.close()
@@ -105,8 +97,11 @@ def _train_head(b, work: Path, objective: str) -> dict:
         if m:  # marginal, conditional (earlier depths right) and whole-chain accuracy per depth / step
             b.log(f"{objective}: {name} " + " ".join(f"{k}{fmt(m[k])}" for k in ("acc", "cond_acc", "chain_acc")
                                                      if k in m))
+    warning = not_learned(objective, first_accuracy=held["acc"][0]) if held else None
+    if warning:
+        b.log(warning)
     return dict(steps=r.head_steps, tokens=tokens, layers=dcfg.layer.num_layers, aux_layer_ids=dcfg.aux_layer_ids,
-                final=last, held_out=held, history=history)
+                final=last, held_out=held, history=history, learned=warning is None)
 
 
 def stage_peagle(b, work: Path) -> dict:

@@ -174,3 +174,20 @@ def now() -> str:
 
 def fmt(xs) -> str:
     return "[" + " ".join(f"{x:.2f}" for x in xs) + "]"
+
+
+MIN_FIRST_ACCURACY = 0.2  # a head whose held-out depth-0 accuracy is below this has not learned
+MIN_ACCEPTANCE_LENGTH = 1.1  # a head below this acceptance length drafts almost nothing the target accepts
+
+
+def not_learned(head: str, *, first_accuracy: Optional[float] = None,
+                acceptance_length: Optional[float] = None) -> Optional[str]:
+    """A warning when a head's held-out depth-0 accuracy or decoding acceptance length says it has not learned,
+    else None."""
+    if first_accuracy is not None and first_accuracy < MIN_FIRST_ACCURACY:
+        return (f"warning: the {head} head has not learned: held-out depth-0 accuracy {first_accuracy:.2f} (below "
+                f"{MIN_FIRST_ACCURACY}); train it longer (--head-steps) or check the target's held-out loss")
+    if acceptance_length is not None and acceptance_length < MIN_ACCEPTANCE_LENGTH:
+        return (f"warning: the {head} head has not learned: mean acceptance length {acceptance_length:.2f} (below "
+                f"{MIN_ACCEPTANCE_LENGTH}), the target rejects almost every draft")
+    return None

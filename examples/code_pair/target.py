@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from examples.code_pair.data import documents, load_tokenizer, special_ids
-from examples.code_pair.recipe import Incomplete, RecipeError, write_json
+from examples.code_pair.recipe import RecipeError, write_json
 
 
 def target_hf_config(b) -> dict:
@@ -166,17 +166,9 @@ def stage_target(b, work: Path) -> dict:
             losses, t_log, n_log = [], now, done
         if bar is not None:
             bar.update(1)
-        stopping = b.stop_now() and done < steps
-        if done < steps and (stopping or time.time() - t_save >= b.save_seconds):
+        t_save = b.save_or_stop("target", done, steps, t_save, bar, ckpt, lambda: (
             ckpt.save(TrainState(jnp.asarray(done, jnp.int32), params, opt_state, state.rng,
-                                 jnp.asarray(done, jnp.int32)))
-            write_json(history_path, history)
-            t_save = time.time()
-        if stopping:
-            if bar is not None:
-                bar.close()
-            ckpt.close()
-            raise Incomplete(f"target: stopped at step {done}/{steps} (checkpoint saved)")
+                                 jnp.asarray(done, jnp.int32))), write_json(history_path, history)))
     if bar is not None:
         bar.close()
     ckpt.close()
