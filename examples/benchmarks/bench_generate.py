@@ -229,7 +229,7 @@ def traced_generation(target, drafter, ps, **kw):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import tempfile
 
-    from devtime import _gpu_kernel_events
+    from devtime import gpu_kernel_events
     from jax.profiler import ProfileData
     pjax.generate(target, drafter, ps, **kw)  # compile + warm
     with tempfile.TemporaryDirectory() as d:
@@ -239,7 +239,7 @@ def traced_generation(target, drafter, ps, **kw):
         finally:
             jax.profiler.stop_trace()
         files = sorted(Path(d).rglob("*.xplane.pb"))
-        return (_gpu_kernel_events(ProfileData.from_file(str(files[-1]))) if files else None), stats
+        return (gpu_kernel_events(ProfileData.from_file(str(files[-1]))) if files else None), stats
 
 
 def run_profile(args) -> list[dict]:

@@ -25,7 +25,7 @@ from jax.profiler import ProfileData
 GAP_NS = 100_000  # a pause this long between kernels = the host sync between two calls
 
 
-def _gpu_kernel_events(data: ProfileData):
+def gpu_kernel_events(data: ProfileData):
     """[(start_ns, end_ns, name)] of kernel / memcpy activity on the first GPU, sorted by start; None without one."""
     plane = next((p for p in data.planes if p.name.startswith("/device:GPU:0")), None)
     if plane is None:
@@ -59,7 +59,7 @@ def profile_calls(f, args, *, calls: int, gap_ns: int = GAP_NS):
 
     Returns (spans_ns [per call], kernels [per call: [(name, start_ns, dur_ns)]]) or None without a GPU plane.
     """
-    events = _gpu_kernel_events(trace_calls(f, args, calls))
+    events = gpu_kernel_events(trace_calls(f, args, calls))
     if not events:
         return None
     if len(events) % calls == 0:  # every call runs the same program: equal runs of kernels
