@@ -5,11 +5,13 @@ on a condition when idle); coroutines submit requests and read their events.
     stream = await bridge.submit(prompt_ids, params)     # ValueError from Engine.submit (bad field) raised here
     async for event in stream: ...                       # `Event`s of this request, the last one finished
     stream.cancel(keep=n)                                # end it before the next device chunk (e.g. a stop string)
+    bridge.abort_all()                                   # a server's shutdown: every request ends, new ones refused
     bridge.close()
 
 Submissions and cancellations go to the engine thread through one FIFO inbox and are applied before its next step,
 so requests of many concurrent clients join the same device batch. A stream closed before its request finished (a
-client disconnect, a cancelled task) cancels the request, which frees its slot.
+client disconnect, a cancelled task) cancels the request, which frees its slot. Listeners (`add_listener`) see every
+finished request's final event on the engine thread (e.g. metrics).
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ class RequestStream:
         self._rid: Optional[int] = None  # the same, set on the engine thread
         self.finished = False
         self._cancelled = False
+        self.cut = False  # cancelled with keep= (the text layer ended it, e.g. a stop string), not aborted
 
     # -- called on the event loop (scheduled by the engine thread) --------------------------------------------
     def _accept(self, request_id: Optional[int], error: Optional[BaseException]):
@@ -72,6 +75,7 @@ class RequestStream:
         if self.finished or self._cancelled:
             return
         self._cancelled = True
+        self.cut = keep is not None
         self._bridge._post(("cancel", self, keep))
 
 
@@ -92,6 +96,8 @@ class AsyncEngine:
         self.num_waiting = 0
         self._live: dict[int, RequestStream] = {}  # engine request id -> stream (engine thread only)
         self._cancelled: set[int] = set()  # live ids already cancelled on the engine (engine thread only)
+        self._refusing: Optional[str] = None  # set by abort_all: why new submissions are refused
+        self._listeners: list = []
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -118,6 +124,15 @@ class AsyncEngine:
             if not s.finished:
                 s.cancel()
 
+    def abort_all(self, reason: str = "the server is shutting down"):
+        """End every request before the engine's next chunk (they finish with stop reason "stop", their streams
+        deliver the final event) and refuse later submissions with EngineDeadError(reason). Thread-safe."""
+        self._post(("abort_all", None, reason))
+
+    def add_listener(self, fn):
+        """Call fn(event, stream) on the engine thread with the final event of every request (fn must not block)."""
+        self._listeners.append(fn)
+
     def close(self, timeout: Optional[float] = 30.0):
         """Cancel every request (their streams raise EngineDeadError) and stop the engine thread."""
         with self._cv:
@@ -143,7 +158,15 @@ class AsyncEngine:
 
     def _apply(self, op):
         kind, stream, arg = op
-        if kind == "submit":
+        if kind == "abort_all":
+            self._refusing = arg
+            for rid in list(self._live):
+                if rid not in self._cancelled:
+                    self.engine.cancel(rid)
+                    self._cancelled.add(rid)
+        elif kind == "submit" and self._refusing is not None:
+            _call(stream._loop, stream._accept, None, EngineDeadError(self._refusing))
+        elif kind == "submit":
             try:
                 rid = self.engine.submit(*arg)
             except Exception as e:  # the engine's validation: handed to the submitting coroutine
@@ -181,6 +204,8 @@ class AsyncEngine:
                     if event.finished:
                         del self._live[event.request_id]
                         self._cancelled.discard(event.request_id)
+                        for listener in self._listeners:
+                            listener(event, stream)
                     by_loop.setdefault(stream._loop, []).append((stream, event))
                 for loop, items in by_loop.items():
                     _call(loop, _deliver, items)
