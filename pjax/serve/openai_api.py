@@ -574,7 +574,10 @@ class _API:
             except (TypeError, ValueError) as e:  # the engine's own checks (after ours: rarely reached)
                 raise APIError(str(e)) from None
         except APIError as e:
-            return e.response()
+            response = e.response()
+            if e.status in (408, 413):  # the rest of the body is not read: this connection cannot carry another
+                response.headers["connection"] = "close"
+            return response
         except ClientDisconnect:
             _log.info("%s disconnected while sending its request", _client(request))
             return Response(status_code=499)  # nobody reads it: the connection is gone
