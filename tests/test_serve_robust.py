@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import pjax.text as T
 from pjax.serve.async_engine import AsyncEngine
 from pjax.serve.cli import _bind, make_server
-from pjax.serve.engine import Engine, EngineConfig
+from pjax.serve.engine import Engine, EngineConfig, Event
 from pjax.serve.openai_api import COMPLETION_FIELDS, CHAT_FIELDS, ServedModel, ServerLimits, create_app
 from tests.engine_utils import FAST
 from tests.text_utils import CHAT, V, build
@@ -460,3 +460,76 @@ def test_shutdown_under_load_ends_every_request_cleanly(dirs, sig):
                        for e in events[:-2])
     assert set(finishes) <= {"length", "abort"} and "abort" in finishes, finishes
     assert unavailable >= 1  # queued non-streaming requests that never started
+
+
+class _StuckEngine:
+    """An engine that emits a token per running request every 20 ms and never ends one, even when cancelled (a
+    device step that never returns, as far as the requests can tell)."""
+    max_slots = 2
+
+    def __init__(self):
+        self.running = []
+
+    def submit(self, prompt, params):
+        self.running.append(len(self.running))
+        return self.running[-1]
+
+    def cancel(self, request_id, keep=None):
+        pass
+
+    has_work = property(lambda self: bool(self.running))
+    num_running = property(lambda self: len(self.running))
+    num_waiting = 0
+
+    def step(self):
+        time.sleep(0.02)
+        return [Event(r, [5], False) for r in self.running]
+
+
+def test_requests_that_outlive_the_shutdown_still_end_cleanly(gen, monkeypatch):
+    """Requests the aborts cannot end (the engine is stuck) are ended by the server once its grace period and abort
+    wait are over: a stream with an error chunk and [DONE], a plain request with a 503 JSON error; no traceback."""
+    import pjax.serve.cli as cli
+
+    monkeypatch.setattr(cli, "ABORT_WAIT_S", 0.5)
+    bridge = AsyncEngine(_StuckEngine())
+    model = ServedModel(name=NAME, tokenizer=gen.tokenizer, vocab_size=V, max_len=MAX_LEN, slack=0, drafting="none",
+                        num_speculative_tokens=0)
+    server = make_server(create_app(bridge, model), grace_s=0.5, log_level="warning")
+    notices = Notices()
+    logging.getLogger("uvicorn.error").addHandler(notices)
+    sock = _bind("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    thread = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.01)
+        body = {"model": NAME, "prompt": "hi", "max_tokens": 100}
+        out = {}
+
+        def plain():
+            out["plain"] = httpx.post(url + "/v1/completions", json=body, timeout=30)
+        t = threading.Thread(target=plain)
+        t.start()
+        with httpx.stream("POST", url + "/v1/completions", json=dict(body, stream=True), timeout=30) as r:
+            lines = []
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                if len(lines) == 2:
+                    t0 = time.monotonic()
+                    server.should_exit = True
+        t.join(30)
+        thread.join(30)
+        assert not thread.is_alive() and time.monotonic() - t0 < 0.5 + 0.5 + 2
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(notices)
+        bridge.close()
+        sock.close()
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2].removeprefix("data: "))["error"]["message"] == (
+        "the server shut down before the request finished")
+    r = out["plain"]
+    assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable", r.text
+    assert "Traceback" not in notices.text() and "Exception in ASGI" not in notices.text(), notices.text()

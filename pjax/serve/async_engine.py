@@ -16,10 +16,13 @@ finished request's final event on the engine thread (e.g. metrics).
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from typing import Optional, Sequence
 
 __all__ = ["AsyncEngine", "EngineDeadError", "RequestStream"]
+
+_log = logging.getLogger("pjax.serve")
 
 
 class EngineDeadError(RuntimeError):
@@ -204,11 +207,11 @@ class AsyncEngine:
                     if event.finished:
                         del self._live[event.request_id]
                         self._cancelled.discard(event.request_id)
-                        for listener in self._listeners:
-                            listener(event, stream)
                     by_loop.setdefault(stream._loop, []).append((stream, event))
                 for loop, items in by_loop.items():
                     _call(loop, _deliver, items)
+                for stream, event in (item for items in by_loop.values() for item in items if item[1].finished):
+                    self._notify(event, stream)
             self._fail(EngineDeadError("the engine was shut down"), cancel=True)
         except BaseException as e:  # a failed step: every request ends with the error, new ones are refused
             with self._cv:
@@ -216,6 +219,13 @@ class AsyncEngine:
             self._fail(EngineDeadError(f"the engine stopped: {type(e).__name__}: {e}"), cancel=False)
             if not isinstance(e, Exception):
                 raise
+
+    def _notify(self, event, stream):
+        for listener in self._listeners:
+            try:
+                listener(event, stream)
+            except Exception as e:  # a listener's bug (e.g. metrics) must not stop the engine
+                _log.warning("a finished-request listener failed: %s: %s", type(e).__name__, e)
 
     def _fail(self, error: EngineDeadError, *, cancel: bool):
         with self._cv:

@@ -647,10 +647,23 @@ class _EventStream(StreamingResponse):
         self.stream, self.client = stream, client
 
     async def __call__(self, scope, receive, send):
+        started = False
+
+        async def sending(message):
+            nonlocal started
+            started = True
+            await send(message)
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, sending)
         except (ClientDisconnect, OSError):
             pass
+        except asyncio.CancelledError:  # the server's shutdown stopped waiting for this request: end it cleanly
+            if not started:
+                raise
+            error = APIError("the server shut down before the request finished", status=503,
+                             type="service_unavailable")
+            await send({"type": "http.response.body", "body": (_sse(error.body()) + "data: [DONE]\n\n").encode(),
+                        "more_body": False})
         finally:
             if not self.stream.finished:
                 _log.info("%s disconnected mid-stream: its request is cancelled", self.client)
@@ -673,7 +686,8 @@ async def _until_disconnect(request: Request, work, stream) -> Response:
     except asyncio.CancelledError:  # the handler itself was cancelled (the server's shutdown): end the request too
         task.cancel()
         stream.cancel()
-        raise
+        return APIError("the server shut down before the request finished", status=503,
+                        type="service_unavailable").response()
     finally:
         watch.cancel()
     if not task.done():
