@@ -328,15 +328,17 @@ class SlowEngine:
 
     def step(self):
         time.sleep(0.02)
-        events = [Event(r, [], True, "stop", {}) for r in self.ended] + [Event(r, [5], False) for r in self.running]
+        stats = {"prompt_tokens": 1, "output_tokens": 0, "num_drafts": 0, "num_accepted_tokens": 0,
+                 "acceptance_rates": [], "ttft_s": None, "tpot_s": None, "e2e_s": 0.1}
+        events = [Event(r, [], True, "stop", stats) for r in self.ended] + [Event(r, [5], False) for r in self.running]
         self.ended = []
         return events
 
 
-def test_ctrl_c_gives_requests_in_flight_the_grace_period(gen, monkeypatch):
-    """The command's server on SIGINT: a stream in flight runs on for the grace period, is then cancelled on the
-    engine, and the server returns by re-raising the interrupt (the command's exit 130)."""
-    monkeypatch.setattr(cli, "SHUTDOWN_GRACE_S", 1)
+def test_ctrl_c_gives_requests_in_flight_the_grace_period(gen):
+    """The command's server on SIGINT: a stream in flight runs on for the grace period, is then aborted on the
+    engine (a final chunk with finish_reason "abort", then [DONE]), and the server returns by re-raising the interrupt
+    (the command's exit 130)."""
     engine = SlowEngine()
     bridge = AsyncEngine(engine)
     model = ServedModel(name=NAME, tokenizer=gen.tokenizer, vocab_size=V, max_len=MAX_LEN, slack=0, drafting="none",
@@ -362,7 +364,7 @@ def test_ctrl_c_gives_requests_in_flight_the_grace_period(gen, monkeypatch):
                     if chunks == 1 and "signalled" not in seen:
                         seen["signalled"] = time.monotonic()
                         os.kill(os.getpid(), signal.SIGINT)
-                    seen["last"] = line
+                    seen["lines"] = seen.get("lines", []) + [line] if line else seen.get("lines", [])
         except httpx.HTTPError as e:
             seen["error"] = e
         seen["ended"], seen["chunks"] = time.monotonic(), chunks
@@ -370,7 +372,7 @@ def test_ctrl_c_gives_requests_in_flight_the_grace_period(gen, monkeypatch):
     t.start()
     try:
         with pytest.raises(KeyboardInterrupt):
-            assert cli._serve(create_app(bridge, model), sock, "ready")
+            assert cli._serve(create_app(bridge, model), sock, "ready", grace_s=1)
     finally:
         returned = time.monotonic()
         t.join(30)
@@ -378,7 +380,8 @@ def test_ctrl_c_gives_requests_in_flight_the_grace_period(gen, monkeypatch):
         sock.close()
     assert 0.9 <= returned - seen["signalled"] < 5  # the grace period, then the stream was cancelled
     assert seen["chunks"] > 20 and engine.cancelled == [0]  # it streamed on meanwhile; its slot was freed
-    assert seen.get("last") != "data: [DONE]"
+    assert "error" not in seen and seen["lines"][-1] == "data: [DONE]"
+    assert json.loads(seen["lines"][-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "abort"
 
 
 def test_bad_requests_name_the_field(served, client):

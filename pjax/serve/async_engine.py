@@ -5,19 +5,24 @@ on a condition when idle); coroutines submit requests and read their events.
     stream = await bridge.submit(prompt_ids, params)     # ValueError from Engine.submit (bad field) raised here
     async for event in stream: ...                       # `Event`s of this request, the last one finished
     stream.cancel(keep=n)                                # end it before the next device chunk (e.g. a stop string)
+    bridge.abort_all()                                   # a server's shutdown: every request ends, new ones refused
     bridge.close()
 
 Submissions and cancellations go to the engine thread through one FIFO inbox and are applied before its next step,
 so requests of many concurrent clients join the same device batch. A stream closed before its request finished (a
-client disconnect, a cancelled task) cancels the request, which frees its slot.
+client disconnect, a cancelled task) cancels the request, which frees its slot. Listeners (`add_listener`) see every
+finished request's final event on the engine thread (e.g. metrics).
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from typing import Optional, Sequence
 
 __all__ = ["AsyncEngine", "EngineDeadError", "RequestStream"]
+
+_log = logging.getLogger("pjax.serve")
 
 
 class EngineDeadError(RuntimeError):
@@ -37,6 +42,7 @@ class RequestStream:
         self._rid: Optional[int] = None  # the same, set on the engine thread
         self.finished = False
         self._cancelled = False
+        self.cut = False  # cancelled with keep= (the text layer ended it, e.g. a stop string), not aborted
 
     # -- called on the event loop (scheduled by the engine thread) --------------------------------------------
     def _accept(self, request_id: Optional[int], error: Optional[BaseException]):
@@ -72,6 +78,7 @@ class RequestStream:
         if self.finished or self._cancelled:
             return
         self._cancelled = True
+        self.cut = keep is not None
         self._bridge._post(("cancel", self, keep))
 
 
@@ -92,6 +99,8 @@ class AsyncEngine:
         self.num_waiting = 0
         self._live: dict[int, RequestStream] = {}  # engine request id -> stream (engine thread only)
         self._cancelled: set[int] = set()  # live ids already cancelled on the engine (engine thread only)
+        self._refusing: Optional[str] = None  # set by abort_all: why new submissions are refused
+        self._listeners: list = []
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -118,6 +127,15 @@ class AsyncEngine:
             if not s.finished:
                 s.cancel()
 
+    def abort_all(self, reason: str = "the server is shutting down"):
+        """End every request before the engine's next chunk (they finish with stop reason "stop", their streams
+        deliver the final event) and refuse later submissions with EngineDeadError(reason). Thread-safe."""
+        self._post(("abort_all", None, reason))
+
+    def add_listener(self, fn):
+        """Call fn(event, stream) on the engine thread with the final event of every request (fn must not block)."""
+        self._listeners.append(fn)
+
     def close(self, timeout: Optional[float] = 30.0):
         """Cancel every request (their streams raise EngineDeadError) and stop the engine thread."""
         with self._cv:
@@ -143,7 +161,15 @@ class AsyncEngine:
 
     def _apply(self, op):
         kind, stream, arg = op
-        if kind == "submit":
+        if kind == "abort_all":
+            self._refusing = arg
+            for rid in list(self._live):
+                if rid not in self._cancelled:
+                    self.engine.cancel(rid)
+                    self._cancelled.add(rid)
+        elif kind == "submit" and self._refusing is not None:
+            _call(stream._loop, stream._accept, None, EngineDeadError(self._refusing))
+        elif kind == "submit":
             try:
                 rid = self.engine.submit(*arg)
             except Exception as e:  # the engine's validation: handed to the submitting coroutine
@@ -184,6 +210,8 @@ class AsyncEngine:
                     by_loop.setdefault(stream._loop, []).append((stream, event))
                 for loop, items in by_loop.items():
                     _call(loop, _deliver, items)
+                for stream, event in (item for items in by_loop.values() for item in items if item[1].finished):
+                    self._notify(event, stream)
             self._fail(EngineDeadError("the engine was shut down"), cancel=True)
         except BaseException as e:  # a failed step: every request ends with the error, new ones are refused
             with self._cv:
@@ -191,6 +219,13 @@ class AsyncEngine:
             self._fail(EngineDeadError(f"the engine stopped: {type(e).__name__}: {e}"), cancel=False)
             if not isinstance(e, Exception):
                 raise
+
+    def _notify(self, event, stream):
+        for listener in self._listeners:
+            try:
+                listener(event, stream)
+            except Exception as e:  # a listener's bug (e.g. metrics) must not stop the engine
+                _log.warning("a finished-request listener failed: %s: %s", type(e).__name__, e)
 
     def _fail(self, error: EngineDeadError, *, cancel: bool):
         with self._cv:

@@ -3,10 +3,12 @@
     python -m pjax serve --target DIR [--head DIR] [--tokenizer DIR] [--drafting parallel|sequential|none] [--k K]
         [--max-slots N] [--max-admit-rows N] [--max-len N] [--dtype bfloat16|float32] [--host 127.0.0.1]
         [--port 8000] [--served-model-name NAME] [--rounds-per-step N] [--warmup full|minimal]
+        [--shutdown-grace S] [--max-request-bytes N] [--request-timeout S] [--keep-alive-timeout S]
 
 Loads the target (and head), builds the engine, compiles its programs (--warmup), then listens; clients speak the
-OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health), e.g. with the `openai` package. Ctrl-C or
-SIGTERM stop accepting connections, give requests in flight up to 5 s to finish, cancel the rest and stop the engine.
+OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics), e.g. with the `openai` package.
+Ctrl-C or SIGTERM stop accepting connections and requests (503), give requests in flight --shutdown-grace seconds to
+finish, then abort the rest (finish_reason "abort") and stop the engine.
 Exit codes: 0 stopped by SIGTERM, 1 the server failed, 2 bad usage or bad input (one line naming the flag, the
 directory or the address), 130 Ctrl-C (SIGINT).
 """
@@ -15,6 +17,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import logging
+import math
 import signal
 import socket
 import sys
@@ -22,10 +26,13 @@ import time
 
 from pjax.command import dtype_flag, run_command
 from pjax.dtypes import parse_dtype
+from pjax.serve.limits import ServerLimits
 
 __all__ = ["build_parser", "main"]
 
-SHUTDOWN_GRACE_S = 5  # seconds requests in flight get to finish after Ctrl-C / SIGTERM
+SHUTDOWN_GRACE_S = 5.0  # default seconds requests in flight get to finish after Ctrl-C / SIGTERM
+ABORT_WAIT_S = 10.0  # then at most this long for the aborted requests to end (one engine step) before their handlers
+# are cancelled (each still answers cleanly)
 DEFAULT_MAX_LEN = 2048
 
 
@@ -47,6 +54,16 @@ def _positive(text):
     return v
 
 
+def _seconds(text):
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not (v > 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"{text} must be a number of seconds > 0")
+    return v
+
+
 def _port(text):
     try:
         v = int(text)
@@ -61,8 +78,9 @@ def build_parser(prog: str = "python -m pjax serve") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog, description=__doc__.split("\n\n")[0],
         epilog="endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (stream: true for "
-               "server-sent events), GET /health. Ctrl-C / SIGTERM: requests in flight get "
-               f"{SHUTDOWN_GRACE_S} s, then the server stops (exit 130 / 0). Guide: docs/guides/serving.md")
+               "server-sent events), GET /health, GET /metrics (Prometheus). Ctrl-C / SIGTERM: requests in flight "
+               "get --shutdown-grace seconds, the rest are aborted, then the server stops (exit 130 / 0). Guide: "
+               "docs/guides/serving.md")
     p.add_argument("--target", required=True, metavar="DIR",
                    help="Hugging Face target directory (config.json, safetensors, tokenizer.json)")
     p.add_argument("--head", metavar="DIR", help="P-EAGLE / EAGLE-3 head directory (default: no drafting)")
@@ -91,6 +109,17 @@ def build_parser(prog: str = "python -m pjax serve") -> argparse.ArgumentParser:
     p.add_argument("--warmup", choices=("full", "minimal"), default="full",
                    help="full (default): compile every program traffic can need before listening; minimal: the "
                         "decode program and a one-request short-prompt admission (others compile on first use)")
+    limits = ServerLimits()
+    p.add_argument("--shutdown-grace", type=_seconds, default=SHUTDOWN_GRACE_S, metavar="S",
+                   help=f"after Ctrl-C / SIGTERM, seconds requests in flight get to finish before the rest are aborted "
+                        f"(default {SHUTDOWN_GRACE_S:g}); the process exits about one engine step later")
+    p.add_argument("--max-request-bytes", type=_positive, default=limits.max_body_bytes, metavar="N",
+                   help=f"largest request body (default {limits.max_body_bytes}); larger ones get 413")
+    p.add_argument("--request-timeout", type=_seconds, default=limits.body_timeout_s, metavar="S",
+                   help=f"seconds a client has to send a request's head, and then its body (default "
+                        f"{limits.body_timeout_s:g}); slower ones are closed / get 408")
+    p.add_argument("--keep-alive-timeout", type=_seconds, default=5.0, metavar="S",
+                   help="seconds an idle keep-alive connection stays open (default 5)")
     return p
 
 
@@ -141,6 +170,7 @@ def run(args) -> int:
         raise InputError("--k needs drafting: give --head DIR (and not --drafting none)")
     try:
         importlib.import_module("uvicorn")  # used by _serve: checked before the models load
+        importlib.import_module("prometheus_client")
         from pjax.serve.async_engine import AsyncEngine
         from pjax.serve.openai_api import create_app
     except ImportError as e:
@@ -155,8 +185,11 @@ def run(args) -> int:
         try:
             host, port = sock.getsockname()[:2]
             url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-            started = _serve(create_app(bridge, model), sock, f"serving {model.name} on {url} (max "
-                             f"{engine.max_slots} requests at once, {model.max_len} positions each)")
+            limits = ServerLimits(max_body_bytes=args.max_request_bytes, body_timeout_s=args.request_timeout)
+            started = _serve(create_app(bridge, model, limits=limits), sock,
+                             f"serving {model.name} on {url} (max {engine.max_slots} requests at once, "
+                             f"{model.max_len} positions each)", grace_s=args.shutdown_grace,
+                             head_timeout_s=args.request_timeout, keep_alive_s=args.keep_alive_timeout)
         finally:
             bridge.close()
     if not started:
@@ -201,18 +234,76 @@ def _load(args):
     return engine, model
 
 
-def _serve(app, sock: socket.socket, ready_message: str) -> bool:
-    """Run uvicorn on the bound socket until Ctrl-C / SIGTERM; logs ready_message once listening. Returns whether
-    it started."""
+def make_server(app, *, grace_s: float = SHUTDOWN_GRACE_S, head_timeout_s: float = ServerLimits.body_timeout_s,
+                keep_alive_s: float = 5.0, ready_message: str = "", log_level: str = "info"):
+    """A uvicorn server for `app` (`pjax.serve.openai_api.create_app`'s): its shutdown calls
+    app.state.begin_shutdown(grace_s) first (requests in flight get grace_s, the rest are aborted); a connection whose
+    request head has not arrived head_timeout_s after its first byte (or its opening) is closed."""
     import uvicorn
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    _configure_logging()
+
+    class Protocol(H11Protocol):
+        _head_timer = None
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._arm_head_timer()
+
+        def data_received(self, data: bytes):
+            if self._head_timer is None and self._between_requests():
+                self._arm_head_timer()
+            super().data_received(data)
+
+        def connection_lost(self, exc):
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+            super().connection_lost(exc)
+
+        def _between_requests(self) -> bool:
+            return self.cycle is None or self.cycle.response_complete
+
+        def _arm_head_timer(self):
+            self._head_timer = self.loop.call_later(head_timeout_s, self._head_timeout)
+
+        def _head_timeout(self):
+            self._head_timer = None
+            if self._between_requests() and not self.transport.is_closing():
+                client = "%s:%d" % self.client if self.client else "a client"
+                logging.getLogger("pjax.serve").info("%s sent no complete request head within %g s: connection "
+                                                     "closed", client, head_timeout_s)
+                self.transport.close()
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None):
             await super().startup(sockets=sockets)
-            if self.started:
+            if self.started and ready_message:
                 _log(ready_message)
 
-    server = Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
+        async def shutdown(self, sockets=None):
+            app.state.begin_shutdown(grace_s)
+            await super().shutdown(sockets=sockets)
+
+    return Server(uvicorn.Config(app, log_level=log_level, http=Protocol, timeout_keep_alive=keep_alive_s,
+                                 timeout_graceful_shutdown=grace_s + ABORT_WAIT_S))
+
+
+def _configure_logging():
+    """The app's one-line notices (clients that went away, slow connections) on stderr, as the other log lines."""
+    log = logging.getLogger("pjax.serve")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("pjax serve: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+
+
+def _serve(app, sock: socket.socket, ready_message: str, **options) -> bool:
+    """Run the server (`make_server(app, **options)`) on the bound socket until Ctrl-C / SIGTERM; logs ready_message
+    once listening. Returns whether it started."""
+    server = make_server(app, ready_message=ready_message, **options)
     server.run(sockets=[sock])
     return server.started
 

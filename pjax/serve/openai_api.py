@@ -28,8 +28,10 @@ client that disconnects (streaming or not) cancels its request.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import json
+import logging
 import math
 import random
 import time
@@ -37,18 +39,21 @@ import uuid
 from typing import Any, Optional
 
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from pjax.decode.inputs import SEED_LIMIT, is_int, is_real
 from pjax.serve.async_engine import AsyncEngine, EngineDeadError
 from pjax.serve.engine import STOP_WIDTH, RequestParams
+from pjax.serve.limits import ServerLimits
 from pjax.text.detokenize import OutputText, check_stop_strings
 from pjax.text.template import TemplateError
 from pjax.text.tokenizer import Tokenizer, TokenizerError, check_messages
 
-__all__ = ["APIError", "ServedModel", "create_app"]
+__all__ = ["APIError", "ServedModel", "ServerLimits", "create_app"]
+
+_log = logging.getLogger("pjax.serve")
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the legacy completions API's (and vLLM's) default; chat fills the context
 # engine stop reasons -> OpenAI finish reasons ("stop" here is a cancel the text layer did not ask for)
@@ -112,6 +117,52 @@ class Job:
 
 
 # ---------------------------------------------------------------------------------------------- validation
+
+MAX_JSON_DEPTH = 32  # no field of the API nests deeper than a few levels
+
+
+def decode_body(raw: bytes):
+    """A request body -> its JSON value; APIError (400) for anything that is not JSON text the API can hold: invalid
+    UTF-8 or JSON, nesting deeper than MAX_JSON_DEPTH, a lone surrogate in a string (not Unicode text)."""
+    try:
+        value = json.loads(raw)
+    except RecursionError:
+        raise APIError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of too many digits
+        raise APIError(f"the request body is not valid JSON ({e})") from None
+    todo = [(value, "", 0)]
+    while todo:
+        v, where, depth = todo.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise APIError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels", _field(where))
+        if isinstance(v, dict):
+            for key, item in v.items():
+                todo.append((key, where, depth + 1))
+                todo.append((item, f"{where}.{key}" if where else key, depth + 1))
+        elif isinstance(v, list):
+            todo.extend((item, f"{where}[{i}]", depth + 1) for i, item in enumerate(v))
+        elif isinstance(v, str) and not v.isascii():
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise APIError(f"{where or 'the request body'}: a lone surrogate {v[e.start]!r} at character "
+                               f"{e.start} is not Unicode text", _field(where)) from None
+    return value
+
+
+def _field(where: str) -> Optional[str]:
+    """The top-level field of a path like "messages[0].content"."""
+    return where.split(".")[0].split("[")[0] or None
+
+
+def max_token_chars(tokenizer: Tokenizer) -> Optional[int]:
+    """The most characters one token of `tokenizer` stands for (its longest token, as text or as decoded), so a text
+    of n characters has at least n / this many tokens; None when a normalizer may rewrite the text first (no bound)."""
+    if getattr(tokenizer.backend, "normalizer", None) is not None:
+        return None
+    vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
+    return max(max(len(piece), len(tokenizer.decode([i], skip_special_tokens=False))) for piece, i in vocab.items())
+
 
 class _Fields:
     """A request body's fields, checked one by one; null means "not given" (OpenAI clients send nulls)."""
@@ -185,11 +236,20 @@ def _check_model(fields: _Fields, model: ServedModel):
                        status=404, code="model_not_found")
 
 
-def _prompt_ids(fields: _Fields, model: ServedModel) -> list[int]:
+def _check_text_fits(text: str, model: ServedModel, max_chars: Optional[int], param: str):
+    """A text too long to fit in any tokenization is refused before it is tokenized (the heavy part)."""
+    if max_chars is not None and len(text) > max_chars:
+        raise APIError(f"{param}: {len(text)} characters cannot fit: this server's max length {model.max_len} leaves "
+                       f"at most {model.max_len - model.slack - 1} prompt tokens, at most {max_chars} characters "
+                       "with this tokenizer", param)
+
+
+def _prompt_ids(fields: _Fields, model: ServedModel, max_chars: Optional[int]) -> list[int]:
     p = fields.body.get("prompt")
     if isinstance(p, list) and len(p) == 1 and (isinstance(p[0], str) or isinstance(p[0], list)):
         p = p[0]  # a batch of one
     if isinstance(p, str):
+        _check_text_fits(p, model, max_chars, "prompt")
         ids = model.tokenizer.render(p)
         if not ids:
             raise APIError("prompt renders to no tokens (an empty prompt and no BOS token to start from)", "prompt")
@@ -232,7 +292,7 @@ def _messages(fields: _Fields) -> list[dict]:
     return out
 
 
-def _chat_ids(fields: _Fields, model: ServedModel) -> list[int]:
+def _chat_ids(fields: _Fields, model: ServedModel, max_chars: Optional[int]) -> list[int]:
     messages = _messages(fields)
     kwargs = fields.get("chat_template_kwargs", {})
     if not isinstance(kwargs, dict):
@@ -241,10 +301,12 @@ def _chat_ids(fields: _Fields, model: ServedModel) -> list[int]:
         raise APIError(f"the model {model.name} has no chat template: use /v1/completions with a text prompt",
                        "messages")
     try:
-        ids = model.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=fields.boolean("add_generation_prompt", True), **kwargs)
-    except (TemplateError, TokenizerError, TypeError, ValueError) as e:
+        text = model.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=fields.boolean("add_generation_prompt", True), tokenize=False, **kwargs)
+    except (TemplateError, TokenizerError, TypeError, ValueError, RecursionError) as e:
         raise APIError(f"messages: the chat template failed: {e}", "messages") from None
+    _check_text_fits(text, model, max_chars, "messages")
+    ids = model.tokenizer.encode(text, add_special_tokens=False)  # the template wrote the special tokens
     if not ids:
         raise APIError("messages render to no tokens", "messages")
     _check_vocab(ids, model, "messages")
@@ -310,8 +372,9 @@ def _job(fields: _Fields, model: ServedModel, prompt: list[int], *, chat: bool) 
                include_usage)
 
 
-def parse_completion(body, model: ServedModel) -> Job:
-    """A /v1/completions body -> Job (APIError naming the field otherwise)."""
+def parse_completion(body, model: ServedModel, max_chars: Optional[int] = None) -> Job:
+    """A /v1/completions body -> Job (APIError naming the field otherwise); max_chars: longer text prompts are
+    refused before they are tokenized."""
     fields = _Fields(body, COMPLETION_FIELDS)
     _check_model(fields, model)
     fields.only("echo", (False,), "the prompt is not echoed (echo=false)")
@@ -320,11 +383,12 @@ def parse_completion(body, model: ServedModel) -> Job:
     fields.only("suffix", ("",), "no suffix (insertion) completions")
     if "prompt" not in body:
         raise APIError("prompt is required (a string or an array of token ids)", "prompt")
-    return _job(fields, model, _prompt_ids(fields, model), chat=False)
+    return _job(fields, model, _prompt_ids(fields, model, max_chars), chat=False)
 
 
-def parse_chat(body, model: ServedModel) -> Job:
-    """A /v1/chat/completions body -> Job (APIError naming the field otherwise)."""
+def parse_chat(body, model: ServedModel, max_chars: Optional[int] = None) -> Job:
+    """A /v1/chat/completions body -> Job (APIError naming the field otherwise); max_chars: as parse_completion's,
+    for the rendered chat."""
     fields = _Fields(body, CHAT_FIELDS)
     _check_model(fields, model)
     fields.only("logprobs", (False,), "pjax returns no log probabilities")
@@ -337,7 +401,7 @@ def parse_chat(body, model: ServedModel) -> Job:
                        "decoding)", "response_format")
     if "messages" not in body:
         raise APIError("messages is required (an array of {\"role\", \"content\"} messages)", "messages")
-    return _job(fields, model, _chat_ids(fields, model), chat=True)
+    return _job(fields, model, _chat_ids(fields, model, max_chars), chat=True)
 
 
 # ---------------------------------------------------------------------------------------------- outputs
@@ -395,15 +459,56 @@ def _sse(obj) -> str:
 
 # ---------------------------------------------------------------------------------------------- the app
 
-class _API:
-    def __init__(self, bridge: AsyncEngine, model: ServedModel):
-        self.bridge, self.model = bridge, model
+def finish_reason(event, stream) -> str:
+    """The OpenAI finish reason of a request's final engine event (a cancel is "stop" when the text layer cut the
+    output at a stop string, else "abort")."""
+    if event.stop_reason == "stop" and stream.cut:
+        return "stop"
+    return FINISH.get(event.stop_reason, event.stop_reason)
 
-    async def health(self, request: Request) -> Response:
+
+def _client(request: Request) -> str:
+    c = request.client
+    return f"{c.host}:{c.port}" if c else "a client"
+
+
+class _API:
+    def __init__(self, bridge: AsyncEngine, model: ServedModel, limits: ServerLimits):
+        from pjax.serve.metrics import Metrics
+
+        self.bridge, self.model, self.limits = bridge, model, limits
+        chars = max_token_chars(model.tokenizer)
+        self.max_chars = None if chars is None else chars * (model.max_len - model.slack - 1)
+        self.pool = concurrent.futures.ThreadPoolExecutor(limits.parse_threads, thread_name_prefix="pjax-parse")
+        self.draining = False
+        self.metrics = Metrics(model.name, model.num_speculative_tokens if model.drafting != "none" else 0,
+                               running=lambda: bridge.num_running, waiting=lambda: bridge.num_waiting)
+        bridge.add_listener(lambda event, stream: self.metrics.observe(event.stats, finish_reason(event, stream)))
+
+    def begin_shutdown(self, grace_s: float):
+        """The server stops: new requests get 503 at once; requests in flight get grace_s seconds to finish, then
+        every request still running or queued is aborted (its response ends with finish_reason "abort")."""
+        self.draining = True
+        asyncio.get_running_loop().call_later(grace_s, self.bridge.abort_all)
+
+    def _unavailable(self) -> Optional[APIError]:
+        if self.draining:
+            return APIError("the server is shutting down", status=503, type="service_unavailable")
         if not self.bridge.alive:
             return APIError(f"the engine stopped: {self.bridge.error or 'shut down'}", status=503,
-                            type="service_unavailable").response()
+                            type="service_unavailable")
+        return None
+
+    async def health(self, request: Request) -> Response:
+        down = self._unavailable()
+        if down is not None:
+            return down.response()
         return JSONResponse({"status": "ok", "running": self.bridge.num_running, "waiting": self.bridge.num_waiting})
+
+    async def metrics_text(self, request: Request) -> Response:
+        from pjax.serve.metrics import CONTENT_TYPE
+
+        return Response(self.metrics.exposition(), media_type=CONTENT_TYPE)
 
     def _card(self) -> dict:
         m = self.model
@@ -426,13 +531,42 @@ class _API:
     async def chat(self, request: Request) -> Response:
         return await self._serve(request, chat=True)
 
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, at most max_body_bytes (413 past it) within body_timeout_s (408); ClientDisconnect if the
+        client goes away first."""
+        limit = self.limits.max_body_bytes
+        too_large = APIError(f"the request body is larger than this server's limit of {limit} bytes",
+                             status=413)
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        chunks, size = [], 0
+
+        async def read():
+            nonlocal size
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+        try:
+            await asyncio.wait_for(read(), self.limits.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise APIError(f"the request body did not arrive within {self.limits.body_timeout_s:g} s",
+                           status=408) from None
+        return b"".join(chunks)
+
+    def _parse(self, raw: bytes, chat: bool) -> Job:
+        """Decode, check and tokenize one request body (on a parse thread)."""
+        return (parse_chat if chat else parse_completion)(decode_body(raw), self.model, self.max_chars)
+
     async def _serve(self, request: Request, *, chat: bool) -> Response:
         try:
-            try:
-                body = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise APIError(f"the request body is not valid JSON ({e})") from None
-            job = (parse_chat if chat else parse_completion)(body, self.model)
+            down = self._unavailable()
+            if down is not None:
+                raise down
+            raw = await self._read_body(request)
+            job = await asyncio.get_running_loop().run_in_executor(self.pool, self._parse, raw, chat)
             try:
                 stream = await self.bridge.submit(job.prompt, job.params)
             except EngineDeadError as e:
@@ -440,11 +574,17 @@ class _API:
             except (TypeError, ValueError) as e:  # the engine's own checks (after ours: rarely reached)
                 raise APIError(str(e)) from None
         except APIError as e:
-            return e.response()
+            response = e.response()
+            if e.status in (408, 413):  # the rest of the body is not read: this connection cannot carry another
+                response.headers["connection"] = "close"
+            return response
+        except ClientDisconnect:
+            _log.info("%s disconnected while sending its request", _client(request))
+            return Response(status_code=499)  # nobody reads it: the connection is gone
         follower = OutputFollower(job, self.model.tokenizer, stream)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if job.stream:
-            return _EventStream(self._events(follower, rid, chat), follower.stream)
+            return _EventStream(self._events(follower, rid, chat), follower.stream, _client(request))
         return await _until_disconnect(request, self._whole(follower, rid, chat), stream)
 
     async def _whole(self, f: OutputFollower, rid: str, chat: bool) -> Response:
@@ -454,6 +594,9 @@ class _API:
                 text.append(f.feed(event))
         except EngineDeadError as e:
             return APIError(str(e), status=503, type="service_unavailable").response()
+        if self.draining and f.finish_reason == "abort" and not f.out.token_ids:
+            return APIError("the server is shutting down; the request was not started", status=503,
+                            type="service_unavailable").response()
         text = "".join(text)
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None}
                   if chat else {"index": 0, "text": text, "logprobs": None})
@@ -496,16 +639,34 @@ class _API:
 
 class _EventStream(StreamingResponse):
     """Server-sent events of one request; however the response ends before the request did (the client went away,
-    even before the first event; the server's shutdown cancelled it), the request is cancelled: its slot frees."""
+    even before the first event; the server's shutdown cancelled it), the request is cancelled: its slot frees. A
+    client that goes away is one log line."""
 
-    def __init__(self, events, stream):
+    def __init__(self, events, stream, client: str):
         super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self.stream = stream
+        self.stream, self.client = stream, client
 
     async def __call__(self, scope, receive, send):
+        started = False
+
+        async def sending(message):
+            nonlocal started
+            started = True
+            await send(message)
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, sending)
+        except (ClientDisconnect, OSError):
+            pass
+        except asyncio.CancelledError:  # the server's shutdown stopped waiting for this request: end it cleanly
+            if not started:
+                raise
+            error = APIError("the server shut down before the request finished", status=503,
+                             type="service_unavailable")
+            await send({"type": "http.response.body", "body": (_sse(error.body()) + "data: [DONE]\n\n").encode(),
+                        "more_body": False})
         finally:
+            if not self.stream.finished:
+                _log.info("%s disconnected mid-stream: its request is cancelled", self.client)
             self.stream.cancel()  # a no-op once the request finished
 
 
@@ -525,12 +686,14 @@ async def _until_disconnect(request: Request, work, stream) -> Response:
     except asyncio.CancelledError:  # the handler itself was cancelled (the server's shutdown): end the request too
         task.cancel()
         stream.cancel()
-        raise
+        return APIError("the server shut down before the request finished", status=503,
+                        type="service_unavailable").response()
     finally:
         watch.cancel()
     if not task.done():
         task.cancel()
         stream.cancel()
+        _log.info("%s disconnected before its response: its request is cancelled", _client(request))
         return Response(status_code=499)  # nobody reads it: the connection is gone
     return task.result()
 
@@ -540,13 +703,18 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
                     type="internal_server_error").response()
 
 
-def create_app(bridge: AsyncEngine, model: ServedModel, *, lifespan=None) -> Starlette:
+def create_app(bridge: AsyncEngine, model: ServedModel, *, lifespan=None,
+               limits: ServerLimits = ServerLimits()) -> Starlette:
     """The ASGI app serving `model` through `bridge`; lifespan: Starlette's lifespan context (startup /
-    shutdown)."""
-    api = _API(bridge, model)
+    shutdown). `app.state.begin_shutdown(grace_s)`: the server's shutdown (see `_API.begin_shutdown`); the metrics
+    registry is `app.state.metrics.registry`."""
+    api = _API(bridge, model, limits)
     routes = [Route("/health", api.health, methods=["GET"]),
+              Route("/metrics", api.metrics_text, methods=["GET"]),
               Route("/v1/models", api.models, methods=["GET"]),
               Route("/v1/models/{model:path}", api.model_card, methods=["GET"]),
               Route("/v1/completions", api.completions, methods=["POST"]),
               Route("/v1/chat/completions", api.chat, methods=["POST"])]
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={500: _internal_error})
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={500: _internal_error})
+    app.state.begin_shutdown, app.state.metrics = api.begin_shutdown, api.metrics
+    return app

@@ -136,7 +136,8 @@ class Tokenizer:
         """Token ids of `text`; add_special_tokens: apply tokenizer.json's post-processor (e.g. a leading BOS)."""
         if not isinstance(text, str):
             raise TypeError(f"encode takes a string, got {type(text).__name__}")
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL (encode does not): a long text tokenized on a thread leaves the others running
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids` (an incomplete UTF-8 character decodes to U+FFFD)."""
