@@ -8,13 +8,14 @@ from flax import nnx
 
 from pjax.config import ModelConfig, MoeSpec
 from pjax.kernels.expert_matmul import expert_matmul
+from pjax.kernels.grouped_matmul import grouped_matmul
 from pjax.models.layers import activation, linear
 
 __all__ = ["MOE_FEW_PAIRS", "MoE"]
 
 
 # Token-expert pairs up to this count, and up to twice the expert count, use `expert_matmul` (each selected expert read
-# once); more (prefill, training) sort the pairs by expert for a grouped matmul, which reads every expert. Where the
+# once); more (prefill, training) sort the pairs by expert for the grouped matmul (work grows with the pairs). Where the
 # crossover lies was measured per layer shape (docs/performance.md, "Which path a MoE layer takes").
 MOE_FEW_PAIRS = 128
 
@@ -60,7 +61,8 @@ class MoE(nnx.Module):
         return out
 
     def __call__(self, x, implementation: str = "auto"):
-        """x [..., H] -> [..., H]; implementation: the kernel switch for the decode / verify path."""
+        """x [..., H] -> [..., H]; implementation: the kernel switch (expert matmul for decode / verify, grouped
+        matmul for more pairs)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         n, k = x.shape[0], self.spec.top_k
@@ -80,7 +82,7 @@ class MoE(nnx.Module):
             sizes = jnp.bincount(flat, length=self.spec.num_experts).astype(jnp.int32)
 
             def matmul(a, wts, second=False):
-                return jax.lax.ragged_dot(a, wts, sizes, preferred_element_type=jnp.float32).astype(a.dtype)
+                return grouped_matmul(a, wts, sizes, implementation=implementation)
             out_sorted = self._expert_out(e_sorted, rows, matmul)  # [N*k, H]
             out = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(n, k, -1)
             y = jnp.einsum("nk,nkh->nh", w.astype(jnp.float32), out.astype(jnp.float32))
