@@ -22,7 +22,8 @@ MOE_FEW_PAIRS = 128
 
 class MoE(nnx.Module):
     """Top-k mixture of experts. Expert weights are stacked: gate_up [E, H, 2I] (gate half, then up
-    half), down [E, I, H]; optional biases. Router: qwen3 (softmax -> top-k -> renormalise) or
+    half), down [E, I, H] (arrays, or `QuantizedWeight`s of those logical shapes: MXFP4 / FP8 kept packed);
+    optional biases. Router: qwen3 (softmax -> top-k -> renormalise) or
     gpt_oss (logits + bias -> top-k -> softmax over the k)."""
 
     def __init__(self, cfg: ModelConfig, spec: MoeSpec, *, dtype, rngs):
@@ -51,11 +52,11 @@ class MoE(nnx.Module):
     def _expert_out(self, e_ids, x_rows, matmul):
         """Shared expert math on gathered rows: activation and down projection with biases."""
         inter = self.spec.intermediate_size
-        gu = matmul(x_rows, self.gate_up[...])
+        gu = matmul(x_rows, self.gate_up.get_value())  # an array or a packed QuantizedWeight
         if self.gate_up_bias is not None:
             gu = gu + self.gate_up_bias[...][e_ids]
         a = activation(self.cfg.mlp_act, gu[..., :inter], gu[..., inter:], self.cfg)
-        out = matmul(a, self.down[...], second=True)
+        out = matmul(a, self.down.get_value(), second=True)
         if self.down_bias is not None:
             out = out + self.down_bias[...][e_ids]
         return out

@@ -8,6 +8,7 @@ import numpy as np
 
 from pjax.kernels import dispatch
 from pjax.kernels.grouped_matmul import reference
+from pjax.kernels.quantized import dequantize, is_quantized
 
 
 @functools.partial(jax.jit, static_argnames=("transpose_rhs", "implementation"))
@@ -17,9 +18,12 @@ def grouped_matmul(x, w, group_sizes, *, transpose_rhs: bool = False, implementa
     Differentiable: the kernel's backward is the transposed grouped matmul (dx) and a per-group transposed product
     (dw). implementation (`pjax.kernels.dispatch`): the kernel takes one floating dtype for x and w (else the
     reference, for "pallas" too); "auto" runs it on a GPU (its cost grows with the rows, ragged_dot's GPU lowering
-    with rows x groups)."""
+    with rows x groups). A `QuantizedWeight` w is dequantised to x's dtype first (a constant: prefill and
+    training over a packed target hold one layer's dequantised experts at a time)."""
     from pjax.kernels.grouped_matmul import pallas
     reference.check_inputs(x, w, group_sizes, transpose_rhs)
+    if is_quantized(w):
+        w = jax.lax.stop_gradient(dequantize(w, x.dtype))
     supported = pallas.unsupported_reason(x, w) is None
     if dispatch.use_kernel(implementation, supported=supported, op="grouped_matmul"):
         return _pallas_gmm(x, w, group_sizes, transpose_rhs)
