@@ -15,6 +15,7 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 import pjax
 from pjax.checkpoint.safetensors import Checkpoint, SafetensorsFile, save_file
 from pjax.checkpoint.hf import TensorSource
+from pjax.models.target import consistent_target, forward, target_logits
 from tests.hf_utils import randomize
 
 FP8_MAX = 448.0
@@ -161,3 +162,122 @@ def test_mxfp4_matches_transformers(tmp_path):
     np.testing.assert_array_equal(got, vals.reshape(e, dout, din).transpose(0, 2, 1).astype(np.float32))
     with pytest.raises(pjax.CheckpointError, match=r"w_blocks.*shape \[3, 8, 2, 16\], expected \[3, 4, 2, 16\]"):
         src.read_mxfp4("w", (e, din, 4))
+
+
+# ------------------------------------------------------------------------------------------- native (packed) weights
+GPT_OSS_TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_local_experts=4,
+                    num_experts_per_tok=2, head_dim=16, num_attention_heads=4, num_key_value_heads=2,
+                    sliding_window=6, swiglu_limit=7.0, max_position_embeddings=256)
+QWEN3_MOE_TINY = dict(vocab_size=97, hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4,
+                      num_experts_per_tok=2, norm_topk_prob=True)
+
+
+def _rewrite(path, tensors, quant):
+    save_file(tensors, path / "model.safetensors")
+    hf = json.loads((path / "config.json").read_text())
+    hf["quantization_config"] = quant
+    (path / "config.json").write_text(json.dumps(hf))
+
+
+@pytest.fixture(scope="module", params=["gpt_oss", "qwen3_moe"])
+def quantised_moe(request, tmp_path_factory):
+    """(family, checkpoint dir, tensors): a tiny GPT-OSS with MXFP4 experts, or a tiny Qwen3-MoE with every
+    projection FP8 block-quantised (128 x 128)."""
+    path = tmp_path_factory.mktemp(request.param)
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    if request.param == "gpt_oss":
+        randomize(tf.GptOssForCausalLM(tf.GptOssConfig(**GPT_OSS_TINY)).float().eval(), std=0.2).save_pretrained(path)
+        f = SafetensorsFile(path / "model.safetensors")
+        tensors = {k: np.array(f.get(k)) for k in f.keys()}
+        for k in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+            e, din, dout = tensors.pop(k).shape
+            tensors[k + "_blocks"] = rng.integers(0, 256, (e, dout, din // 32, 16), dtype=np.uint8)
+            tensors[k + "_scales"] = rng.integers(121, 125, (e, dout, din // 32), dtype=np.uint8)
+        quant = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                     "model.layers.*.mlp.router", "lm_head"]}
+    else:
+        randomize(tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**QWEN3_MOE_TINY)).float().eval(),
+                  std=0.2).save_pretrained(path)
+        f = SafetensorsFile(path / "model.safetensors")
+        tensors = {}
+        for k in f.keys():
+            v = np.array(f.get(k))
+            if k.endswith("_proj.weight"):
+                tensors[k], tensors[k + "_scale_inv"] = quantize_fp8_blocks(v)
+            else:
+                tensors[k] = v
+        quant = dict(FP8_CFG, modules_to_not_convert=["lm_head"])
+    _rewrite(path, tensors, quant)
+    return request.param, path, tensors
+
+
+def _experts(target):
+    return [layer["mlp"][n] for layer in target.params["layers"].values() for n in ("gate_up", "down")]
+
+
+def test_native_forward_equals_dequantised(quantised_moe):
+    """Packed experts (uint8 MXFP4 codes + E8M0 scales / float8_e4m3fn + float32 block scales) give the dequantised
+    target's logits within bf16 tolerance: a prompt (grouped path) and few-token verify / decode shapes through
+    both the reference and the low-bit kernels (interpret mode)."""
+    from pjax.kernels.quantized import QuantizedWeight
+    family, path, _ = quantised_moe
+    plain = pjax.load_target(path, dtype=jnp.bfloat16)  # the CPU default: dequantised
+    native = pjax.load_target(path, dtype=jnp.bfloat16, weights="native")
+    assert not any(isinstance(w, QuantizedWeight) for w in _experts(plain))
+    packed = _experts(native)
+    assert all(isinstance(w, QuantizedWeight) and w.format == ("mxfp4" if family == "gpt_oss" else "fp8")
+               for w in packed)
+    assert sum(w.nbytes for w in packed) < 0.6 * sum(w.nbytes for w in _experts(plain))
+    assert native.astype(jnp.bfloat16).params["layers"][0]["mlp"]["gate_up"].data.dtype == packed[0].data.dtype
+    assert consistent_target(native) is native
+    ids = jnp.asarray(np.random.default_rng(1).integers(0, 97, (2, 24)), jnp.int32)
+    want = np.asarray(target_logits(plain, ids))
+    np.testing.assert_allclose(np.asarray(target_logits(native, ids)), want, rtol=0, atol=0.05 * np.abs(want).max())
+    for t in (1, 3):  # decode / verify rows: the few-pair expert matmul
+        tok, pos = ids[:, :t], jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (2, t))
+        want = forward(plain, tok, pos, implementation="xla").hidden.astype(jnp.float32)
+        for impl in ("xla", "pallas"):
+            got = forward(native, tok, pos, implementation=impl).hidden.astype(jnp.float32)
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0,
+                                       atol=0.03 * float(jnp.abs(want).max()))
+
+
+def test_native_greedy_speculative_equals_plain_greedy(quantised_moe):
+    """With packed experts, P-EAGLE and EAGLE-3 greedy output equals plain greedy decoding of the same target."""
+    from tests.engine_utils import FAST, PROMPTS, make_drafter
+    _, path, _ = quantised_moe
+    target = pjax.load_target(path, dtype=jnp.float32, weights="native")
+    drafter = make_drafter(target)
+    run = lambda drafting: pjax.generate(target, drafter, PROMPTS, max_new_tokens=8, num_speculative_tokens=3,
+                                         drafting=drafting, compiler_options=FAST).tokens
+    plain = run("none")
+    assert run("parallel") == plain and run("sequential") == plain
+
+
+def test_native_malformed_blocks_and_scales_are_named(quantised_moe, tmp_path):
+    """Wrong shape, wrong dtype or a missing scale in a packed checkpoint: a CheckpointError naming the tensor (and
+    an unknown `weights` choice naming the flag)."""
+    family, path, tensors = quantised_moe
+    cfg = json.loads((path / "config.json").read_text())
+    if family == "gpt_oss":
+        name = "model.layers.1.mlp.experts.down_proj"
+        cases = [({name + "_scales": tensors[name + "_scales"][:, 1:]}, rf"{name}_scales.*has shape"),
+                 ({name + "_blocks": tensors[name + "_blocks"].astype(np.int8)}, rf"{name}_blocks.*dtype int8"),
+                 ({name + "_scales": None}, rf"{name}_scales.*is missing")]
+    else:
+        name = "model.layers.1.mlp.experts.2.up_proj.weight"
+        scale = name + "_scale_inv"
+        cases = [({scale: tensors[scale][:1, :1][:, :0]}, rf"{scale}.*has shape \[1, 0\], expected \[1, 1\]"),
+                 ({name: np.asarray(tensors[name], np.float32).astype(ml_dtypes.float8_e5m2)},
+                  rf"{name}.*dtype float8_e5m2, expected float8_e4m3fn"),
+                 ({scale: None}, rf"{name}'? has no '{scale}'")]
+    for change, message in cases:
+        bad = {k: v for k, v in {**tensors, **change}.items() if v is not None}
+        save_file(bad, tmp_path / "model.safetensors")
+        (tmp_path / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(pjax.CheckpointError, match=message):
+            pjax.load_target(tmp_path, dtype=jnp.bfloat16, weights="native")
+    with pytest.raises(pjax.CheckpointError, match="weights must be one of"):
+        pjax.load_target(path, weights="packed")

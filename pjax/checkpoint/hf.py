@@ -17,9 +17,10 @@ import numpy as np
 from pjax.checkpoint import integrity
 from pjax.checkpoint.errors import CheckpointError
 from pjax.checkpoint.files import read_hf_config
-from pjax.checkpoint.quant import dequant_fp8_block, dequant_mxfp4, should_convert_module
+from pjax.checkpoint.quant import dequant_fp8_block, dequant_mxfp4, fp8_block_scales, should_convert_module
 from pjax.checkpoint.safetensors import Checkpoint
 from pjax.config import ConfigError, ModelConfig
+from pjax.kernels.quantized import QuantizedWeight, is_quantized
 from pjax.models.families import config_from_hf
 from pjax.models.target import Target, abstract_target
 
@@ -34,10 +35,11 @@ class TensorSource:
 
     Unquantised float tensors keep their stored dtype (float32 / float16 / bfloat16); dequantised ones
     come back as float32. `consumed` records every tensor name read, for the strict unused-key check.
+    native: the expert hooks keep MXFP4 / FP8 experts packed (`QuantizedWeight`, numpy arrays) instead.
     """
 
-    def __init__(self, ckpt: Checkpoint, quant: Optional[dict]):
-        self.ckpt, self.quant, self.consumed = ckpt, dict(quant or {}), set()
+    def __init__(self, ckpt: Checkpoint, quant: Optional[dict], native: bool = False):
+        self.ckpt, self.quant, self.consumed, self.native = ckpt, dict(quant or {}), set(), native
         self.where = ckpt.dir / "config.json"
         self.method = self.quant.get("quant_method")
         if self.method not in (None, "fp8", "mxfp4"):
@@ -81,16 +83,8 @@ class TensorSource:
         self._check(name, expected_shape)
         arr = self.raw(name)
         scale_name = name + "_scale_inv"
-        module = name[:-len(".weight")] if name.endswith(".weight") else name
-        if scale_name in self.ckpt:
-            if self.method != "fp8":
-                raise CheckpointError(f"{self.ckpt.file_of(name)}: tensor {name!r} has a block scale "
-                                      f"{scale_name!r} but {self.where} quant_method is {self.method!r} "
-                                      "(expected 'fp8')")
-            if not should_convert_module(module, self.not_convert):
-                raise CheckpointError(f"{self.ckpt.file_of(name)}: {module!r} is listed in "
-                                      "quantization_config.modules_to_not_convert but is stored FP8-quantised")
-            block = self.block or tuple(arr.shape[-2:])
+        block = self._fp8_block(name, arr)
+        if block is not None:
             try:
                 return dequant_fp8_block(arr, self.raw(scale_name), block, name)
             except CheckpointError as e:
@@ -101,9 +95,44 @@ class TensorSource:
             return arr
         return np.asarray(arr, np.float32)
 
-    def read_mxfp4(self, name, runtime_shape: tuple[int, int, int], out_dtype=np.float32) -> np.ndarray:
+    def _fp8_block(self, name, arr):
+        """The (out, in) scale block of `name` when it is stored FP8 with a `<name>_scale_inv` sibling, else None;
+        CheckpointError when such a scale contradicts the quantization config."""
+        scale_name = name + "_scale_inv"
+        if scale_name not in self.ckpt:
+            return None
+        module = name[:-len(".weight")] if name.endswith(".weight") else name
+        if self.method != "fp8":
+            raise CheckpointError(f"{self.ckpt.file_of(name)}: tensor {name!r} has a block scale "
+                                  f"{scale_name!r} but {self.where} quant_method is {self.method!r} "
+                                  "(expected 'fp8')")
+        if not should_convert_module(module, self.not_convert):
+            raise CheckpointError(f"{self.ckpt.file_of(name)}: {module!r} is listed in "
+                                  "quantization_config.modules_to_not_convert but is stored FP8-quantised")
+        return self.block or tuple(arr.shape[-2:])
+
+    def read_fp8_packed(self, name, expected_shape):
+        """(float8_e4m3fn data [..., out, in], float32 block scales, block) of an FP8 weight stored with a
+        `<name>_scale_inv`, shape- and dtype-checked; None for a weight not stored FP8 (read it with `read`)."""
+        self._check(name, expected_shape)
+        if name + "_scale_inv" not in self.ckpt:
+            return None
+        arr = self.raw(name)
+        block = self._fp8_block(name, arr)
+        if arr.dtype != ml_dtypes.float8_e4m3fn:
+            raise CheckpointError(f"{self.ckpt.file_of(name)}: FP8 tensor {name!r} has dtype {arr.dtype}, "
+                                  "expected float8_e4m3fn")
+        scale_name = name + "_scale_inv"
+        try:
+            scales = fp8_block_scales(arr, self.raw(scale_name), block, name)
+        except CheckpointError as e:
+            raise CheckpointError(f"{self.ckpt.file_of(scale_name)}: {e}") from None
+        return arr, scales, block
+
+    def read_mxfp4(self, name, runtime_shape: tuple[int, int, int], out_dtype=np.float32):
         """MXFP4 experts `<name>_blocks` uint8 [E, out, in/32, 16] + `<name>_scales` uint8 [E, out, in/32]
-        -> runtime layout [E, in, out] (transformers' `x @ W` layout) in `out_dtype`."""
+        -> runtime layout [E, in, out] (transformers' `x @ W` layout) in `out_dtype`; with `native`, a
+        `QuantizedWeight` of that logical shape holding the packed bytes."""
         if self.method != "mxfp4":
             raise CheckpointError(f"{self.ckpt.file_of(name + '_blocks')}: tensor {name + '_blocks'!r} is MXFP4 but "
                                   f"{self.where} quant_method is {self.method!r} (expected 'mxfp4')")
@@ -118,6 +147,8 @@ class TensorSource:
             if t.dtype != np.uint8:
                 raise CheckpointError(f"{self.ckpt.file_of(tname)}: tensor {tname!r} has dtype {t.dtype}, "
                                       "expected uint8")
+        if self.native:
+            return QuantizedWeight(blocks.reshape(e, dout, din // 2), scales)
         out = np.empty((e, din, dout), out_dtype)
         for x in range(e):  # one expert at a time bounds the float32 temporary
             out[x] = dequant_mxfp4(blocks[x], scales[x]).T
@@ -144,6 +175,9 @@ def _qwen3_moe_hook(path, shape, src: TensorSource, prefix, cfg):
         return None
     base = f"{prefix}layers.{hit[0]}.mlp.experts"
     e, h, i = cfg.moe.num_experts, cfg.hidden_size, cfg.moe.intermediate_size
+    packed = _qwen3_fp8_experts(src, base, hit[1], e, h, i) if src.native else None
+    if packed is not None:
+        return packed
     if hit[1] == "gate_up":  # pjax [E, H, 2I]: gate half, then up half
         if src.has(f"{base}.gate_up_proj"):
             return src.read(f"{base}.gate_up_proj", (e, 2 * i, h)).transpose(0, 2, 1)
@@ -155,8 +189,34 @@ def _qwen3_moe_hook(path, shape, src: TensorSource, prefix, cfg):
     return np.stack([src.read(f"{base}.{x}.down_proj.weight", (h, i)).T for x in range(e)])
 
 
+def _qwen3_fp8_experts(src: TensorSource, base, which, e, h, i):
+    """FP8 experts kept packed (`QuantizedWeight` [E, out, in]), or None where they are not stored FP8 or the gate
+    and up blocks do not meet at a block boundary (those are dequantised)."""
+    fused = f"{base}.gate_up_proj" if which == "gate_up" else f"{base}.down_proj"
+    if src.has(fused):
+        got = src.read_fp8_packed(fused, (e, 2 * i, h) if which == "gate_up" else (e, h, i))
+        return None if got is None else QuantizedWeight(got[0], got[1], "fp8", got[2])
+    parts = [("gate_proj", (i, h)), ("up_proj", (i, h))] if which == "gate_up" else [("down_proj", (h, i))]
+    names = [f"{base}.{x}.{p}.weight" for x in range(e) for p, _ in parts]
+    if not src.has(names[0] + "_scale_inv") or (len(parts) == 2 and i % (src.block or (i, h))[0]):
+        return None
+    got = [src.read_fp8_packed(f"{base}.{x}.{p}.weight", shape) for x in range(e) for p, shape in parts]
+    for name, g in zip(names, got):
+        if g is None:
+            raise CheckpointError(f"{src.ckpt.file_of(name)}: tensor {name!r} has no {name + '_scale_inv'!r} "
+                                  "while its sibling experts are FP8-quantised")
+    per_expert = len(parts)
+    data = np.stack([np.concatenate([g[0] for g in got[x:x + per_expert]]) for x in range(0, len(got), per_expert)])
+    scales = np.stack([np.concatenate([g[1] for g in got[x:x + per_expert]]) for x in range(0, len(got), per_expert)])
+    return QuantizedWeight(data, scales, "fp8", got[0][2])
+
+
 def _deinterleave(x):
-    """[..., 2I] with gate at even and up at odd columns -> [..., 2I] = [gate | up]."""
+    """[..., 2I] with gate at even and up at odd columns -> [..., 2I] = [gate | up]; a packed weight's output
+    rows ([E, 2I, in]) likewise."""
+    if is_quantized(x):
+        perm = np.concatenate([np.arange(0, x.data.shape[-2], 2), np.arange(1, x.data.shape[-2], 2)])
+        return QuantizedWeight(x.data[..., perm, :], x.scales[..., perm, :], x.format, x.block)
     return np.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
 
 
@@ -234,21 +294,27 @@ def _describe(ckpt: Checkpoint, names: list, path: tuple) -> str:
             f"{'.'.join(map(str, path))})")
 
 
+WEIGHTS = ("native", "dequantized")
+
+
 def load_hf_params(path, cfg: ModelConfig, hf: dict, dtype, *, materialize: bool = True,
-                   check_finite: bool = True) -> Target:
+                   check_finite: bool = True, weights: str = "dequantized") -> Target:
     """Read every parameter of `cfg` from the HF directory `path` (strict: missing, misshapen, non-floating or
     unused tensors raise CheckpointError). check_finite: NaN / inf in any parameter (after the cast to `dtype`)
     raise CheckpointError naming the tensor; checked on device in one pass over all parameters.
     materialize=False validates only (params become ShapeDtypeStructs; the finite check then runs one tensor at
-    a time, so memory stays bounded by the largest tensor)."""
+    a time, so memory stays bounded by the largest tensor). weights="native": MXFP4 / FP8 experts stay packed
+    (`pjax.kernels.quantized.QuantizedWeight` params, never dequantised); "dequantized": every weight in `dtype`."""
+    if weights not in WEIGHTS:
+        raise CheckpointError(f"{path}: weights must be one of {WEIGHTS}, found {weights!r}")
     ckpt = Checkpoint(path)
-    src = TensorSource(ckpt, hf.get("quantization_config"))
+    src = TensorSource(ckpt, hf.get("quantization_config"), native=weights == "native")
     src.out_dtype = jnp.dtype(dtype)
     prefix = detect_prefix(ckpt)
     abstract = abstract_target(cfg, dtype)
     hook = HOOKS.get(cfg.model_type)
     leaves, treedef = jax.tree.flatten_with_path(abstract.params)
-    out, described = [], []
+    out, finite, described = [], [], []  # finite: (array, index into described) pairs to check
     for kpath, leaf in leaves:
         path = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in kpath)
         before = set(src.consumed)
@@ -262,14 +328,22 @@ def load_hf_params(path, cfg: ModelConfig, hf: dict, dtype, *, materialize: bool
         where = _describe(ckpt, names, path)
         if tuple(arr.shape) != tuple(leaf.shape):
             raise CheckpointError(f"{where}: produced shape {list(arr.shape)}, expected {list(leaf.shape)}")
-        if jnp.issubdtype(leaf.dtype, jnp.floating) and not jnp.issubdtype(arr.dtype, jnp.floating):
+        packed = is_quantized(arr)
+        if not packed and jnp.issubdtype(leaf.dtype, jnp.floating) and not jnp.issubdtype(arr.dtype, jnp.floating):
             raise CheckpointError(f"{where} has dtype {arr.dtype}, expected a floating dtype")
+        # packed weights keep their dtypes; their floating parts (FP8 data, scales) are checked as stored
+        values = (jax.tree.map(jnp.asarray, arr) if packed else jnp.asarray(arr, dtype)) if materialize or \
+            check_finite else None
+        to_check = [a for a in jax.tree.leaves(values) if jnp.issubdtype(a.dtype, jnp.floating)] if check_finite \
+            else []
         if materialize:
-            out.append(jnp.asarray(arr, dtype))
+            out.append(values)
+            finite += [(a, len(described)) for a in to_check]
         else:
-            if check_finite:
-                integrity.check_finite([jnp.asarray(arr, dtype)], lambda i: where)
-            out.append(jax.ShapeDtypeStruct(leaf.shape, jnp.dtype(dtype)))
+            if to_check:
+                integrity.check_finite(to_check, lambda i: where)
+            shape = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
+            out.append(jax.tree.map(shape, arr) if packed else jax.ShapeDtypeStruct(leaf.shape, jnp.dtype(dtype)))
         described.append(where)
     if cfg.tie_word_embeddings and "lm_head.weight" in ckpt:
         emb = src.raw(f"{prefix}embed_tokens.weight")
@@ -281,8 +355,8 @@ def load_hf_params(path, cfg: ModelConfig, hf: dict, dtype, *, materialize: bool
     if extra:
         raise CheckpointError(f"{ckpt.dir}: {len(extra)} unexpected tensor(s) for model_type "
                               f"{cfg.model_type!r}: {extra[:8]}{' ...' if len(extra) > 8 else ''}")
-    if materialize and check_finite:
-        integrity.check_finite(out, described.__getitem__)
+    if materialize and finite:
+        integrity.check_finite([a for a, _ in finite], lambda i: described[finite[i][1]])
     return Target(cfg, abstract.graphdef, jax.tree.unflatten(treedef, out))
 
 

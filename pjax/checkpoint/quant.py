@@ -8,7 +8,7 @@ import numpy as np
 
 from pjax.checkpoint.errors import CheckpointError
 
-__all__ = ["FP4_E2M1", "dequant_fp8_block", "dequant_mxfp4", "should_convert_module"]
+__all__ = ["FP4_E2M1", "dequant_fp8_block", "dequant_mxfp4", "fp8_block_scales", "should_convert_module"]
 
 FP4_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
                     np.float32)
@@ -38,11 +38,9 @@ def _scale_values(scale_inv) -> np.ndarray:
     return s.astype(np.float32)
 
 
-def dequant_fp8_block(w, scale_inv, block, name=""):
-    """FP8 weight [..., out, in] x per-block scale [..., ceil(out/bo), ceil(in/bi)] -> float32 [..., out, in].
-
-    Element (r, c) is multiplied by scale[r // bo, c // bi] (the FP8 kernels' convention; equals
-    transformers' dequantisation whenever the block divides the weight)."""
+def fp8_block_scales(w, scale_inv, block, name="") -> np.ndarray:
+    """The float32 block scales [..., ceil(out/bo), ceil(in/bi)] of an FP8 weight [..., out, in], shape-checked
+    (a single per-tensor scale of a one-block weight is reshaped)."""
     bo, bi = block
     *lead, out_dim, in_dim = w.shape
     want = (*lead, -(-out_dim // bo), -(-in_dim // bi))
@@ -52,5 +50,16 @@ def dequant_fp8_block(w, scale_inv, block, name=""):
     if tuple(s.shape) != want:
         raise CheckpointError(f"tensor {name + '_scale_inv'!r} has shape {list(s.shape)}, expected "
                               f"{list(want)} for a {list(w.shape)} weight with {bo}x{bi} blocks")
+    return s
+
+
+def dequant_fp8_block(w, scale_inv, block, name=""):
+    """FP8 weight [..., out, in] x per-block scale [..., ceil(out/bo), ceil(in/bi)] -> float32 [..., out, in].
+
+    Element (r, c) is multiplied by scale[r // bo, c // bi] (the FP8 kernels' convention; equals
+    transformers' dequantisation whenever the block divides the weight)."""
+    bo, bi = block
+    *_, out_dim, in_dim = w.shape
+    s = fp8_block_scales(w, scale_inv, block, name)
     s = np.repeat(np.repeat(s, bo, -2), bi, -1)[..., :out_dim, :in_dim]
     return np.asarray(w, np.float32) * s

@@ -12,12 +12,14 @@ from pjax.checkpoint.heads import describe_head
 from pjax.checkpoint.hf import load_hf_params, read_target_config
 from pjax.checkpoint.native import load_native_target
 from pjax.dtypes import parse_dtype
+from pjax.kernels import dispatch
 from pjax.models.target import Target
 
 __all__ = ["load_target"]
 
 
-def load_target(path, dtype=jnp.bfloat16, *, verify: bool = True, check_finite: bool = True) -> Target:
+def load_target(path, dtype=jnp.bfloat16, *, verify: bool = True, check_finite: bool = True,
+                weights: str | None = None) -> Target:
     """Load a Hugging Face model directory (config.json + model.safetensors or a sharded index), or a
     pjax-native directory written by ``python -m pjax convert target``; floating params cast to `dtype` (bfloat16 /
     float32 / float16, any spelling `pjax.dtypes.parse_dtype` takes).
@@ -25,6 +27,9 @@ def load_target(path, dtype=jnp.bfloat16, *, verify: bool = True, check_finite: 
     verify: compare a native copy's per-tensor checksums (False skips that pass, for speed; file presence
     and sizes are always checked). check_finite: reject NaN / inf weights, naming the tensor (one device
     pass). A drafter head directory is refused with a message saying to use `load_drafter`.
+    weights: "native" keeps MXFP4 / FP8 experts of a quantised checkpoint packed (bytes and scales, multiplied by
+    the low-bit expert kernels), "dequantized" casts them to `dtype`; None: native on a GPU (where the kernels
+    run), dequantized elsewhere. Other weights (and pjax-native copies) load as `dtype` either way.
     """
     dtype = parse_dtype(dtype, what="load_target dtype")
     path = Path(path)
@@ -34,4 +39,6 @@ def load_target(path, dtype=jnp.bfloat16, *, verify: bool = True, check_finite: 
     if head is not None:
         raise CheckpointError(f"{path} is {head}, not a target; load it with load_drafter")
     hf, cfg = read_target_config(path)
-    return load_hf_params(path, cfg, hf, dtype, check_finite=check_finite)
+    if weights is None:
+        weights = "native" if dispatch.on_gpu() else "dequantized"
+    return load_hf_params(path, cfg, hf, dtype, check_finite=check_finite, weights=weights)

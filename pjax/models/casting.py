@@ -10,13 +10,15 @@ import jax
 import jax.numpy as jnp
 
 from pjax.dtypes import parse_dtype
+from pjax.kernels.quantized import is_quantized
 
 __all__ = ["astype", "cast_floating", "matching_module"]
 
 
 def cast_floating(params, dtype):
-    """Every floating leaf of `params` cast to `dtype`; integer leaves unchanged."""
-    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+    """Every floating leaf of `params` cast to `dtype`; integer leaves and packed low-bit weights unchanged."""
+    return jax.tree.map(lambda x: x.astype(dtype) if not is_quantized(x) and jnp.issubdtype(x.dtype, jnp.floating)
+                        else x, params, is_leaf=is_quantized)
 
 
 @functools.lru_cache(maxsize=64)
@@ -34,7 +36,8 @@ def astype(value, abstract, dtype, what: str):
 def matching_module(value, abstract, what: str):
     """`value` with a module definition matching its params' dtype (rebuilt if the params were cast alone);
     ValueError if its floating params mix dtypes."""
-    floats = {x.dtype for x in jax.tree.leaves(value.params) if jnp.issubdtype(x.dtype, jnp.floating)}
+    floats = {x.dtype for x in jax.tree.leaves(value.params, is_leaf=is_quantized)
+              if not is_quantized(x) and jnp.issubdtype(x.dtype, jnp.floating)}
     if len(floats) > 1:
         raise ValueError(f"the {what}'s floating params mix dtypes {sorted(str(d) for d in floats)}; cast it whole "
                          f"with {what}.astype(dtype)")

@@ -8,20 +8,22 @@ from flax import nnx
 
 from pjax.config import ModelConfig, MoeSpec
 from pjax.kernels.expert_matmul import expert_matmul
+from pjax.kernels.grouped_matmul import grouped_matmul
 from pjax.models.layers import activation, linear
 
 __all__ = ["MOE_FEW_PAIRS", "MoE"]
 
 
 # Token-expert pairs up to this count, and up to twice the expert count, use `expert_matmul` (each selected expert read
-# once); more (prefill, training) sort the pairs by expert for a grouped matmul, which reads every expert. Where the
+# once); more (prefill, training) sort the pairs by expert for the grouped matmul (work grows with the pairs). Where the
 # crossover lies was measured per layer shape (docs/performance.md, "Which path a MoE layer takes").
 MOE_FEW_PAIRS = 128
 
 
 class MoE(nnx.Module):
     """Top-k mixture of experts. Expert weights are stacked: gate_up [E, H, 2I] (gate half, then up
-    half), down [E, I, H]; optional biases. Router: qwen3 (softmax -> top-k -> renormalise) or
+    half), down [E, I, H] (arrays, or `QuantizedWeight`s of those logical shapes: MXFP4 / FP8 kept packed);
+    optional biases. Router: qwen3 (softmax -> top-k -> renormalise) or
     gpt_oss (logits + bias -> top-k -> softmax over the k)."""
 
     def __init__(self, cfg: ModelConfig, spec: MoeSpec, *, dtype, rngs):
@@ -50,17 +52,18 @@ class MoE(nnx.Module):
     def _expert_out(self, e_ids, x_rows, matmul):
         """Shared expert math on gathered rows: activation and down projection with biases."""
         inter = self.spec.intermediate_size
-        gu = matmul(x_rows, self.gate_up[...])
+        gu = matmul(x_rows, self.gate_up.get_value())  # an array or a packed QuantizedWeight
         if self.gate_up_bias is not None:
             gu = gu + self.gate_up_bias[...][e_ids]
         a = activation(self.cfg.mlp_act, gu[..., :inter], gu[..., inter:], self.cfg)
-        out = matmul(a, self.down[...], second=True)
+        out = matmul(a, self.down.get_value(), second=True)
         if self.down_bias is not None:
             out = out + self.down_bias[...][e_ids]
         return out
 
     def __call__(self, x, implementation: str = "auto"):
-        """x [..., H] -> [..., H]; implementation: the kernel switch for the decode / verify path."""
+        """x [..., H] -> [..., H]; implementation: the kernel switch (expert matmul for decode / verify, grouped
+        matmul for more pairs)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         n, k = x.shape[0], self.spec.top_k
@@ -80,7 +83,7 @@ class MoE(nnx.Module):
             sizes = jnp.bincount(flat, length=self.spec.num_experts).astype(jnp.int32)
 
             def matmul(a, wts, second=False):
-                return jax.lax.ragged_dot(a, wts, sizes, preferred_element_type=jnp.float32).astype(a.dtype)
+                return grouped_matmul(a, wts, sizes, implementation=implementation)
             out_sorted = self._expert_out(e_sorted, rows, matmul)  # [N*k, H]
             out = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(n, k, -1)
             y = jnp.einsum("nk,nkh->nh", w.astype(jnp.float32), out.astype(jnp.float32))

@@ -4,18 +4,22 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from pjax.kernels import dispatch
 from pjax.kernels.expert_matmul import reference
+from pjax.kernels.quantized import is_quantized
 
 
 @functools.partial(jax.jit, static_argnames=("repeat", "implementation"))
 def expert_matmul(x, expert_ids, w, *, repeat: int = 1, implementation: str = "auto"):
     """out [P, dout] = x[p // repeat] @ w[expert_ids[p]]: x [P / repeat, din] (repeat = top-k lets each token row feed
     its k pairs), expert_ids [P] int (indexed as `w[expert_ids]`: negative ids wrap, too large ones clamp),
-    w [E, din, dout]; float32 accumulation, x's dtype out. Differentiable (the kernel's VJP is the reference's).
-    implementation (`pjax.kernels.dispatch`): the kernel takes one dtype for x and w, at most
+    w [E, din, dout] (or a `pjax.kernels.quantized.QuantizedWeight`: MXFP4 / FP8 dequantised in the kernel's
+    registers, in the reference before the product); float32 accumulation, x's dtype out. Differentiable in x and
+    a plain w (the kernel's VJP is the reference's; quantised weights are constants). implementation
+    (`pjax.kernels.dispatch`): the kernel takes one dtype for x and a plain w (any floating x for quantised w), at most
     `ExpertMatmulConfig.max_rows` (128) pairs and din / dout multiples of 16; other inputs run the reference, for
     "pallas" too. "auto" runs the kernel on a GPU where it takes the shapes (faster at every measured decode /
     verify shape)."""
@@ -39,6 +43,11 @@ def _fwd(x, expert_ids, w, repeat):
 
 def _bwd(repeat, res, g):
     x, expert_ids, w = res
+    if is_quantized(w):  # a constant: only dx
+        _, vjp = jax.vjp(lambda x_: reference.expert_matmul(x_, expert_ids, w, repeat), x)
+        dw = jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0) if jnp.issubdtype(a.dtype, jnp.integer)
+                          else jnp.zeros_like(a), w)
+        return vjp(g)[0], np.zeros(expert_ids.shape, jax.dtypes.float0), dw
     _, vjp = jax.vjp(lambda x_, w_: reference.expert_matmul(x_, expert_ids, w_, repeat), x, w)
     dx, dw = vjp(g)
     return dx, np.zeros(expert_ids.shape, jax.dtypes.float0), dw

@@ -10,11 +10,17 @@ exactly once, nothing is materialised.
 Bytes moved: distinct selected experts x din x dout x itemsize + P x (din + dout) x itemsize.
 Numerics: float32 accumulation, output cast to x's dtype (as the reference); float32 inputs multiply at the
 precision JAX's default matmul precision asks for (`_pallas_util.dot_precision`).
+Low-bit weights (`pjax.kernels.quantized.QuantizedWeight`, the checkpoint's [E, out, in] layout) are dequantised
+in registers, one [bn, bk] tile per step: MXFP4 codes decoded with bit operations (even and odd inputs multiplied
+in two dots, so the packed nibbles are never interleaved) times their E8M0 scales; FP8 tiles cast to the
+activation dtype, their block scale applied to the [pp, bn] product. Bytes moved: the packed data and scales of
+the selected experts instead of 2 bytes a weight.
 Measured against the XLA path at the Qwen3-30B-A3B and GPT-OSS-20B expert shapes: docs/performance.md.
 """
 from __future__ import annotations
 
 import functools
+import math
 from typing import Optional
 
 import jax
@@ -26,6 +32,7 @@ from pjax.kernels import dispatch, hardware
 from pjax.kernels._pallas_util import call_kwargs, dot_precision, next_pow2
 from pjax.kernels.expert_matmul.config import DEFAULT, ExpertMatmulConfig
 from pjax.kernels.expert_matmul.reference import check_inputs
+from pjax.kernels.quantized import MXFP4_BLOCK, e8m0_values, is_quantized, mxfp4_values
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -47,11 +54,25 @@ def tiles(p: int, din: int, dout: int, config: ExpertMatmulConfig = DEFAULT) -> 
     return bk, bn
 
 
+def k_tile(din: int, w, config: ExpertMatmulConfig = DEFAULT) -> int:
+    """The contraction tile: a power of two <= block_k dividing din (and an FP8 weight's input block)."""
+    if is_quantized(w) and w.format == "fp8":
+        return _pow2_divisor(math.gcd(din, w.block[1]), config.block_k)
+    return _pow2_divisor(din, config.block_k)
+
+
 def unsupported_reason(x, w, repeat: int = 1, config: ExpertMatmulConfig = DEFAULT):
     """None when the kernel takes these shapes, else why not (the caller uses the reference)."""
     p, din = x.shape[0] * repeat, x.shape[1]
     dout = w.shape[2]
-    if x.dtype != w.dtype:
+    if is_quantized(w):
+        if w.format == "mxfp4" and din % MXFP4_BLOCK:
+            return f"MXFP4 din {din}: multiples of {MXFP4_BLOCK} only"
+        if w.format == "fp8" and k_tile(din, w, config) < 16:
+            return f"FP8 blocks {w.block} with din {din}: a k tile of 16 must divide both"
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            return f"x {x.dtype}: floating only"
+    elif x.dtype != w.dtype:
         return f"x {x.dtype} and w {w.dtype}: one dtype only (the tensor-core dot)"
     if p > config.max_rows:
         return f"{p} rows: at most {config.max_rows}"
@@ -65,7 +86,44 @@ def _expert(ids, e_count):
     return jnp.clip(jnp.where(ids < 0, ids + e_count, ids), 0, e_count - 1)
 
 
-def _kernel(ids_ref, x_ref, w_ref, o_ref, *, p, pp, din, bk, bn, e_count, repeat, precision):
+def _dense_product(x_tile, w_refs, e, k0, j, bk, bn, precision):
+    (w_ref,) = w_refs
+    xt = x_tile(k0 + jnp.arange(bk, dtype=jnp.int32))
+    wt = w_ref[e, pl.ds(k0, bk), pl.ds(j * bn, bn)]
+    return jax.lax.dot(xt, wt, precision=precision, preferred_element_type=jnp.float32)
+
+
+def _fp8_product(x_tile, w_refs, e, k0, j, bk, bn, precision, block):
+    """FP8 data [E, N, K] in the activation dtype (exact), its block scale (bk divides the input block) applied
+    per output column to the product."""
+    data_ref, scales_ref = w_refs
+    xt = x_tile(k0 + jnp.arange(bk, dtype=jnp.int32))
+    wt = data_ref[e, pl.ds(j * bn, bn), pl.ds(k0, bk)].astype(xt.dtype)
+    cols = j * bn + jnp.arange(bn, dtype=jnp.int32)
+    scale = pltriton.load(scales_ref.at[e, cols // block[0], k0 // block[1]]).astype(jnp.float32)
+    return jax.lax.dot(xt, wt.T, precision=precision, preferred_element_type=jnp.float32) * scale[None, :]
+
+
+def _mxfp4_product(x_tile, w_refs, e, k0, j, bk, bn, precision):
+    """MXFP4 data [E, N, K / 2]: the low nibbles multiply the even inputs, the high nibbles the odd ones."""
+    data_ref, scales_ref = w_refs
+    half = bk // 2
+    byte = jnp.arange(half, dtype=jnp.int32)
+    codes = data_ref[e, pl.ds(j * bn, bn), pl.ds(k0 // 2, half)].astype(jnp.int32)
+    cols = j * bn + jnp.arange(bn, dtype=jnp.int32)
+    groups = (k0 // 2 + byte) // (MXFP4_BLOCK // 2)
+    scale = e8m0_values(pltriton.load(scales_ref.at[e, cols[:, None], groups[None, :]]))  # [bn, bk / 2]
+    acc = None
+    for parity, nib in ((0, codes & 15), (1, codes >> 4)):
+        xt = x_tile(k0 + parity + 2 * byte)
+        wt = (mxfp4_values(nib) * scale).astype(xt.dtype)
+        part = jax.lax.dot(xt, wt.T, precision=precision, preferred_element_type=jnp.float32)
+        acc = part if acc is None else acc + part
+    return acc
+
+
+def _kernel(ids_ref, x_ref, *refs, p, pp, din, bk, bn, e_count, repeat, product):
+    *w_refs, o_ref = refs
     s, j = pl.program_id(0), pl.program_id(1)
     pairs = jnp.arange(pp, dtype=jnp.int32)
     real = pairs < p
@@ -77,13 +135,11 @@ def _kernel(ids_ref, x_ref, w_ref, o_ref, *, p, pp, din, bk, bn, e_count, repeat
 
     @pl.when(first)
     def _():
-        kk = jnp.arange(bk, dtype=jnp.int32)
+        def x_tile(cols):  # the rows of this expert's pairs (others zero) at input columns `cols`
+            return pltriton.load(x_ref.at[(row // repeat)[:, None], cols[None, :]], mask=mine[:, None], other=0)
 
         def step(c, acc):
-            k0 = pl.multiple_of(c * bk, bk)
-            xt = pltriton.load(x_ref.at[(row // repeat)[:, None], (k0 + kk)[None, :]], mask=mine[:, None], other=0)
-            wt = w_ref[e, pl.ds(k0, bk), pl.ds(j * bn, bn)]
-            return acc + jax.lax.dot(xt, wt, precision=precision, preferred_element_type=jnp.float32)
+            return acc + product(x_tile, w_refs, e, pl.multiple_of(c * bk, bk), j, bk, bn)
 
         acc = jax.lax.fori_loop(0, din // bk, step, jnp.zeros((pp, bn), jnp.float32))
         # interpret mode stores masked lanes as a read-modify-write scatter: there every lane has its own row
@@ -105,7 +161,8 @@ def expert_matmul(x, expert_ids, w, *, repeat: int = 1, block_n=None, config: Ex
     p, din = expert_ids.shape[0], x.shape[1]
     dout = w.shape[2]
     pp = padded_rows(p)
-    bk, bn = tiles(p, din, dout, config)
+    _, bn = tiles(p, din, dout, config)
+    bk = k_tile(din, w, config)
     if block_n is not None:
         if block_n < 16 or block_n & (block_n - 1) or dout % block_n or pp * block_n > config.acc_elements:
             raise ValueError(f"expert_matmul: block_n={block_n} must be a power of two >= 16 dividing dout={dout}, "
@@ -113,12 +170,21 @@ def expert_matmul(x, expert_ids, w, *, repeat: int = 1, block_n=None, config: Ex
         bn = block_n
     out_rows = pp if interpret else p  # interpret mode: every padding lane its own row (see the store in _kernel)
     ids = expert_ids.astype(jnp.int32)
+    precision = dot_precision(x.dtype)
+    if not is_quantized(w):
+        w_arrays, product, name = (w,), functools.partial(_dense_product, precision=precision), "pjax_expert_matmul"
+    elif w.format == "fp8":
+        w_arrays, name = (w.data, w.scales), "pjax_expert_matmul_fp8"
+        product = functools.partial(_fp8_product, precision=precision, block=w.block)
+    else:
+        w_arrays, name = (w.data, w.scales), "pjax_expert_matmul_mxfp4"
+        product = functools.partial(_mxfp4_product, precision=precision)
     full = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
     out = pl.pallas_call(
         functools.partial(_kernel, p=p, pp=pp, din=din, bk=bk, bn=bn, e_count=w.shape[0], repeat=repeat,
-                          precision=dot_precision(x.dtype)),
+                          product=product),
         grid=(p, dout // bn), out_shape=jax.ShapeDtypeStruct((out_rows, dout), x.dtype),
-        in_specs=[full(ids.shape), full(x.shape), full(w.shape)], out_specs=full((out_rows, dout)),
-        name="pjax_expert_matmul", **call_kwargs(config.warps, config.stages, interpret),
-    )(ids, x, w)
+        in_specs=[full(a.shape) for a in (ids, x, *w_arrays)], out_specs=full((out_rows, dout)),
+        name=name, **call_kwargs(config.warps, config.stages, interpret),
+    )(ids, x, *w_arrays)
     return out[:p] if out_rows != p else out

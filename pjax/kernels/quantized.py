@@ -1,0 +1,85 @@
+"""Low-bit weights as they ship in checkpoints, kept packed on the device: `QuantizedWeight` and its jnp
+dequantisation (the reference every low-bit kernel is tested against).
+
+Layout: the checkpoint's [..., out, in] (the contraction along the last, contiguous axis), exposed with the
+logical shape of the unquantised pjax weight [..., in, out].
+- "mxfp4": data uint8 [..., out, in / 2], two FP4-E2M1 values a byte (low nibble first), scales uint8
+  [..., out, in / 32] (E8M0: 2 ** (s - 127) per 32 values along `in`).
+- "fp8": data float8_e4m3fn [..., out, in], scales float32 [..., ceil(out / bo), ceil(in / bi)] for blocks
+  (bo, bi) (value = data * scale of its block; DeepSeek-style `weight_scale_inv`).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["FORMATS", "QuantizedWeight", "dequantize", "is_quantized", "take"]
+
+FORMATS = ("mxfp4", "fp8")
+MXFP4_BLOCK = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+    data: jax.Array
+    scales: jax.Array
+    format: str = dataclasses.field(metadata=dict(static=True), default="mxfp4")
+    block: tuple = dataclasses.field(metadata=dict(static=True), default=(1, MXFP4_BLOCK))  # (out, in) per scale
+
+    @property
+    def shape(self) -> tuple:
+        """The logical shape [..., in, out] of the weight it encodes."""
+        *lead, out, packed = self.data.shape
+        return (*lead, packed * (2 if self.format == "mxfp4" else 1), out)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes + self.scales.nbytes
+
+
+jax.tree_util.register_dataclass(QuantizedWeight, data_fields=["data", "scales"], meta_fields=["format", "block"])
+
+
+def is_quantized(x) -> bool:
+    return isinstance(x, QuantizedWeight)
+
+
+def mxfp4_values(nibbles):
+    """FP4-E2M1 codes (int32, 0..15) -> float32 values: the code's magnitude bits placed in a float16 exponent /
+    mantissa (a float16 with exponent e and mantissa bit m is 2 ** (e - 15) * (1 + m / 2), denormal m * 2 ** -15)
+    times 2 ** 14. Exact; bit operations only (the same in a Triton kernel)."""
+    bits = ((nibbles & 8) << 12) | ((nibbles & 7) << 9)
+    half = jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16)
+    return half.astype(jnp.float32) * 16384.0
+
+
+def e8m0_values(codes):
+    """E8M0 scale codes (uint8) -> float32 2 ** (code - 127) (code 0 flushes to 0, 255 is inf: neither occurs in
+    real checkpoints)."""
+    return jax.lax.bitcast_convert_type(codes.astype(jnp.int32) << 23, jnp.float32)
+
+
+def dequantize(w: QuantizedWeight, dtype=jnp.float32):
+    """The weight in `dtype`, logical layout [..., in, out]."""
+    if w.format == "mxfp4":
+        d = w.data.astype(jnp.int32)
+        vals = jnp.stack([mxfp4_values(d & 15), mxfp4_values(d >> 4)], axis=-1)  # [..., out, in / 2, 2]
+        vals = vals.reshape(*d.shape[:-1], -1, MXFP4_BLOCK) * e8m0_values(w.scales)[..., None]
+        out = vals.reshape(*d.shape[:-1], -1)
+    else:
+        bo, bi = w.block
+        *_, rows, cols = w.data.shape
+        s = jnp.repeat(jnp.repeat(w.scales.astype(jnp.float32), bo, -2), bi, -1)[..., :rows, :cols]
+        out = w.data.astype(jnp.float32) * s
+    return jnp.swapaxes(out, -1, -2).astype(dtype)
+
+
+def take(w: QuantizedWeight, ids) -> QuantizedWeight:
+    """The experts `ids` of a stacked [E, ...] weight (indexed as `w[ids]`)."""
+    return dataclasses.replace(w, data=w.data[ids], scales=w.scales[ids])

@@ -1,0 +1,83 @@
+"""Low-bit weights kept packed (`pjax.kernels.quantized`): the jnp dequantisation equals the checkpoint loader's
+(transformers-tested) one; the expert-matmul kernel dequantising MXFP4 / FP8 tiles in registers (interpret mode)
+equals dequantise-then-matmul, for expert stacks and a dense FP8 linear (one expert), and lowers to Triton."""
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from pjax.checkpoint.quant import dequant_fp8_block, dequant_mxfp4
+from pjax.kernels.expert_matmul import expert_matmul
+from pjax.kernels.expert_matmul import pallas as em_pallas
+from pjax.kernels.quantized import QuantizedWeight, dequantize
+from tests.gpu_lowering import lower_for_gpu
+from tests.kernel_jaxpr import pallas_kernel_names
+
+
+def mxfp4_weight(rs, e, din, dout):
+    return QuantizedWeight(jnp.asarray(rs.integers(0, 256, (e, dout, din // 2), dtype=np.uint8)),
+                           jnp.asarray(rs.integers(118, 132, (e, dout, din // 32), dtype=np.uint8)))
+
+
+def fp8_weight(rs, e, din, dout, block):
+    data = (rs.standard_normal((e, dout, din)) * 40).astype(ml_dtypes.float8_e4m3fn)
+    scales = rs.random((e, -(-dout // block[0]), -(-din // block[1]))).astype(np.float32) / 40
+    return QuantizedWeight(jnp.asarray(data), jnp.asarray(scales), "fp8", block)
+
+
+def test_dequantize_equals_the_checkpoint_loader():
+    rs = np.random.default_rng(0)
+    w = mxfp4_weight(rs, 3, 64, 40)
+    blocks = np.asarray(w.data).reshape(3, 40, 2, 16)
+    want = np.stack([dequant_mxfp4(blocks[e], np.asarray(w.scales)[e]).T for e in range(3)])
+    np.testing.assert_array_equal(np.asarray(dequantize(w)), want)
+    assert w.shape == (3, 64, 40) and w.nbytes == 3 * 40 * (32 + 2)
+    w = fp8_weight(rs, 2, 300, 200, (128, 128))  # partial blocks on both axes
+    want = dequant_fp8_block(np.asarray(w.data), np.asarray(w.scales), (128, 128)).transpose(0, 2, 1)
+    np.testing.assert_array_equal(np.asarray(dequantize(w)), want)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
+@pytest.mark.parametrize("p,din,dout,e,repeat,dtype", [(1, 64, 48, 4, 1, jnp.bfloat16), (8, 96, 32, 3, 4, jnp.float32),
+                                                        (24, 256, 128, 16, 8, jnp.bfloat16),
+                                                        (100, 32, 64, 40, 1, jnp.float32)])
+def test_lowbit_expert_kernel_equals_dequantise_then_matmul(fmt, p, din, dout, e, repeat, dtype):
+    rs = np.random.default_rng(p + din)
+    w = mxfp4_weight(rs, e, din, dout) if fmt == "mxfp4" else fp8_weight(rs, e, din, dout, (32, 32))
+    x = jnp.asarray(rs.standard_normal((p // repeat, din)), dtype)
+    ids = jnp.asarray(rs.integers(0, e, p), jnp.int32)
+    rows = np.repeat(np.asarray(x, np.float32), repeat, 0)
+    want = np.einsum("pf,pfo->po", rows, np.asarray(dequantize(w))[np.asarray(ids)])
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2
+    for impl in ("xla", "pallas"):
+        got = np.asarray(expert_matmul(x, ids, w, repeat=repeat, implementation=impl), np.float32)
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
+    assert pallas_kernel_names(lambda: expert_matmul(x, ids, w, repeat=repeat, implementation="pallas")) == [
+        f"pjax_expert_matmul_{fmt}"]
+    c = jnp.asarray(rs.standard_normal((p, dout)), jnp.float32)  # a linear loss: dx does not depend on rounding
+    loss = lambda impl: lambda x_: jnp.sum(c * expert_matmul(x_, ids, w, repeat=repeat, implementation=impl))
+    dx = np.asarray(jax.grad(loss("xla"))(x), np.float32)
+    np.testing.assert_allclose(np.asarray(jax.grad(loss("pallas"))(x), np.float32), dx, rtol=tol,
+                               atol=tol * np.abs(dx).max())
+
+
+def test_fp8_dense_linear_is_one_expert_and_kernels_lower():
+    """A dense FP8 linear [din, dout] is the expert matmul with one expert (every row's id 0): 128 x 128 blocks with
+    partial tiles; both low-bit kernels lower to Triton at GPT-OSS-20B / Qwen3-30B-A3B shapes."""
+    rs = np.random.default_rng(3)
+    w = fp8_weight(rs, 1, 384, 320, (128, 128))
+    x = jnp.asarray(rs.standard_normal((5, 384)), jnp.bfloat16)
+    ids = jnp.zeros((5,), jnp.int32)
+    want = np.asarray(x, np.float32) @ np.asarray(dequantize(w))[0]
+    got = np.asarray(expert_matmul(x, ids, w, implementation="pallas"), np.float32)
+    np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
+    sd = jax.ShapeDtypeStruct
+    mx = QuantizedWeight(sd((32, 5760, 1440), jnp.uint8), sd((32, 5760, 90), jnp.uint8))
+    lower_for_gpu(lambda x_, i, w_: em_pallas.expert_matmul(x_, i, w_, repeat=4, interpret=False),
+                  sd((1, 2880), jnp.bfloat16), sd((4,), jnp.int32), mx)
+    f8 = QuantizedWeight(sd((128, 1536, 2048), jnp.float8_e4m3fn), sd((128, 12, 16), jnp.float32), "fp8", (128, 128))
+    lower_for_gpu(lambda x_, i, w_: em_pallas.expert_matmul(x_, i, w_, repeat=8, interpret=False),
+                  sd((8, 2048), jnp.bfloat16), sd((64,), jnp.int32), f8)
+    odd = QuantizedWeight(jnp.zeros((1, 16, 24), jnp.uint8), jnp.zeros((1, 16, 1), jnp.uint8))  # din 48
+    assert "multiples of 32" in em_pallas.unsupported_reason(jnp.ones((2, 48), jnp.bfloat16), odd)
