@@ -221,3 +221,21 @@ def test_finite_flags_every_dtype():
     flags = np.asarray(integrity.finite_flags(leaves))
     np.testing.assert_array_equal(flags, [True, False, False, False] * 3 + [True] * 3)
     np.testing.assert_array_equal(np.asarray(integrity.nonfinite_counts(leaves[:4])), [0, 1, 1, 1])
+
+
+def test_finite_flags_find_one_bad_value_anywhere():
+    """One NaN / inf at the start, middle or end of a tensor of any size is found in every floating dtype (a max |x|
+    reduction drops a NaN in float32 arrays of a few thousand elements on XLA's CPU backend)."""
+    import ml_dtypes
+    from pjax.checkpoint import integrity
+    dtypes = (jnp.float32, jnp.bfloat16, jnp.float16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2)
+    leaves, want = [], []
+    for dt in dtypes:
+        for n in (1, 7, 4099, 11_001, 65_537):
+            for at in sorted({0, n // 2, n - 1}):
+                for v in (np.nan, np.inf, -np.inf):
+                    leaves.append(jnp.zeros((n,), dt).at[at].set(v))
+                    want.append(False)
+        leaves.append(jnp.ones((11_001,), dt))
+        want.append(True)
+    np.testing.assert_array_equal(np.asarray(integrity.finite_flags(leaves)), want)

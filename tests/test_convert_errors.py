@@ -201,3 +201,33 @@ def test_cli_errors_in_process(hf_dir, tmp_path, capsys):
     assert cli_main(["inspect", str(nan)]) == 2
     assert "non-finite" in capsys.readouterr().err
     assert cli_main(["inspect", str(nan), "--no-finite-check"]) == 0
+
+
+def test_cli_finds_one_nan_in_a_large_tensor(tmp_path, capsys):
+    """A single NaN in a float32 tensor of 8,192 elements (a size where a max-reduction check misses it) stops
+    `convert inspect`, `convert target` and `convert drafter`."""
+    import jax.random
+    from pjax.config import LayerSpec, ModelConfig, RopeSpec
+    from pjax.models.drafter import DrafterConfig
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    tf.LlamaForCausalLM(cfg).float().save_pretrained(tmp_path / "good")
+    emb = np.array(SafetensorsFile(tmp_path / "good" / "model.safetensors").get(EMB))
+    emb[128, 5] = np.nan
+    nan = mutate(tmp_path / "good", tmp_path / "nan", replace={EMB: emb})
+    assert cli_main(["inspect", str(nan)]) == 2
+    assert f"tensor '{EMB}' has 1 non-finite" in capsys.readouterr().err
+    assert cli_main(["target", str(nan), str(tmp_path / "out"), "--dtype", "f32"]) == 2
+    assert f"tensor '{EMB}' has 1 non-finite" in capsys.readouterr().err and not (tmp_path / "out").exists()
+    layer = ModelConfig("llama", 256, 32, 40, 4, (LayerSpec(8, 2, RopeSpec(theta=10000.0)),), rms_norm_eps=1e-5)
+    dcfg = DrafterConfig(layer=layer, num_aux=3, target_hidden_size=32, draft_vocab_size=256, mask_token_id=255,
+                         aux_layer_ids=(0, 1, 2))
+    d = pjax.init_drafter(dcfg, jax.random.key(0), jnp.float32, scale=0.2)
+    d = d.__class__(d.config, d.graphdef, {**d.params, "lm_head": {"kernel": d.params["lm_head"]["kernel"].at[
+        16, 100].set(jnp.nan)}}, d.d2t)
+    head = pjax.save_drafter(d, tmp_path / "head", dtype="float32")
+    assert cli_main(["drafter", str(head), str(tmp_path / "head2")]) == 2
+    assert "tensor 'lm_head.weight' has 1 non-finite" in capsys.readouterr().err
+    assert cli_main(["inspect", str(head)]) == 2
+    assert "tensor 'lm_head.weight' has 1 non-finite" in capsys.readouterr().err

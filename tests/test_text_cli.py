@@ -173,3 +173,21 @@ def test_ctrl_c_prints_the_text_so_far(dirs, gen, capsys, monkeypatch):
                              "--max-new-tokens", NEW, "--k", 3, "--dtype", "float32", *streaming)
         assert rc == 130 and err.strip().splitlines()[-1] == "interrupted"
         assert out.endswith("\n") and 0 < len(out) - 1 < len(full.text) and full.text.startswith(out[:-1])
+
+
+def test_one_nan_in_a_large_weight_is_refused(dirs, tmp_path, capsys):
+    """One NaN in the float32 embedding (10,240 elements) stops `generate` with exit 2 naming the tensor."""
+    import shutil
+
+    import numpy as np
+
+    from pjax.checkpoint.safetensors import SafetensorsFile, save_file
+    target, _ = dirs
+    nan = tmp_path / "nan"
+    shutil.copytree(target, nan)
+    f = SafetensorsFile(target / "model.safetensors")
+    tensors = {k: np.array(f.get(k)) for k in f.keys()}
+    tensors["model.embed_tokens.weight"][160, 7] = np.nan
+    save_file(tensors, nan / "model.safetensors")
+    rc, out, err = _main(capsys, "--target", nan, "--prompt", "a", "--dtype", "float32")
+    assert rc == 2 and out == "" and "tensor 'model.embed_tokens.weight' has 1 non-finite" in err, err
