@@ -131,3 +131,61 @@ def test_text_document_source(tmp_path):
     doc, = load_documents([str(p)], ByteTokenizer(), vocab_size=260)
     assert doc.source == str(p)
     assert text_document("a", ByteTokenizer()).source == ""
+
+
+# ------------------------------------------------------------------------------ examples/train_peagle.py
+@pytest.fixture(scope="module")
+def script():
+    from tests.example_utils import load_example
+    return load_example("train_peagle.py")
+
+
+@pytest.fixture
+def no_training(monkeypatch):
+    def fail(*a, **k):
+        raise AssertionError("training started")
+    monkeypatch.setattr(pjax.train, "tiny_run", fail)
+    monkeypatch.setattr(pjax.train, "train_drafter", fail)
+
+
+def one_error(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    return err
+
+
+def test_script_checks_outputs_before_training(script, no_training, tmp_path, capsys):
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "notes.txt").write_text("mine")
+    assert script.main(["--out", str(taken), "--no-progress"]) == 2
+    assert "taken: already exists and is not a pjax output" in one_error(capsys)
+    f = tmp_path / "file"
+    f.write_text("x")
+    assert script.main(["--out", str(tmp_path / "new"), "--checkpoint-dir", str(f), "--no-progress"]) == 2
+    assert "file: is a file, expected a directory" in one_error(capsys)
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.fixture(scope="module")
+def hf_target(tmp_path_factory):
+    from tests.text_utils import build
+    return build(tmp_path_factory.mktemp("pair"))[0]
+
+
+def test_script_refuses_bad_data_and_reports_ctrl_c(script, hf_target, tmp_path, capsys, monkeypatch):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "hello"}\n{"input_ids": [1, 400]}\n')
+    base = ["--target", str(hf_target), "--out", str(tmp_path / "head"), "--no-progress", "--aux-layer-ids", "0", "1",
+            "2", "--batch-rows", "1", "--seq-len", "8"]
+    assert script.main(base + ["--data", str(data)]) == 2
+    assert "d.jsonl:2: token id 400 (position 1) is outside the target's vocabulary [0, 320)" in one_error(capsys)
+    data.write_text('{"text": "hello"}\n')
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(pjax.train, "train_drafter", interrupted)
+    ckpt = tmp_path / "ckpt"
+    assert script.main(base + ["--data", str(data), "--checkpoint-dir", str(ckpt)]) == 130
+    assert capsys.readouterr().err == f"interrupted; the checkpoints in {ckpt} are kept (run the same command to " \
+                                      "resume)\n"
