@@ -1,8 +1,8 @@
 """The package layering holds: a lower layer never imports a higher one, and no import cycle exists inside pjax/ or
 convert/. Every import statement counts, also those inside functions (a lazy import is still a dependency).
 
-Layers, lowest first: config / _compat / dtypes / command < kernels < models < checkpoint < decode < text, train < bench, serve <
-cli, the package root and convert/. A module may import its own layer and the layers below it."""
+Layers, lowest first: config / _compat / dtypes / command / precision < kernels < models < checkpoint < decode <
+text, train < bench, serve < cli, the package root and convert/. A module may import its own layer and the layers below it."""
 import ast
 from pathlib import Path
 
@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [
-    ("pjax.config", "pjax._compat", "pjax.dtypes", "pjax.command"),
+    ("pjax.config", "pjax._compat", "pjax.dtypes", "pjax.command", "pjax.precision"),
     ("pjax.kernels",),
     ("pjax.models",),
     ("pjax.checkpoint",),

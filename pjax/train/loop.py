@@ -13,6 +13,7 @@ import numpy as np
 
 from pjax.models.drafter import Drafter
 from pjax.models.target import Target
+from pjax.precision import float32_products, precision_scope
 from pjax.train.data import FeatureStream, RowStream
 from pjax.train.data.documents import check_token_ids
 from pjax.train.checkpoint import Checkpointer, TrainError, run_settings
@@ -101,7 +102,8 @@ def train_drafter(target: Target, drafter: Drafter, stream: RowStream | FeatureS
     (resume=True; its run's settings must match: `Checkpointer.check_settings`) and the state is saved every
     `save_every` steps and at the end. Token ids outside the target's vocabulary are refused before training; a
     non-finite loss or gradient stops it (TrainError naming the step, nothing saved past it). mesh: a 1-D "data"
-    mesh (`make_mesh`) for data parallelism; default one device. split_target: keep 1/n of each large target weight per device
+    mesh (`make_mesh`) for data parallelism; default one device. A float32 target or float32 compute runs full
+    float32 products (`pjax.precision`). split_target: keep 1/n of each large target weight per device
     (`pjax.train.step.shard_target`) instead of a full copy on each. Returns the trained head, final state, metrics."""
     cfg.validate()
     _check_stream(stream, cfg)
@@ -130,9 +132,11 @@ def train_drafter(target: Target, drafter: Drafter, stream: RowStream | FeatureS
         from tqdm.auto import tqdm
         bar = tqdm(total=steps, initial=start, desc=f"train {cfg.objective}", dynamic_ncols=True)
     t0 = time.perf_counter()
+    f32 = (target, drafter if cfg.compute_dtype in (None, "float32") else None)  # `pjax.precision`'s rule
     for i in range(start, steps):
         batch = shard_batch(stream.batch(position), mesh)
-        state, m = step_fn(state, shell, target, batch)
+        with precision_scope(*f32):
+            state, m = step_fn(state, shell, target, batch)
         position += 1
         pending.append(m)
         done = i + 1
@@ -163,6 +167,7 @@ def train_drafter(target: Target, drafter: Drafter, stream: RowStream | FeatureS
     return TrainResult(drafter_from_state(drafter, state), state, history)
 
 
+@float32_products
 def evaluate_drafter(target: Target, drafter: Drafter, stream: RowStream | FeatureStream, cfg: TrainConfig, *,
                      batches: int, state: Optional[TrainState] = None, mesh=None,
                      compiler_options: Optional[dict] = None) -> dict:
