@@ -122,6 +122,10 @@ def test_fp8_tensor_without_scale(hf_dir, tmp_path):
     ({"hidden_act": "relu"}, r"hidden_act 'relu' is not supported"),
     ({"num_hidden_layers": None}, r"required key 'num_hidden_layers' is missing"),
     ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, r"rope_type 'dynamic' is not supported"),
+    ({"rms_norm_eps": "abc"}, r"config\.json: rms_norm_eps must be a number, got 'abc'"),
+    ({"num_attention_heads": [4]}, r"config\.json: num_attention_heads must be a number, got \[4\]"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": "two"}}, r"config\.json: a field of the llama config has a "
+                                                                 r"value of the wrong type \(ValueError: could not"),
 ])
 def test_inconsistent_config(hf_dir, tmp_path, bad, match):
     hf = json.loads((hf_dir / "config.json").read_text())
