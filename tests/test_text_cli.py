@@ -191,3 +191,26 @@ def test_one_nan_in_a_large_weight_is_refused(dirs, tmp_path, capsys):
     save_file(tensors, nan / "model.safetensors")
     rc, out, err = _main(capsys, "--target", nan, "--prompt", "a", "--dtype", "float32")
     assert rc == 2 and out == "" and "tensor 'model.embed_tokens.weight' has 1 non-finite" in err, err
+
+
+def test_flags_agree_with_the_messages(dirs, tmp_path, capsys):
+    """A file where a directory is expected says so; --max-new-tokens past the target's context (512 positions) is
+    refused naming it, the default is capped to it; --no-finite-check, which the finite check's message suggests,
+    exists."""
+    target, _ = dirs
+    f = tmp_path / "file"
+    f.write_text("x")
+    rc, _, err = _main(capsys, "--target", f, "--prompt", "a")
+    assert rc == 2 and "file: is a file (expected a Hugging Face model directory" in err, err
+    rc, _, err = _main(capsys, "--target", target, "--prompt", "a", "--max-new-tokens", 100000)
+    assert rc == 2 and re.search(r"--max-new-tokens 100000: the longest prompt \(\d+ tokens\) \+ 100000 new tokens "
+                                 r"exceed the target's context length \(max_position_embeddings=512\); at most \d+ "
+                                 r"new tokens fit", err), err
+    args = cli.build_parser().parse_args(["--target", str(target), "--prompt", "a", "--no-finite-check"])
+    assert args.no_finite_check and args.max_new_tokens is None
+    from pjax.config import ModelConfig
+    cfg = ModelConfig("llama", 8, 8, 8, 1, (), max_position_embeddings=300)
+    assert cli._max_new_tokens(args, cfg, [[1] * 100]) == 200
+    assert cli._max_new_tokens(args, cfg, [[1] * 10]) == 256
+    from pjax.serve.cli import build_parser as serve_parser
+    assert serve_parser().parse_args(["--target", str(target), "--no-finite-check"]).no_finite_check
