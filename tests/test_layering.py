@@ -2,7 +2,8 @@
 convert/. Every import statement counts, also those inside functions (a lazy import is still a dependency).
 
 Layers, lowest first: config / _compat / dtypes / command / precision < kernels < models < checkpoint < decode <
-text, train < bench, serve < cli, the package root and convert/. A module may import its own layer and the layers below it."""
+text, train < bench, serve < cli, the package root and convert/. A module may import its own layer and the layers
+below it."""
 import ast
 from pathlib import Path
 
