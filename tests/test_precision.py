@@ -63,3 +63,35 @@ def test_the_rule(models):
     assert matmul_precision(target, drafter, allow_tf32=True) is None
     from pjax.decode.compiled import matmul_precision as decode_rule
     assert decode_rule(target, drafter, False) == "highest" and decode_rule(target, drafter, True) is None
+
+
+@pytest.fixture(scope="module")
+def training():
+    from tests.train_utils import byte_training_setup
+    return byte_training_setup(32, 2, draft_vocab_size=200, num_depths=2, max_anchors=None)
+
+
+@pytest.mark.parametrize("dtype, compute, want", [(jnp.float32, None, "highest"), (jnp.float32, "bfloat16", "highest"),
+                                                  (jnp.bfloat16, "bfloat16", "default"),
+                                                  (jnp.bfloat16, None, "highest")])
+def test_training_steps_follow_the_rule(training, monkeypatch, dtype, compute, want):
+    """train_drafter's steps run (and are traced) under the rule: a float32 target, or float32 compute of the head."""
+    import dataclasses
+
+    import numpy as np
+
+    import pjax.train.loop as loop
+    target, drafter, stream, cfg = training
+    seen = []
+
+    def fake_step(*a, **k):
+        def step(state, shell, target, batch):
+            seen.append(jax.config.jax_default_matmul_precision)
+            return state, dict(loss=np.float32(1), grad_norm=np.float32(1), correct=np.zeros(2), total=np.ones(2),
+                               tokens=np.float32(1), lr=np.float32(0))
+        return step
+    monkeypatch.setattr(loop, "make_train_step", fake_step)
+    with jax.default_matmul_precision("default"):
+        loop.train_drafter(target.astype(dtype), drafter, stream, dataclasses.replace(cfg, compute_dtype=compute),
+                           steps=1, progress=False)
+    assert seen == [want]

@@ -9,8 +9,10 @@ import time
 from typing import Callable, Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from pjax.dtypes import parse_dtype
 from pjax.models.drafter import Drafter
 from pjax.models.target import Target
 from pjax.precision import float32_products, precision_scope
@@ -132,7 +134,8 @@ def train_drafter(target: Target, drafter: Drafter, stream: RowStream | FeatureS
         from tqdm.auto import tqdm
         bar = tqdm(total=steps, initial=start, desc=f"train {cfg.objective}", dynamic_ncols=True)
     t0 = time.perf_counter()
-    f32 = (target, drafter if cfg.compute_dtype in (None, "float32") else None)  # `pjax.precision`'s rule
+    f32_compute = cfg.compute_dtype is None or parse_dtype(cfg.compute_dtype) == jnp.float32
+    f32 = (target, drafter if f32_compute else None)  # the models `pjax.precision`'s rule looks at
     for i in range(start, steps):
         batch = shard_batch(stream.batch(position), mesh)
         with precision_scope(*f32):
