@@ -15,4 +15,4 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_peagle import main  # noqa: E402
 
 if __name__ == "__main__":
-    main(objective="eagle3")
+    sys.exit(main(objective="eagle3"))

@@ -11,7 +11,12 @@ speculators format, and speculative decoding with `pjax.generate` reports the ac
 
 Data files: .jsonl rows with "messages" (chat; loss on assistant turns, rendered with the target's
 chat template), "text" (all tokens supervised) or "input_ids" + "loss_mask"; other files are plain
-text documents. --init-head starts from any head `pjax.load_drafter` reads (fine-tuning).
+text documents. --init-head starts from any head `pjax.load_drafter` reads (fine-tuning). --target reads
+the target's tokenizer with transformers (`pip install -e ".[train]"`).
+
+The export directory and the checkpoint directory are checked before any work; a re-run with the same
+--checkpoint-dir resumes (other settings are refused, naming the setting). Exit status: 0 done; 2 bad input
+(one line `error: ...`); 130 interrupted (the checkpoints written so far are kept).
 """
 from __future__ import annotations
 
@@ -93,11 +98,21 @@ def acceptance_report(target, drafter, docs, *, k, objective, prompts=8, prompt_
                 plain_output_tokens_per_s=plain.stats["output_tokens_per_s"])
 
 
+def check_outputs(a, sources=()) -> None:
+    """The export directory (--out) and --checkpoint-dir may be written: checked before any work."""
+    from pjax.checkpoint.files import prepare_output
+    from pjax.train.checkpoint import check_checkpoint_dir
+    prepare_output(a.out, force=a.force, kind="drafter", sources=sources)
+    if a.checkpoint_dir is not None:
+        check_checkpoint_dir(a.checkpoint_dir)
+
+
 def tiny_job(argv=None, objective="peagle") -> dict:
     """The README main job: tiny target + head, export, acceptance length. Returns a report dict."""
     a = _args(argv, objective)
     from pjax.checkpoint import save_drafter
     from examples.tiny_pair import tiny_run
+    check_outputs(a)
     t0 = time.time()
     run = tiny_run(corpus_files=a.data, objective=a.objective, seq_len=a.seq_len or 128,
                    batch_rows=a.batch_rows or 8, target_steps=a.target_steps, head_steps=a.steps or 300, num_depths=a.num_depths,
@@ -139,24 +154,31 @@ def _mask_token_id(a, tok, vocab):
     for name in ("pad_token_id", "eos_token_id", "unk_token_id"):
         if getattr(tok, name, None) is not None:
             return int(getattr(tok, name))
-    raise SystemExit("could not choose a mask token id: pass --mask-token-id")
+    raise UsageError("could not choose a mask token id: pass --mask-token-id")
 
 
 def target_job(argv=None, objective="peagle"):
     """Train a head for a real target (Hugging Face directory) on the given data files."""
     a = _args(argv, objective)
-    from transformers import AutoTokenizer
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise UsageError("--target reads the target's tokenizer with transformers, which is not installed "
+                         "(pip install -e \".[train]\")") from None
 
     from pjax.checkpoint import load_drafter, load_target, save_drafter
     from pjax.train import (CodConfig, OptimConfig, RowStream, TrainConfig, build_vocab_mapping,
                             drafter_config_for_target, init_drafter_for_target, load_documents, make_mesh,
                             token_frequencies, train_drafter)
     if not a.data:
-        raise SystemExit("--data is required with --target")
+        raise UsageError("--data is required with --target")
+    if a.split_target and not a.all_devices:
+        raise UsageError("--split-target needs --all-devices (the target is split over the data-parallel devices)")
+    check_outputs(a, sources=[a.target] + ([a.init_head] if a.init_head else []))
     target = load_target(a.target, dtype=jnp.bfloat16)
     tok = AutoTokenizer.from_pretrained(a.target)
-    docs = load_documents(a.data, tok)
     v = target.config.vocab_size
+    docs = load_documents(a.data, tok, vocab_size=v)
     if a.init_head:
         drafter = load_drafter(a.init_head, dtype=jnp.float32, target=target)
     else:
@@ -176,8 +198,6 @@ def target_job(argv=None, objective="peagle"):
                                         train_embeddings=a.objective == "peagle", optimizer=a.optimizer),
                       compute_dtype=a.compute_dtype, seed=a.seed)
     stream = RowStream(docs, seq, rows, seed=a.seed)
-    if a.split_target and not a.all_devices:
-        raise SystemExit("--split-target needs --all-devices (the target is split over the data-parallel devices)")
     res = train_drafter(target, drafter, stream, cfg, mesh=make_mesh() if a.all_devices else None,
                         checkpoint_dir=a.checkpoint_dir, save_every=a.save_every, log_every=a.log_every,
                         progress=not a.no_progress, log_fn=_log if a.no_progress else None,
@@ -188,13 +208,29 @@ def target_job(argv=None, objective="peagle"):
     return dict(history=res.history, export=str(out))
 
 
-def main(argv=None, objective="peagle"):
+class UsageError(ValueError):
+    """A flag combination or value the job cannot use; the message names the flag."""
+
+
+def main(argv=None, objective="peagle") -> int:
+    """Run the job; bad input is one line `error: ...` (exit 2), Ctrl-C one line (exit 130)."""
+    from pjax.checkpoint.errors import CheckpointError
+    from pjax.command import run_command
+    from pjax.config import ConfigError
+    from pjax.train.checkpoint import TrainError
+    from pjax.train.data import DataError
     a = _args(argv, objective)
-    report = target_job(argv, objective) if a.target else tiny_job(argv, objective)
-    summary = {k: v for k, v in report.items() if k not in ("head_history", "target_history", "history")}
-    print(json.dumps(summary, indent=1, default=str))
-    return report
+    kept = (f"; the checkpoints in {a.checkpoint_dir} are kept (run the same command to resume)"
+            if a.checkpoint_dir else "")
+
+    def run():
+        report = target_job(argv, objective) if a.target else tiny_job(argv, objective)
+        summary = {k: v for k, v in report.items() if k not in ("head_history", "target_history", "history")}
+        print(json.dumps(summary, indent=1, default=str))
+        return 0
+    return run_command(run, user_errors=(UsageError, CheckpointError, ConfigError, DataError, TrainError, OSError),
+                       interrupted=f"interrupted{kept}")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

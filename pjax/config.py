@@ -141,6 +141,7 @@ class ModelConfig:
     # checkpoint metadata for warnings (not geometry: left out of equality and hashing, so it never splits a compile)
     max_position_embeddings: Optional[int] = dataclasses.field(default=None, compare=False)  # trained context
     architectures: tuple[str, ...] = dataclasses.field(default=(), compare=False)  # HF `architectures`
+    name_or_path: Optional[str] = dataclasses.field(default=None, compare=False)  # the model's name or directory
 
     @property
     def num_layers(self) -> int:

@@ -248,6 +248,7 @@ def test_partial_results_after_each_configuration():
     (dict(num_prompts=(1, 2, 3)), "--num-prompts: give one count or one per concurrency"),
     (dict(num_prompts=(0,)), "--num-prompts 0"), (dict(max_new_tokens=0), "--max-new-tokens 0"),
     (dict(temperature=-1.0), "--temperature -1.0"), (dict(temperature=float("nan")), "--temperature nan"),
+    (dict(temperature=1e300), "--temperature 1e+300: temperature=1e+300 is out of range"),
     (dict(simulate_acceptance=(0.5,) * 3), "--k goes up to 7"),
     (dict(simulate_acceptance=(0.5,) * 6 + (-0.1,)), "must lie in [0, 1]"),
     (dict(time_budget_s=0.0), "--time-budget"),

@@ -185,10 +185,15 @@ def test_head_non_finite_is_named(tmp_path):
     layer = ModelConfig("llama", 61, 32, 40, 4, (LayerSpec(8, 2, RopeSpec(theta=10000.0)),), rms_norm_eps=1e-5)
     cfg = DrafterConfig(layer=layer, num_aux=3, target_hidden_size=32, draft_vocab_size=61, mask_token_id=60,
                         aux_layer_ids=(0, 1, 2))
-    d = pjax.init_drafter(cfg, jax.random.key(0), jnp.float32, scale=0.2)
-    d = d.__class__(d.config, d.graphdef, {**d.params, "fc": {"kernel": d.params["fc"]["kernel"].at[2, 2].set(
-        jnp.inf)}}, d.d2t)
-    path = pjax.save_drafter(d, tmp_path / "head", dtype="float32")
+    good = pjax.init_drafter(cfg, jax.random.key(0), jnp.float32, scale=0.2)
+    d = good.__class__(good.config, good.graphdef, {**good.params, "fc": {"kernel": good.params["fc"]["kernel"].at[
+        2, 2].set(jnp.inf)}}, good.d2t)
+    with pytest.raises(pjax.CheckpointError, match=r"head: not written: tensor 'fc\.weight' has 1 non-finite .*"
+                                                   r"a head with NaN / inf weights is never saved"):
+        pjax.save_drafter(d, tmp_path / "head", dtype="float32")
+    assert not (tmp_path / "head").exists()
+    saved = pjax.save_drafter(good, tmp_path / "good", dtype="float32")
+    path = with_tensor(saved, tmp_path / "head", "fc.weight", poke(np.inf, at=(2, 2)))
     with pytest.raises(pjax.CheckpointError, match=r"head/model\.safetensors: tensor 'fc\.weight' has 1 non-finite"):
         pjax.load_drafter(path, dtype=jnp.float32)
     pjax.load_drafter(path, dtype=jnp.float32, check_finite=False)
@@ -221,3 +226,21 @@ def test_finite_flags_every_dtype():
     flags = np.asarray(integrity.finite_flags(leaves))
     np.testing.assert_array_equal(flags, [True, False, False, False] * 3 + [True] * 3)
     np.testing.assert_array_equal(np.asarray(integrity.nonfinite_counts(leaves[:4])), [0, 1, 1, 1])
+
+
+def test_finite_flags_find_one_bad_value_anywhere():
+    """One NaN / inf at the start, middle or end of a tensor of any size is found in every floating dtype (a max |x|
+    reduction drops a NaN in float32 arrays of a few thousand elements on XLA's CPU backend)."""
+    import ml_dtypes
+    from pjax.checkpoint import integrity
+    dtypes = (jnp.float32, jnp.bfloat16, jnp.float16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2)
+    leaves, want = [], []
+    for dt in dtypes:
+        for n in (1, 7, 4099, 11_001, 65_537):
+            for at in sorted({0, n // 2, n - 1}):
+                for v in (np.nan, np.inf, -np.inf):
+                    leaves.append(jnp.zeros((n,), dt).at[at].set(v))
+                    want.append(False)
+        leaves.append(jnp.ones((11_001,), dt))
+        want.append(True)
+    np.testing.assert_array_equal(np.asarray(integrity.finite_flags(leaves)), want)

@@ -122,6 +122,10 @@ def test_fp8_tensor_without_scale(hf_dir, tmp_path):
     ({"hidden_act": "relu"}, r"hidden_act 'relu' is not supported"),
     ({"num_hidden_layers": None}, r"required key 'num_hidden_layers' is missing"),
     ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, r"rope_type 'dynamic' is not supported"),
+    ({"rms_norm_eps": "abc"}, r"config\.json: rms_norm_eps must be a number, got 'abc'"),
+    ({"num_attention_heads": [4]}, r"config\.json: num_attention_heads must be a number, got \[4\]"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": "two"}}, r"config\.json: a field of the llama config has a "
+                                                                 r"value of the wrong type \(ValueError: could not"),
 ])
 def test_inconsistent_config(hf_dir, tmp_path, bad, match):
     hf = json.loads((hf_dir / "config.json").read_text())
@@ -201,3 +205,34 @@ def test_cli_errors_in_process(hf_dir, tmp_path, capsys):
     assert cli_main(["inspect", str(nan)]) == 2
     assert "non-finite" in capsys.readouterr().err
     assert cli_main(["inspect", str(nan), "--no-finite-check"]) == 0
+
+
+def test_cli_finds_one_nan_in_a_large_tensor(tmp_path, capsys):
+    """A single NaN in a float32 tensor of 8,192 elements (a size where a max-reduction check misses it) stops
+    `convert inspect`, `convert target` and `convert drafter`."""
+    import jax.random
+    from pjax.config import LayerSpec, ModelConfig, RopeSpec
+    from pjax.models.drafter import DrafterConfig
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    tf.LlamaForCausalLM(cfg).float().save_pretrained(tmp_path / "good")
+    emb = np.array(SafetensorsFile(tmp_path / "good" / "model.safetensors").get(EMB))
+    emb[128, 5] = np.nan
+    nan = mutate(tmp_path / "good", tmp_path / "nan", replace={EMB: emb})
+    assert cli_main(["inspect", str(nan)]) == 2
+    assert f"tensor '{EMB}' has 1 non-finite" in capsys.readouterr().err
+    assert cli_main(["target", str(nan), str(tmp_path / "out"), "--dtype", "f32"]) == 2
+    assert f"tensor '{EMB}' has 1 non-finite" in capsys.readouterr().err and not (tmp_path / "out").exists()
+    layer = ModelConfig("llama", 256, 32, 40, 4, (LayerSpec(8, 2, RopeSpec(theta=10000.0)),), rms_norm_eps=1e-5)
+    dcfg = DrafterConfig(layer=layer, num_aux=3, target_hidden_size=32, draft_vocab_size=256, mask_token_id=255,
+                         aux_layer_ids=(0, 1, 2))
+    d = pjax.init_drafter(dcfg, jax.random.key(0), jnp.float32, scale=0.2)
+    head = pjax.save_drafter(d, tmp_path / "good_head", dtype="float32")
+    lm = np.array(SafetensorsFile(head / "model.safetensors").get("lm_head.weight"))
+    lm[100, 16] = np.nan
+    head = mutate(head, tmp_path / "head", replace={"lm_head.weight": lm})
+    assert cli_main(["drafter", str(head), str(tmp_path / "head2")]) == 2
+    assert "tensor 'lm_head.weight' has 1 non-finite" in capsys.readouterr().err
+    assert cli_main(["inspect", str(head)]) == 2
+    assert "tensor 'lm_head.weight' has 1 non-finite" in capsys.readouterr().err

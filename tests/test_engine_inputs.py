@@ -43,6 +43,11 @@ def models():
     (dict(top_k=True), TypeError, r"top_k=True must be an integer"),
     (dict(temperature="0.7"), TypeError, r"temperature='0.7' must be a finite number"),
     (dict(temperature=math.inf), ValueError, r"temperature=inf must be a finite number"),
+    (dict(temperature=1e300), ValueError, r"temperature=1e\+300 is out of range: give 0 \(greedy\) or a temperature "
+                                          r"in \[1e-30, 1e\+30\]"),
+    (dict(temperature=[1.0, 1e-40, 1.0]), ValueError, r"temperature\[1\]=1e-40 is out of range"),
+    (dict(top_p=1e-45), ValueError, r"top_p=1e-45 is out of range: give a top_p in \[1e-30, 1\]"),
+    (dict(top_k=2 ** 40), ValueError, r"top_k=1099511627776 must be < 2147483648"),
     (dict(max_new_tokens=4.0), TypeError, r"max_new_tokens=4.0 must be an integer"),
     (dict(cache_dtype="int8"), ValueError, r"cache_dtype=int8 is not supported here; expected one of bfloat16"),
     (dict(cache_dtype=jnp.float64), ValueError, r"cache_dtype=float64 .*64-bit floats are not supported"),

@@ -1,7 +1,7 @@
 """The package layering holds: a lower layer never imports a higher one, and no import cycle exists inside pjax/ or
 convert/. Every import statement counts, also those inside functions (a lazy import is still a dependency).
 
-Layers, lowest first: _io (atomic output files) < config / _compat / dtypes / command < kernels < models <
+Layers, lowest first: _io (atomic output files) < config / _compat / dtypes / command / precision < kernels < models <
 checkpoint < decode < text, train < bench, serve < cli, the package root and convert/. A module may import its own
 layer and the layers below it. A private name (`_name`) is used only inside the package that holds it, also by the
 examples."""
@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [
     ("pjax._io",),
-    ("pjax.config", "pjax._compat", "pjax.dtypes", "pjax.command"),
+    ("pjax.config", "pjax._compat", "pjax.dtypes", "pjax.command", "pjax.precision"),
     ("pjax.kernels",),
     ("pjax.models",),
     ("pjax.checkpoint",),

@@ -2,6 +2,7 @@
 target layers whether it is loaded with a target, without one, run by the engine or trained — and the engine's output
 is the same every way."""
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -76,3 +77,32 @@ def test_head_ids_win_and_bad_ids_are_named():
     with pytest.raises(pjax.ConfigError, match="target_hidden_size=32 but the target has hidden_size=64"):
         wide = dataclasses.replace(target.config, hidden_size=64)
         check_pair(wide, head_for(target).config)
+
+
+def test_a_head_for_another_model_of_the_same_shape_is_named(tmp_path):
+    """The head records its verifier's name or directory; a target loaded from elsewhere (same architecture, same
+    shape) is reported, a native copy keeps its source's name, and the same model in another directory is not."""
+    from pjax.checkpoint.native import save_native_target
+    from pjax.models.pairing import pair_warnings
+    from tests.hf_utils import randomize
+    import torch
+    import transformers as tf
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2)
+    for name in ("Model-A", "Model-B"):
+        randomize(tf.LlamaForCausalLM(cfg).float(), std=0.2).save_pretrained(tmp_path / name)
+    a, b = (pjax.load_target(tmp_path / n, dtype=jnp.float32) for n in ("Model-A", "Model-B"))
+    assert a.config.name_or_path == str(tmp_path / "Model-A")
+    head = pjax.load_drafter(pjax.save_drafter(head_for(a, aux=(0, 1, 2)), tmp_path / "head", dtype="float32",
+                                               verifier_name_or_path="org/model-a"), dtype=jnp.float32)
+    assert pair_warnings(a.config, head.config) == []
+    assert pair_warnings(b.config, head.config) == [
+        f"the head was trained for the verifier 'org/model-a' but the target is '{tmp_path / 'Model-B'}': if they "
+        "are different models, expect low acceptance"]
+    hf = json.loads((tmp_path / "Model-A" / "config.json").read_text())
+    native = pjax.load_target(save_native_target(a, hf, tmp_path / "native"), dtype=jnp.float32)
+    assert native.config.name_or_path == str(tmp_path / "Model-A") and pair_warnings(native.config, head.config) == []
+    with pytest.warns(UserWarning, match="trained for the verifier 'org/model-a' but the target is .*Model-B"):
+        res = pjax.generate(b, head, PROMPTS, max_new_tokens=2, compiler_options=FAST)
+    assert any("org/model-a" in w for w in res.stats["warnings"])

@@ -324,6 +324,8 @@ def test_warm_precompile_changes_no_slot(models):
     ([1], RequestParams(2.5), TypeError, "max_new_tokens=2.5 must be an integer"),
     ([1], RequestParams(4, temperature=-0.5), ValueError, "temperature=-0.5 must be >= 0"),
     ([1], RequestParams(4, temperature=float("nan")), ValueError, "temperature=nan must be a finite number"),
+    ([1], RequestParams(4, temperature=1e300), ValueError, r"temperature=1e\+300 is out of range"),
+    ([1], RequestParams(4, top_k=2 ** 31), ValueError, "top_k=2147483648 must be < 2147483648"),
     ([1], RequestParams(4, top_p=0.0), ValueError, "top_p=0.0 must be > 0"),
     ([1], RequestParams(4, top_p=1.5), ValueError, "top_p=1.5 must be <= 1"),
     ([1], RequestParams(4, top_k=-1), ValueError, "top_k=-1 must be >= 0"),

@@ -173,3 +173,44 @@ def test_ctrl_c_prints_the_text_so_far(dirs, gen, capsys, monkeypatch):
                              "--max-new-tokens", NEW, "--k", 3, "--dtype", "float32", *streaming)
         assert rc == 130 and err.strip().splitlines()[-1] == "interrupted"
         assert out.endswith("\n") and 0 < len(out) - 1 < len(full.text) and full.text.startswith(out[:-1])
+
+
+def test_one_nan_in_a_large_weight_is_refused(dirs, tmp_path, capsys):
+    """One NaN in the float32 embedding (10,240 elements) stops `generate` with exit 2 naming the tensor."""
+    import shutil
+
+    import numpy as np
+
+    from pjax.checkpoint.safetensors import SafetensorsFile, save_file
+    target, _ = dirs
+    nan = tmp_path / "nan"
+    shutil.copytree(target, nan)
+    f = SafetensorsFile(target / "model.safetensors")
+    tensors = {k: np.array(f.get(k)) for k in f.keys()}
+    tensors["model.embed_tokens.weight"][160, 7] = np.nan
+    save_file(tensors, nan / "model.safetensors")
+    rc, out, err = _main(capsys, "--target", nan, "--prompt", "a", "--dtype", "float32")
+    assert rc == 2 and out == "" and "tensor 'model.embed_tokens.weight' has 1 non-finite" in err, err
+
+
+def test_flags_agree_with_the_messages(dirs, tmp_path, capsys):
+    """A file where a directory is expected says so; --max-new-tokens past the target's context (512 positions) is
+    refused naming it, the default is capped to it; --no-finite-check, which the finite check's message suggests,
+    exists."""
+    target, _ = dirs
+    f = tmp_path / "file"
+    f.write_text("x")
+    rc, _, err = _main(capsys, "--target", f, "--prompt", "a")
+    assert rc == 2 and "file: is a file (expected a Hugging Face model directory" in err, err
+    rc, _, err = _main(capsys, "--target", target, "--prompt", "a", "--max-new-tokens", 100000)
+    assert rc == 2 and re.search(r"--max-new-tokens 100000: the longest prompt \(\d+ tokens\) \+ 100000 new tokens "
+                                 r"exceed the target's context length \(max_position_embeddings=512\); at most \d+ "
+                                 r"new tokens fit", err), err
+    args = cli.build_parser().parse_args(["--target", str(target), "--prompt", "a", "--no-finite-check"])
+    assert args.no_finite_check and args.max_new_tokens is None
+    from pjax.config import ModelConfig
+    cfg = ModelConfig("llama", 8, 8, 8, 1, (), max_position_embeddings=300)
+    assert cli._max_new_tokens(args, cfg, [[1] * 100]) == 200
+    assert cli._max_new_tokens(args, cfg, [[1] * 10]) == 256
+    from pjax.serve.cli import build_parser as serve_parser
+    assert serve_parser().parse_args(["--target", str(target), "--no-finite-check"]).no_finite_check

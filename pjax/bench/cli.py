@@ -158,7 +158,8 @@ def build_parser(prog: str = "python -m pjax bench") -> argparse.ArgumentParser:
                    help="start a configuration only while the time since start plus the longest configuration "
                         "so far fits in SECONDS (the rest are listed as not run)")
     o = p.add_argument_group("output")
-    o.add_argument("--out", required=True, help="output directory (must not exist, or be empty, unless --force)")
+    o.add_argument("--out", required=True, help="output directory: a new path, or with --force an empty directory "
+                                                 "or an earlier pjax bench output")
     o.add_argument("--force", action="store_true",
                    help="replace --out when it is an earlier pjax bench output (anything else is refused)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")

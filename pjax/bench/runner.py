@@ -21,6 +21,7 @@ from pjax.bench.datasets import Dataset
 from pjax.bench.errors import BenchError
 from pjax.bench.metrics import by_category, summarize
 from pjax.decode.compiled import compile_stats
+from pjax.decode.inputs import check_sampling
 from pjax.decode.state import DRAFTING_MODES
 
 __all__ = ["BenchResult", "BenchSettings", "PromptSet", "build_prompt_set", "environment", "run_bench"]
@@ -71,8 +72,10 @@ class BenchSettings:
                 raise BenchError(f"--num-prompts {','.join(map(str, self.num_prompts))}: counts must be >= 1")
         if self.max_new_tokens < 1:
             raise BenchError(f"--max-new-tokens {self.max_new_tokens}: must be >= 1")
-        if not (np.isfinite(self.temperature) and self.temperature >= 0):
-            raise BenchError(f"--temperature {self.temperature}: must be a finite number >= 0")
+        try:
+            check_sampling(1, self.temperature, None, None, 0)
+        except (TypeError, ValueError) as e:
+            raise BenchError(f"--temperature {self.temperature}: {e}") from None
         if self.simulate_acceptance is not None:
             p = self.simulate_acceptance
             if not self.speculative:

@@ -453,7 +453,8 @@ def save_drafter(drafter: Drafter, path, *, dtype="bfloat16", verifier_name_or_p
     dtype: "bfloat16" (default), "float16" or "float32" for floating tensors. The directory is built beside
     `path` and renamed into place with the pjax output marker (kind "drafter"). overwrite: replace a head
     written earlier by pjax; any other existing directory (a downloaded head, a model) is refused, as is a
-    `path` equal to, inside or containing one of `sources` (`pjax.checkpoint.prepare_output`).
+    `path` equal to, inside or containing one of `sources` (`pjax.checkpoint.prepare_output`). NaN / inf
+    weights (in `dtype`) are refused, naming the tensor.
     """
     try:
         dtype = parse_dtype(dtype, what="save_drafter dtype").name
@@ -461,6 +462,10 @@ def save_drafter(drafter: Drafter, path, *, dtype="bfloat16", verifier_name_or_p
         raise CheckpointError(str(e)) from None
     hf = drafter_config_to_hf(drafter.config, dtype, verifier_name_or_path)
     tensors = drafter_tensors(drafter, np.dtype(dtype))
+    names = list(tensors)
+    integrity.check_finite([jnp.asarray(tensors[k]) for k in names],
+                           lambda i: f"{os.path.abspath(path)}: not written: tensor {names[i]!r}",
+                           hint="a head with NaN / inf weights is never saved")
     with write_output_dir(path, force=overwrite, kind="drafter", sources=sources,
                           metadata={"model_kind": drafter.config.model_kind}) as tmp:
         save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})

@@ -77,6 +77,8 @@ def save_native_target(target: Target, hf_config: dict, out, *, overwrite: bool 
     an `out` equal to, inside or containing one of `sources` (`pjax.checkpoint.prepare_output`).
     """
     hf_config = {k: v for k, v in hf_config.items() if k != "quantization_config"}
+    if target.config.name_or_path and not hf_config.get("_name_or_path"):
+        hf_config["_name_or_path"] = target.config.name_or_path  # the copy keeps its source's name (verifier checks)
     try:
         parsed = config_from_hf(hf_config)
     except ConfigError as e:

@@ -1,6 +1,7 @@
 """Loading a target: a Hugging Face model directory or a pjax-native copy."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -34,11 +35,19 @@ def load_target(path, dtype=jnp.bfloat16, *, verify: bool = True, check_finite: 
     dtype = parse_dtype(dtype, what="load_target dtype")
     path = Path(path)
     if (path / NATIVE_MARKER).exists():
-        return load_native_target(path, dtype, verify=verify, check_finite=check_finite)
+        return _named(load_native_target(path, dtype, verify=verify, check_finite=check_finite), path)
     head = describe_head(path, read_hf_config(path))
     if head is not None:
         raise CheckpointError(f"{path} is {head}, not a target; load it with load_drafter")
     hf, cfg = read_target_config(path)
     if weights is None:
         weights = "native" if dispatch.on_gpu() else "dequantized"
-    return load_hf_params(path, cfg, hf, dtype, check_finite=check_finite, weights=weights)
+    return _named(load_hf_params(path, cfg, hf, dtype, check_finite=check_finite, weights=weights), path)
+
+
+def _named(target: Target, path: Path) -> Target:
+    """The target with its config's name_or_path: the checkpoint's `_name_or_path`, else its directory (what a head
+    trained for it records as its verifier, `pjax.models.pairing.pair_warnings`)."""
+    if target.config.name_or_path:
+        return target
+    return dataclasses.replace(target, config=dataclasses.replace(target.config, name_or_path=str(path.resolve())))

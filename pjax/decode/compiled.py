@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pjax.decode.step import decode_chunk, prefill, prefill_drafter, prefill_target, spec_round
+from pjax.precision import matmul_precision as _rule
 
 __all__ = ["COMPILE_THREADS", "clear_compiled", "compile_count", "compile_stats", "compiled", "jitted",
            "matmul_precision", "register_program", "use_compilation_cache"]
@@ -132,6 +133,6 @@ def use_compilation_cache(path) -> None:
 
 
 def matmul_precision(target, drafter, allow_tf32: bool) -> Optional[str]:
-    """float32 models get full-precision products (XLA dots and the kernels) unless TF32 is asked for."""
-    f32 = target.dtype == jnp.float32 or (drafter is not None and drafter.dtype == jnp.float32)
-    return "highest" if f32 and not allow_tf32 else None
+    """float32 models get full-precision products (XLA dots and the kernels) unless TF32 is asked for
+    (`pjax.precision`)."""
+    return _rule(target, drafter, allow_tf32=allow_tf32)

@@ -155,10 +155,7 @@ class Generation:
         drafter = consistent_drafter(drafter) if spec.drafting != "none" else None
         self._warnings = [] if drafter is None else pair_warnings(target.config, drafter.config)
         vocab = target.config.vocab_size
-        temp = I.per_row(temperature, n, "temperature", kind="real", default=0.0, low=0.0)
-        tk = I.per_row(top_k, n, "top_k", kind="int", default=0, low=0)
-        tp = I.per_row(top_p, n, "top_p", kind="real", default=1.0, low=0.0, high=1.0, low_open=True)
-        seeds = I.per_row(seed, n, "seed", kind="int", default=0, low=0, high=I.SEED_LIMIT, high_open=True)
+        temp, tk, tp, seeds = I.check_sampling(n, temperature, top_k, top_p, seed)
         stops = I.stop_table(eos_token_id, n, vocab)
         cdtype = None if cache_dtype is None else parse_dtype(cache_dtype, what="cache_dtype")
 

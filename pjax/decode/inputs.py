@@ -15,9 +15,14 @@ from typing import Optional
 import numpy as np
 
 __all__ = ["PREFILL_LAYOUTS", "bucket_batch", "bucket_capacity", "bucket_length", "check_prefill", "check_prompts",
-           "is_int", "is_real", "packed_length", "per_row", "prefill_buckets", "stop_table"]
+           "check_sampling", "is_int", "is_real", "packed_length", "per_row", "prefill_buckets", "stop_table"]
 
 SEED_LIMIT = 1 << 32
+# What float32 sampling honours (sampling values are float32 / int32 on device): a positive temperature T keeps
+# 1 / T and logits / T finite, normal float32 numbers; a smaller top_p would round to 0; top_k is an int32.
+TEMPERATURE_RANGE = (1e-30, 1e30)
+TOP_P_RANGE = (1e-30, 1.0)
+TOP_K_LIMIT = 1 << 31
 PREFILL_LAYOUTS = ("auto", "packed", "padded")
 MIN_PROMPT_BUCKET = 16
 MIN_STOP_WIDTH = 8
@@ -134,6 +139,29 @@ def per_row(value, n: int, name: str, *, kind: str, default, low=None, high=None
             raise ValueError(f"{where}={v!r} must be {'<' if high_open else '<='} {high}")
         out.append(int(v) if kind == "int" else float(v))
     return np.asarray(out, np.int64 if kind == "int" else np.float64)
+
+
+def check_sampling(n: int, temperature, top_k, top_p, seed, *, defaults=(0.0, 0, 1.0, 0)):
+    """Sampling values of n prompts (each a scalar or one per prompt; None = its entry of `defaults`) -> float64
+    temperature [n], int64 top_k [n], float64 top_p [n], int64 seed [n], each within what float32 sampling honours:
+    temperature 0 (greedy) or in TEMPERATURE_RANGE, top_k in [0, 2**31) (0 = off), top_p in TOP_P_RANGE (1 = off),
+    seed in [0, 2**32). A bad value is a ValueError / TypeError naming the field (and the prompt)."""
+    temp = per_row(temperature, n, "temperature", kind="real", default=defaults[0], low=0.0)
+    _in_float32_range(temp, temperature, "temperature", TEMPERATURE_RANGE,
+                      "give 0 (greedy) or a temperature in [{}, {}] (float32 sampling divides the logits by it)")
+    tk = per_row(top_k, n, "top_k", kind="int", default=defaults[1], low=0, high=TOP_K_LIMIT, high_open=True)
+    tp = per_row(top_p, n, "top_p", kind="real", default=defaults[2], low=0.0, high=1.0, low_open=True)
+    _in_float32_range(tp, top_p, "top_p", TOP_P_RANGE, "give a top_p in [{}, {}] (a float32 probability mass)")
+    seeds = per_row(seed, n, "seed", kind="int", default=defaults[3], low=0, high=SEED_LIMIT, high_open=True)
+    return temp, tk, tp, seeds
+
+
+def _in_float32_range(values: np.ndarray, given, name: str, bounds: tuple, hint: str) -> None:
+    """ValueError naming the first non-zero value outside `bounds` (one of `given`, a scalar or one per prompt)."""
+    low, high = bounds
+    for i in np.flatnonzero((values != 0) & ((values < low) | (values > high))):
+        where = f"{name}[{i}]" if isinstance(given, (list, tuple, np.ndarray)) else name
+        raise ValueError(f"{where}={float(values[i])!r} is out of range: " + hint.format(f"{low:g}", f"{high:g}"))
 
 
 def stop_table(eos_token_id, n: int, vocab: int, width: Optional[int] = None) -> np.ndarray:

@@ -27,6 +27,7 @@ from pjax.models.cache import LayerKV, init_cache
 from pjax.models.casting import astype, matching_module
 from pjax.models.layers import MLP, Linear, RMSNorm
 from pjax.models.transformer import DecoderLayer
+from pjax.precision import float32_products
 
 __all__ = ["Drafter", "DrafterConfig", "DrafterModel", "abstract_drafter", "combine", "consistent_drafter", "draft_logits_from_hidden",
            "draft_to_target", "drafter_forward", "init_drafter", "init_drafter_cache", "logits_to_target_vocab",
@@ -253,6 +254,7 @@ def init_drafter(config: DrafterConfig, key, dtype=jnp.float32, scale: float = 0
     return Drafter(config, abstract.graphdef, params, d2t)
 
 
+@float32_products
 def combine(drafter: Drafter, features):
     """features [..., A*Ht] -> fused feature [..., H] (input_norm / fc_norm / none, then fc)."""
     return drafter.module.combine(features)
@@ -276,6 +278,7 @@ def no_parallel_reason(cfg: DrafterConfig) -> str:
             f"{' and no '.join(missing)} (an EAGLE-3 head only supports sequential drafting)")
 
 
+@float32_products
 def drafter_forward(drafter: Drafter, tokens, hidden_in, positions, cache=None, *, valid=None, mask=None,
                     cache_rows=None, implementation: str = "auto"):
     """One drafter pass over slots.
@@ -299,6 +302,7 @@ def init_drafter_cache(drafter: Drafter, batch: int, capacity: int, dtype=jnp.bf
     return init_cache(drafter.config.layer, batch, capacity, dtype)
 
 
+@float32_products
 def draft_logits_from_hidden(drafter: Drafter, normed):
     """normed [..., H] (after the final norm) -> float32 draft-vocab logits [..., Vd]."""
     return drafter.module.logits(normed)

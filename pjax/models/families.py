@@ -301,6 +301,14 @@ PARSERS: dict[str, Callable[[dict], ModelConfig]] = {
 }
 
 
+# numeric config.json fields: a string or a list there is a ConfigError naming the field (not a conversion traceback)
+_NUMBERS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "sliding_window",
+            "max_position_embeddings", "num_experts", "num_local_experts", "num_experts_per_tok",
+            "moe_intermediate_size", "decoder_sparse_step", "swiglu_limit", "swiglu_alpha", "global_head_dim",
+            "num_global_key_value_heads", "final_logit_softcapping")
+
+
 def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     """Dispatch on `model_type` (text config of multimodal checkpoints is taken from `text_config`)."""
     outer = hf
@@ -311,10 +319,22 @@ def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     if model_type not in PARSERS:
         raise ConfigError(f"{where}: model_type {model_type!r} is not supported "
                           f"(supported: {sorted(PARSERS)})")
-    cfg = PARSERS[model_type](hf)
+    for key in _NUMBERS:
+        v = hf.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise ConfigError(f"{where}: {key} must be a number, got {v!r}")
+    try:
+        cfg = PARSERS[model_type](hf)
+    except (TypeError, ValueError, AttributeError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"{where}: a field of the {model_type} config has a value of the wrong type "
+                          f"({type(e).__name__}: {e})") from None
     text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else hf
     mpe = text.get("max_position_embeddings") or hf.get("max_position_embeddings")
     archs = outer.get("architectures") or hf.get("architectures") or ()
+    name = outer.get("_name_or_path")
     cfg = dataclasses.replace(cfg, max_position_embeddings=int(mpe) if mpe else None,
-                              architectures=tuple(str(a) for a in archs) if isinstance(archs, (list, tuple)) else ())
+                              architectures=tuple(str(a) for a in archs) if isinstance(archs, (list, tuple)) else (),
+                              name_or_path=name if isinstance(name, str) and name else None)
     return cfg.validate()

@@ -58,15 +58,25 @@ def check_pair(target_cfg: ModelConfig, drafter_cfg: DrafterConfig, where: str =
     return ids
 
 
+def _model_name(name_or_path: str) -> str:
+    """A model's name from a hub id or a directory ("org/Model-8B", "/models/Model-8B/" -> "model-8b")."""
+    return name_or_path.replace("\\", "/").rstrip("/").rpartition("/")[2].lower()
+
+
 def pair_warnings(target_cfg: ModelConfig, drafter_cfg: DrafterConfig) -> list[str]:
-    """Things that pass `check_pair` but deserve a word: a head trained for another verifier (acceptance then
-    collapses to ~0), or aux layer ids defaulted on a target too shallow for vLLM's default."""
+    """Things that pass `check_pair` but deserve a word: a head trained for another verifier (another architecture:
+    acceptance collapses to ~0; another model name than the target's name or directory: it may), or aux layer ids
+    defaulted on a target too shallow for vLLM's default."""
     out = []
     want, have = set(drafter_cfg.verifier_architectures), set(target_cfg.architectures)
+    verifier, target = drafter_cfg.verifier_name_or_path, target_cfg.name_or_path
     if want and have and not want & have:
-        name = f" ({drafter_cfg.verifier_name_or_path})" if drafter_cfg.verifier_name_or_path else ""
+        name = f" ({verifier})" if verifier else ""
         out.append(f"the head was trained for a {'/'.join(sorted(want))} verifier{name} but the target is "
                    f"{'/'.join(sorted(have))}: expect acceptance near zero")
+    elif verifier and target and _model_name(verifier) != _model_name(target):
+        out.append(f"the head was trained for the verifier {verifier!r} but the target is {target!r}: if they are "
+                   "different models, expect low acceptance")
     n = target_cfg.num_layers
     if aux_layer_source(drafter_cfg, target_cfg) == "default" and target_cfg.default_aux_layer_ids() != (
             2, n // 2, n - 3):

@@ -17,6 +17,7 @@ from pjax.config import ModelConfig
 from pjax.dtypes import parse_dtype
 from pjax.models.casting import astype, matching_module
 from pjax.models.transformer import ForwardOutput, Transformer
+from pjax.precision import float32_products
 
 __all__ = ["Target", "abstract_target", "consistent_target", "forward", "init_target", "logits_from_hidden",
            "target_logits"]
@@ -99,6 +100,7 @@ def init_target(config: ModelConfig, key, dtype=jnp.float32, scale: float = 0.02
     return Target(config, abstract.graphdef, params)
 
 
+@float32_products
 def forward(target: Target, tokens, positions, cache=None, *, valid=None, mask=None, cache_rows=None,
             aux_layer_ids=(), return_final=False, implementation: str = "auto") -> ForwardOutput:
     """Run the target over tokens [B, T] at absolute positions [B, T].
@@ -117,11 +119,13 @@ def forward(target: Target, tokens, positions, cache=None, *, valid=None, mask=N
                          implementation=implementation)
 
 
+@float32_products
 def logits_from_hidden(target: Target, hidden):
     """hidden [..., H] after the final norm -> float32 logits [..., V]."""
     return target.module.logits(hidden)
 
 
+@float32_products
 @jax.jit
 def target_logits(target: Target, input_ids):
     """Float32 logits [B, T, V] of a plain causal forward over input_ids [B, T]."""

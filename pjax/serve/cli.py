@@ -100,6 +100,8 @@ def build_parser(prog: str = "python -m pjax serve") -> argparse.ArgumentParser:
                         "target's max_position_embeddings when smaller)")
     p.add_argument("--dtype", type=dtype_flag, default="bfloat16",
                    help="parameter dtype: bfloat16 (default), float32, float16 (or bf16, f32, f16)")
+    p.add_argument("--no-finite-check", action="store_true",
+                   help="accept NaN / inf weights (by default every floating tensor is checked, on device)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: all)")
     p.add_argument("--port", type=_port, default=8000, help="port (default 8000; 0: any free port, logged)")
     p.add_argument("--served-model-name", metavar="NAME",
@@ -210,8 +212,10 @@ def _load(args):
     tokenizer = (_checked("--target", load_tokenizer, args.target) if args.tokenizer is None
                  else _checked("--tokenizer", load_tokenizer, args.tokenizer))
     dtype = parse_dtype(args.dtype)
-    target = _checked("--target", load_target, args.target, dtype=dtype)
-    drafter = None if args.head is None else _checked("--head", load_drafter, args.head, dtype=dtype, target=target)
+    check = not args.no_finite_check
+    target = _checked("--target", load_target, args.target, dtype=dtype, check_finite=check)
+    drafter = None if args.head is None else _checked("--head", load_drafter, args.head, dtype=dtype, target=target,
+                                                      check_finite=check)
     vocab = target.config.vocab_size
     if tokenizer.vocab_size > vocab:
         _log(f"warning: the tokenizer has {tokenizer.vocab_size} tokens but the target's vocabulary is {vocab}: "

@@ -345,10 +345,8 @@ class Engine:
             raise ValueError(f"prompt has token ids outside the vocabulary [0, {self._vocab})")
         one = lambda v, name, **kw: I.per_row(v, 1, name, default=None, **kw)[0]  # noqa: E731
         max_new = int(one(params.max_new_tokens, "max_new_tokens", kind="int", low=1))
-        temperature = float(one(params.temperature, "temperature", kind="real", low=0.0))
-        top_k = int(one(params.top_k, "top_k", kind="int", low=0))
-        top_p = float(one(params.top_p, "top_p", kind="real", low=0.0, high=1.0, low_open=True))
-        seed = int(one(params.seed, "seed", kind="int", low=0, high=I.SEED_LIMIT, high_open=True))
+        temperature, top_k, top_p, seed = (v[0].item() for v in I.check_sampling(
+            1, params.temperature, params.top_k, params.top_p, params.seed, defaults=(None,) * 4))
         stops = params.stop_token_ids
         if not isinstance(stops, (list, tuple, np.ndarray)):
             raise TypeError(f"stop_token_ids must be a tuple of token ids, got {stops!r}")

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from pjax.checkpoint import load_drafter, load_target
+from pjax.checkpoint.hf import read_target_config
 from pjax.command import dtype_flag, run_command
 from pjax.decode.inputs import SEED_LIMIT
 from pjax.dtypes import parse_dtype
@@ -23,6 +24,8 @@ from pjax.text.generate import TextGenerationInterrupted, TextGenerator, TextOut
 from pjax.text.tokenizer import check_messages, load_tokenizer
 
 __all__ = ["build_parser", "main", "read_jsonl"]
+
+DEFAULT_NEW_TOKENS = 256
 
 
 class InputError(ValueError):
@@ -70,10 +73,13 @@ def build_parser(prog: str = "python -m pjax generate") -> argparse.ArgumentPars
     p.add_argument("--top-k", type=_number(int, low=0), metavar="N", help="top-k sampling (default: off)")
     p.add_argument("--seed", type=_number(int, low=0, high=SEED_LIMIT, high_open=True), default=0, metavar="S",
                    help="sampling seed in [0, 2**32) (default 0)")
-    p.add_argument("--max-new-tokens", type=_number(int, low=1), default=256, metavar="N",
-                   help="new tokens per prompt at most (default 256)")
+    p.add_argument("--max-new-tokens", type=_number(int, low=1), metavar="N",
+                   help=f"new tokens per prompt at most (default {DEFAULT_NEW_TOKENS}, fewer when the target's context "
+                        "length, max_position_embeddings, leaves less room after the prompt)")
     p.add_argument("--dtype", type=dtype_flag, default="bfloat16",
                    help="parameter dtype: bfloat16 (default), float32, float16 (or bf16, f32, f16)")
+    p.add_argument("--no-finite-check", action="store_true",
+                   help="accept NaN / inf weights (by default every floating tensor is checked, on device)")
     p.add_argument("--stop", nargs="+", action="extend", metavar="STR",
                    help="stop strings: the text ends before the first one (bash: --stop $'\\n\\n' for newlines)")
     p.add_argument("--stream", action="store_true", help="print the text as it is generated")
@@ -207,6 +213,20 @@ def _render(tokenizer, args) -> list[list[int]]:
     return ids
 
 
+def _max_new_tokens(args, config, prompts) -> int:
+    """--max-new-tokens within the target's context (max_position_embeddings, when the config gives it) after the
+    longest prompt: a larger value given is refused, the default is capped."""
+    want = DEFAULT_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens
+    mpe, longest = config.max_position_embeddings, max(len(p) for p in prompts)
+    if not mpe or longest + want <= mpe:
+        return want
+    if mpe - longest < 1 or args.max_new_tokens is not None:
+        raise InputError(f"--max-new-tokens {want}: the longest prompt ({longest} tokens) + {want} new tokens exceed "
+                         f"the target's context length (max_position_embeddings={mpe}); at most "
+                         f"{max(mpe - longest, 0)} new tokens fit")
+    return mpe - longest
+
+
 def run(args) -> int:
     if args.drafting in ("parallel", "sequential") and args.head is None:
         raise InputError(f"--drafting {args.drafting} needs --head DIR (or use --drafting none)")
@@ -215,11 +235,14 @@ def run(args) -> int:
     tokenizer = (_checked("--target", load_tokenizer, args.target) if args.tokenizer is None
                  else _checked("--tokenizer", load_tokenizer, args.tokenizer))
     prompts = _render(tokenizer, args)
+    max_new = _max_new_tokens(args, _checked("--target", read_target_config, args.target)[1], prompts)
     dtype = parse_dtype(args.dtype)
-    target = _checked("--target", load_target, args.target, dtype=dtype)
-    drafter = None if args.head is None else _checked("--head", load_drafter, args.head, dtype=dtype, target=target)
+    check = not args.no_finite_check
+    target = _checked("--target", load_target, args.target, dtype=dtype, check_finite=check)
+    drafter = None if args.head is None else _checked("--head", load_drafter, args.head, dtype=dtype, target=target,
+                                                      check_finite=check)
     gen = TextGenerator(target, drafter, tokenizer)
-    kw = dict(max_new_tokens=args.max_new_tokens, drafting=args.drafting, k=args.k, temperature=args.temperature,
+    kw = dict(max_new_tokens=max_new, drafting=args.drafting, k=args.k, temperature=args.temperature,
               top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop)
     blocks = args.file is not None
     step = args.batch_size if blocks else 1

@@ -262,8 +262,8 @@ def load_tokenizer(path) -> Tokenizer:
     """Read the tokenizer of a Hugging Face model directory (see the module docstring for the files)."""
     path = Path(path)
     if not path.is_dir():
-        raise TokenizerError(f"{path}: no such directory (expected a Hugging Face model directory with "
-                             f"{TOKENIZER_FILE} and {CONFIG_FILE})")
+        raise TokenizerError(f"{path}: {'is a file' if path.exists() else 'no such directory'} (expected a Hugging "
+                             f"Face model directory with {TOKENIZER_FILE} and {CONFIG_FILE})")
     if not (path / TOKENIZER_FILE).is_file():
         hint = (" (it has only a slow sentencepiece tokenizer: write tokenizer.json with transformers' "
                 "AutoTokenizer.from_pretrained(path).save_pretrained(path))" if (path / "tokenizer.model").is_file()

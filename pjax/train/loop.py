@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import time
 from typing import Callable, Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from pjax.dtypes import parse_dtype
 from pjax.models.drafter import Drafter
 from pjax.models.target import Target
+from pjax.precision import float32_products, precision_scope
 from pjax.train.data import FeatureStream, RowStream
-from pjax.train.checkpoint import Checkpointer
+from pjax.train.data.documents import check_token_ids
+from pjax.train.checkpoint import Checkpointer, TrainError, run_settings
 from pjax.train.config import TrainConfig
 from pjax.train.state import TrainState, drafter_from_state, init_train_state
 from pjax.train.step import eval_step, make_mesh, make_train_step, replicate, shard_batch, shard_target
@@ -55,6 +60,30 @@ def _check_stream(stream, cfg: TrainConfig) -> None:
                          f"batch_rows={cfg.batch_rows}, total_seq_len={cfg.total_seq_len}")
 
 
+def _check_data(stream, vocab_size: int) -> None:
+    """Token ids of a RowStream's documents within the target's vocabulary (DataError naming file and line)."""
+    if isinstance(stream, RowStream):
+        check_token_ids(stream.docs, vocab_size)
+
+
+def _check_finite(host: list, first_step: int) -> None:
+    """TrainError naming the first step (first_step + i) of `host` (per-step metric dicts) whose loss or
+    gradient norm is not finite."""
+    for i, m in enumerate(host):
+        loss, grad = float(m["loss"]), float(m["grad_norm"])
+        if not (np.isfinite(loss) and np.isfinite(grad)):
+            raise TrainError(f"step {first_step + i}: the loss is {loss} and the gradient norm {grad}; training "
+                             "stopped before saving or exporting non-finite weights (check the data and lower the "
+                             "learning rate)")
+
+
+def _settings(drafter: Drafter, cfg: TrainConfig, stream) -> dict:
+    fingerprint = getattr(stream, "fingerprint", None)
+    d2t = None if drafter.d2t is None else hashlib.blake2b(np.asarray(drafter.d2t).tobytes(),
+                                                           digest_size=16).hexdigest()
+    return run_settings(drafter.config, cfg, fingerprint() if callable(fingerprint) else None, d2t)
+
+
 def format_metrics(m: dict) -> str:
     accs = " ".join(f"{a:.2f}" for a in m["acc"])
     return (f"step {m['step']} loss {m['loss']:.4f} acc[{accs}] tok/s {m['tokens_per_s']:.0f} "
@@ -71,22 +100,29 @@ def train_drafter(target: Target, drafter: Drafter, stream: RowStream | FeatureS
     token rows (target features computed in the step); a `FeatureStream` yields offline features (the target then
     only supplies its final norm and lm_head for the loss).
 
-    With `checkpoint_dir`, an existing checkpoint is restored first (resume=True) and the state is
-    saved every `save_every` steps and at the end. mesh: a 1-D "data" mesh (`make_mesh`) for data
-    parallelism; default one device. split_target: keep 1/n of each large target weight per device
+    With `checkpoint_dir` (checked first: `check_checkpoint_dir`), an existing checkpoint is restored first
+    (resume=True; its run's settings must match: `Checkpointer.check_settings`) and the state is saved every
+    `save_every` steps and at the end. Token ids outside the target's vocabulary are refused before training; a
+    non-finite loss or gradient stops it (TrainError naming the step, nothing saved past it). mesh: a 1-D "data"
+    mesh (`make_mesh`) for data parallelism; default one device. A float32 target or float32 compute runs full
+    float32 products (`pjax.precision`). split_target: keep 1/n of each large target weight per device
     (`pjax.train.step.shard_target`) instead of a full copy on each. Returns the trained head, final state, metrics."""
     cfg.validate()
     _check_stream(stream, cfg)
+    _check_data(stream, target.config.vocab_size)
     steps = cfg.total_steps if steps is None else int(steps)
     mesh = make_mesh(jax.devices()[:1]) if mesh is None else mesh  # explicit placement: restored == fresh state
     if split_target and mesh.devices.size == 1:
         raise ValueError("split_target=True needs a mesh of more than one device (make_mesh()); with one device "
                          "there is nothing to split the target over")
     ckpt = Checkpointer(checkpoint_dir) if checkpoint_dir is not None else None
+    if ckpt is not None and resume:
+        ckpt.check_settings(_settings(drafter, cfg, stream))
     if state is None:
         state = replicate(init_train_state(drafter, cfg), mesh)
         if ckpt is not None and resume and ckpt.latest_step() is not None:
             state = ckpt.restore(state)
+            print(f"resumed from step {int(jax.device_get(state.step))} ({ckpt.directory})", flush=True)
     target = shard_target(target, mesh) if split_target else replicate(target, mesh)
     shell = replicate(Drafter(drafter.config, drafter.graphdef, None, drafter.d2t), mesh)
     step_fn = make_train_step(cfg, mesh, compiler_options=compiler_options)
@@ -98,12 +134,19 @@ def train_drafter(target: Target, drafter: Drafter, stream: RowStream | FeatureS
         from tqdm.auto import tqdm
         bar = tqdm(total=steps, initial=start, desc=f"train {cfg.objective}", dynamic_ncols=True)
     t0 = time.perf_counter()
+    f32_compute = cfg.compute_dtype is None or parse_dtype(cfg.compute_dtype) == jnp.float32
+    f32 = (target, drafter if f32_compute else None)  # the models `pjax.precision`'s rule looks at
     for i in range(start, steps):
         batch = shard_batch(stream.batch(position), mesh)
-        state, m = step_fn(state, shell, target, batch)
+        with precision_scope(*f32):
+            state, m = step_fn(state, shell, target, batch)
         position += 1
         pending.append(m)
         done = i + 1
+        saving = ckpt is not None and save_every and done % save_every == 0 and done != steps
+        if done % log_every == 0 or done == steps or saving:
+            _check_finite(jax.device_get([{k: x[k] for k in ("loss", "grad_norm")} for x in pending]),
+                          done - len(pending) + 1)
         if done % log_every == 0 or done == steps:
             host = jax.device_get(pending)
             now = time.perf_counter()
@@ -116,7 +159,7 @@ def train_drafter(target: Target, drafter: Drafter, stream: RowStream | FeatureS
                 log_fn(summary)
         if bar is not None:
             bar.update(1)
-        if ckpt is not None and save_every and done % save_every == 0 and done != steps:
+        if saving:
             ckpt.save(state)
     if bar is not None:
         bar.close()
@@ -127,6 +170,7 @@ def train_drafter(target: Target, drafter: Drafter, stream: RowStream | FeatureS
     return TrainResult(drafter_from_state(drafter, state), state, history)
 
 
+@float32_products
 def evaluate_drafter(target: Target, drafter: Drafter, stream: RowStream | FeatureStream, cfg: TrainConfig, *,
                      batches: int, state: Optional[TrainState] = None, mesh=None,
                      compiler_options: Optional[dict] = None) -> dict:

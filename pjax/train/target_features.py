@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from pjax.kernels.flash_attention import document_mask, document_starts
 from pjax.models.target import Target
+from pjax.precision import float32_products
 
 
 def document_positions(document_ids):
@@ -24,6 +25,7 @@ def document_positions(document_ids):
     return jnp.where(doc == -1, 0, idx - document_starts(doc))
 
 
+@float32_products
 def target_features(target: Target, tokens, document_ids, aux_layer_ids: Sequence[int], *,
                     chunk: Optional[int] = None, implementation: str = "auto"):
     """tokens, document_ids [B, S] -> (aux [B, S, A*Ht], final [B, S, Ht]), gradient-stopped.

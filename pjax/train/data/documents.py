@@ -10,8 +10,8 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["ByteTokenizer", "DataError", "Document", "chat_document", "default_corpus_files", "load_documents",
-           "row_to_document", "text_document"]
+__all__ = ["ByteTokenizer", "DataError", "Document", "chat_document", "check_token_ids", "default_corpus_files",
+           "load_documents", "row_to_document", "text_document"]
 
 
 class DataError(ValueError):
@@ -22,6 +22,7 @@ class DataError(ValueError):
 class Document:
     tokens: np.ndarray  # [n] int32
     loss_mask: np.ndarray  # [n] int32 (0/1)
+    source: str = ""  # where it was read ("FILE:LINE", "FILE"), for error messages
 
     def __post_init__(self):
         self.tokens = np.asarray(self.tokens, np.int32)
@@ -96,10 +97,14 @@ def text_document(text: str, tokenizer, bos: Optional[int] = None) -> Document:
 def row_to_document(row: dict, tokenizer, *, where: str = "") -> Document:
     """A jsonl row: {"input_ids", "loss_mask"} (pre-tokenised), {"messages"|"conversations"} (chat)
     or {"text"} (plain text)."""
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
     if "input_ids" in row:
-        ids = np.asarray(row["input_ids"], np.int32)
-        lm = np.asarray(row.get("loss_mask", np.ones_like(ids)), np.int32)
-        return Document(ids, lm)
+        ids = _int_list(row["input_ids"], "input_ids", where)
+        lm = np.ones_like(ids) if row.get("loss_mask") is None else _int_list(row["loss_mask"], "loss_mask", where)
+        if lm.shape != ids.shape or not np.isin(lm, (0, 1)).all():
+            raise DataError(f"{where}: loss_mask must be {ids.size} values of 0 / 1 (one per input id)")
+        return Document(ids, lm, where)
     msgs = row.get("messages", row.get("conversations"))
     if msgs is not None:
         if tokenizer is None:
@@ -113,24 +118,79 @@ def row_to_document(row: dict, tokenizer, *, where: str = "") -> Document:
                     f"found keys {sorted(row)}")
 
 
-def load_documents(paths: Sequence[str], tokenizer=None) -> list[Document]:
+def _int_list(value, name: str, where: str) -> np.ndarray:
+    """A row's list of integers -> int32 [n] (floats, strings, nesting and values past int32 are DataErrors)."""
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise DataError(f"{where}: {name} must be a list of integers")
+    if value and not -2 ** 31 <= min(value) <= max(value) < 2 ** 31:
+        raise DataError(f"{where}: {name} holds values outside int32")
+    return np.asarray(value, np.int32)
+
+
+def check_token_ids(docs: Sequence[Document], vocab_size: int) -> None:
+    """DataError naming the first document (its source: file and line) with a token id outside [0, vocab_size)."""
+    for i, d in enumerate(docs):
+        bad = np.flatnonzero((d.tokens < 0) | (d.tokens >= vocab_size))
+        if bad.size:
+            raise DataError(f"{d.source or f'document {i}'}: token id {int(d.tokens[bad[0]])} (position "
+                            f"{int(bad[0])}) is outside the target's vocabulary [0, {vocab_size})")
+
+
+def _read_error(path, e: OSError) -> DataError:
+    if isinstance(e, FileNotFoundError):
+        return DataError(f"{path}: no such file")
+    if isinstance(e, IsADirectoryError):
+        return DataError(f"{path}: is a directory, expected a training file (.jsonl or text)")
+    return DataError(f"{path}: cannot be read ({e.strerror or e})")
+
+
+def load_documents(paths: Sequence[str], tokenizer=None, *, vocab_size: Optional[int] = None) -> list[Document]:
     """Read documents from .jsonl files (one row per line, see `row_to_document`) or any other text
-    file (the whole file is one plain-text document)."""
+    file (the whole file is one plain-text document). Every error is a DataError naming the file and line;
+    vocab_size: token ids must lie in [0, vocab_size) (`check_token_ids`)."""
     docs = []
     for path in paths:
-        if str(path).endswith(".jsonl"):
-            with open(path, encoding="utf-8") as f:
-                for n, line in enumerate(f, 1):
-                    if line.strip():
-                        try:
-                            row = json.loads(line)
-                        except json.JSONDecodeError as e:
-                            raise DataError(f"{path}:{n}: invalid JSON ({e})") from None
-                        docs.append(row_to_document(row, tokenizer, where=f"{path}:{n}"))
-        else:
-            with open(path, encoding="utf-8", errors="replace") as f:
-                docs.append(text_document(f.read(), tokenizer, getattr(tokenizer, "bos_token_id", None)))
+        try:
+            if str(path).endswith(".jsonl"):
+                with open(path, encoding="utf-8") as f:
+                    n = 0
+                    try:
+                        for n, line in enumerate(f, 1):
+                            if line.strip():
+                                docs.append(_jsonl_document(line, tokenizer, f"{path}:{n}"))
+                    except UnicodeDecodeError:
+                        raise DataError(f"{path}: not UTF-8 text (after line {n})") from None
+            else:
+                if tokenizer is None:
+                    raise DataError(f"{path}: text files need a tokenizer")
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    text = f.read()
+                doc = _checked(f"{path}", text_document, text, tokenizer, getattr(tokenizer, "bos_token_id", None))
+                docs.append(dataclasses.replace(doc, source=str(path)))
+        except OSError as e:
+            raise _read_error(path, e) from None
+    if vocab_size is not None:
+        check_token_ids(docs, vocab_size)
     return docs
+
+
+def _jsonl_document(line: str, tokenizer, where: str) -> Document:
+    try:
+        row = json.loads(line)
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise DataError(f"{where}: invalid JSON ({getattr(e, 'msg', e)})") from None
+    doc = _checked(where, row_to_document, row, tokenizer, where=where)
+    return dataclasses.replace(doc, source=where)
+
+
+def _checked(at: str, fn, *args, **kwargs):
+    """fn(...), its failures (a tokenizer or chat template refusing the row) as a DataError led by `at`."""
+    try:
+        return fn(*args, **kwargs)
+    except DataError as e:
+        raise e if str(e).startswith(at) else DataError(f"{at}: {e}") from None
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise DataError(f"{at}: {type(e).__name__}: {e}") from None
 
 
 def default_corpus_files(max_files: int = 24, min_bytes: int = 4000, max_bytes: int = 60000) -> list[str]:

@@ -2,6 +2,7 @@
 .safetensors, shifted and packed into rows (`FeatureStream`), so training runs without the target forward."""
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Iterator, Sequence
 
@@ -174,6 +175,20 @@ class FeatureStream:
             rows.append(_feature_row([{k: v[a:a + n] for k, v in cache[i].items()} for i, a, n in pieces],
                                      self.total_seq_len))
         return {k: np.stack([row[k] for row in rows]) for k in rows[0]}
+
+    def fingerprint(self) -> str:
+        """A hash of the samples (each file's path and size, or each in-memory sample's arrays), the row geometry
+        and the shuffling seed."""
+        h = hashlib.blake2b(digest_size=16)
+        h.update(repr((self.total_seq_len, self.batch_rows, self.seed, self.shuffle)).encode())
+        for smp in self.samples:
+            if isinstance(smp, (str, os.PathLike)):
+                h.update(f"{os.path.abspath(smp)}:{os.path.getsize(smp)}".encode())
+            else:
+                for k in sorted(smp):
+                    h.update(k.encode())
+                    h.update(np.ascontiguousarray(smp[k]).tobytes())
+        return h.hexdigest()
 
     def __iter__(self) -> Iterator[dict]:
         i = 0

@@ -3,6 +3,7 @@ deterministic, step-indexed `RowStream` of batches (exact resume)."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Iterable, Iterator, Sequence
 
 import numpy as np
@@ -98,6 +99,17 @@ class RowStream:
         e, i = divmod(int(index), self.batches_per_epoch)
         rows = self._epoch(e)[i * self.batch_rows:(i + 1) * self.batch_rows]
         return stack_rows(rows)
+
+    def fingerprint(self) -> str:
+        """A hash of every batch this stream yields: the documents (tokens, loss masks, order), the row geometry
+        and the shuffling seed."""
+        h = hashlib.blake2b(digest_size=16)
+        h.update(repr((self.total_seq_len, self.batch_rows, self.seed, self.shuffle, self.pad_id)).encode())
+        for d in self.docs:
+            h.update(np.int64(d.tokens.size).tobytes())
+            h.update(d.tokens.tobytes())
+            h.update(d.loss_mask.tobytes())
+        return h.hexdigest()
 
     def __iter__(self) -> Iterator[dict]:
         i = 0
