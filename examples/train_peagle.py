@@ -100,7 +100,7 @@ def acceptance_report(target, drafter, docs, *, k, objective, prompts=8, prompt_
 
 def check_outputs(a, sources=()) -> None:
     """The export directory (--out) and --checkpoint-dir may be written: checked before any work."""
-    from pjax.checkpoint.files import prepare_output
+    from pjax.checkpoint import prepare_output
     from pjax.train.checkpoint import check_checkpoint_dir
     prepare_output(a.out, force=a.force, kind="drafter", sources=sources)
     if a.checkpoint_dir is not None:

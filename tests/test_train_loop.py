@@ -155,7 +155,7 @@ def test_data_parallel_matches_single_device(setup):
 
 
 def test_tiny_end_to_end_learns():
-    from pjax.train.recipes import tiny_run
+    from examples.tiny_pair import tiny_run
     run = tiny_run(target_steps=100, head_steps=80, batch_rows=4, seq_len=128, log_every=10, max_files=6)
     assert run.target_history[-1][1] < 0.75 * run.target_history[0][1]
     h = run.head_history
