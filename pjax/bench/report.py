@@ -33,10 +33,6 @@ def _f(x, digits=1) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
-def _ratio(x) -> str:
-    return "-" if x is None else f"{x:.2f}x"
-
-
 def _order(rows: Iterable[dict]) -> list[dict]:
     return sorted(rows, key=lambda r: (r["concurrency"], MODES.index(r["drafting"]), r["k"]))
 
