@@ -378,3 +378,36 @@ def test_table_script_summary(tmp_path):
     md = (tmp_path / "table.md").read_text()
     assert [ln.split(" | ")[0] for ln in md.splitlines() if ln.startswith("| ") and "static" in ln] == [
         "| c8-64-heldout", "| c1-humaneval", "| extra"]
+
+
+def test_summary_across_runs(tmp_path):
+    """code_pair_table.py's summary: per run, setting and concurrency, plain decoding and each mode's best K, with
+    P-EAGLE's speedups; a mode not measured there leaves its cells empty."""
+    from pjax.bench.report import plots_available
+    table = load_example("benchmarks/code_pair_table.py")
+
+    def row(mode, k, c, otps, al=None, **kw):
+        return dict(dict(dataset="humaneval", max_new_tokens=256, temperature=0.0, draft_sampling="argmax",
+                         scheduling="static batches: ...", drafting=mode, k=k, concurrency=c,
+                         output_tokens_per_s=otps, mean_acceptance_length=al), **kw)
+    t1 = dict(temperature=1.0, draft_sampling="sample")
+    runs = {"a": [row("none", 0, 1, 100.0), row("sequential", 3, 1, 200.0, 3.0), row("sequential", 5, 1, 250.0, 4.0),
+                  row("parallel", 3, 1, 240.0, 2.9), row("parallel", 7, 1, 300.0, 4.5), row("parallel", 9, 1, None),
+                  row("none", 0, 8, 800.0), row("sequential", 3, 8, 1000.0, 3.0)],
+            "b": [row("none", 0, 1, 90.0, **t1), row("parallel", 3, 1, 180.0, 1.8, **t1)]}
+    lines = table.summary(runs)
+    assert [(ln["run"], ln["setting"], ln["concurrency"], ln["configurations"]) for ln in lines] == [
+        ("a", "humaneval, 256 tokens, T = 0, static", 1, 5), ("a", "humaneval, 256 tokens, T = 0, static", 8, 2),
+        ("b", "humaneval, 256 tokens, T = 1, sample drafts, static", 1, 2)]
+    a1, a8, b1 = lines
+    assert (a1["sequential_k"], a1["parallel_k"], a1["parallel_mean_acceptance_length"]) == (5, 7, 4.5)
+    assert a1["parallel_vs_none"] == pytest.approx(3.0) and a1["parallel_vs_sequential"] == pytest.approx(1.2)
+    assert a8["parallel_tokens_per_s"] is None and a8["parallel_vs_none"] is None
+    assert b1["parallel_vs_none"] == pytest.approx(2.0) and b1["parallel_vs_sequential"] is None
+    md = table.summary_markdown(lines)
+    assert "| a | humaneval, 256 tokens, T = 0, static | 1 | 100.0 | K = 5: 250.0 (4.00) | K = 7: 300.0 (4.50) | " \
+           "3.00x | 1.20x |" in md
+    assert "| a | humaneval, 256 tokens, T = 0, static | 8 | 800.0 | K = 3: 1,000.0 (3.00) | - | - | - |" in md
+    if plots_available():
+        table.write_summary_plot(lines, tmp_path / "speedups.png")
+        assert (tmp_path / "speedups.png").read_bytes()[:4] == b"\x89PNG"

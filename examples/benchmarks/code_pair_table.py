@@ -12,7 +12,7 @@ the whole into a machine held for a limited time: every benchmark gets a `--time
 last configurations are cut first) and one that would start with under a minute left is skipped and logged.
 `--skip-build` benchmarks a pair already built in --build. OUT/table.log has the stage and run times.
 
-At the end OUT/table.md sums the runs up (`pjax.bench.report.summary`: per run, setting and concurrency, plain
+At the end OUT/table.md sums the runs up (`summary`: per run, setting and concurrency, plain
 decoding and the best K of each head, P-EAGLE's speedups over both) with a plot of those speedups
 (OUT/speedups.png); `--summary` writes only that, from every OUT/*/bench.json.
 
@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Sequence
 
 ROOT = Path(__file__).resolve().parents[2]
 STAGES = ("corpus", "tokenizer", "tokens", "target", "regen", "peagle", "eagle3", "export")
@@ -77,22 +78,111 @@ def bench_command(build: Path, out: Path, name: str, args: str, budget_s=None, c
     return cmd + (["--time-budget", str(int(budget_s))] if budget_s is not None else [])
 
 
+# ------------------------------------------------------------------------------------------- the summary table
+def fmt2(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def ratio(x) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def setting_of(r: dict) -> str:
+    """What a row's comparisons hold fixed besides concurrency: dataset, temperature, draft sampling, scheduling."""
+    drafts = f", {r['draft_sampling']} drafts" if r["temperature"] else ""
+    return (f"{r['dataset']}, {r['max_new_tokens']} tokens, T = {r['temperature']:g}{drafts}, "
+            f"{r['scheduling'].split()[0]}")
+
+
+def summary(runs: dict[str, Sequence[dict]]) -> list[dict]:
+    """Across benchmark runs (run name -> its bench.json rows), one line per run, setting and concurrency: plain
+    decoding and the best K of each drafting mode, with P-EAGLE's (`parallel`) speedups over both. Ratios only
+    within a run (one process, one GPU)."""
+    from pjax.bench.report import MODES, best_per_mode
+    lines = []
+    for run, rows in runs.items():
+        for setting in dict.fromkeys(setting_of(r) for r in rows):
+            measured = [r for r in rows if setting_of(r) == setting and r["output_tokens_per_s"] is not None]
+            for c, best in sorted(best_per_mode(measured).items()):
+                otps = {m: best[m]["output_tokens_per_s"] if m in best else None for m in MODES}
+                par = otps["parallel"]
+                lines.append(dict(run=run, setting=setting, concurrency=c,
+                                  configurations=sum(r["concurrency"] == c for r in measured), **{
+                    f"{m}_{f}": (best[m][f] if m in best else None) for m in ("sequential", "parallel")
+                    for f in ("k", "mean_acceptance_length")}, **{f"{m}_tokens_per_s": otps[m] for m in MODES},
+                    parallel_vs_none=None if par is None or otps["none"] is None else par / otps["none"],
+                    parallel_vs_sequential=(None if par is None or otps["sequential"] is None
+                                            else par / otps["sequential"])))
+    return lines
+
+
+def summary_markdown(lines: Sequence[dict]) -> str:
+    """The summary as a markdown table (best K of each mode, tokens/s and acceptance length)."""
+    out = ["| run | setting | c | none tok/s | EAGLE-3 (sequential) best K: tok/s (AL) | P-EAGLE (parallel) best "
+           "K: tok/s (AL) | P-EAGLE / none | P-EAGLE / EAGLE-3 |", "|---|---|---|---|---|---|---|---|"]
+    for ln in lines:
+        cell = {m: "-" if ln[f"{m}_tokens_per_s"] is None else
+                f"K = {ln[f'{m}_k']}: {ln[f'{m}_tokens_per_s']:,.1f} ({fmt2(ln[f'{m}_mean_acceptance_length'])})"
+                for m in ("sequential", "parallel")}
+        none = "-" if ln["none_tokens_per_s"] is None else f"{ln['none_tokens_per_s']:,.1f}"
+        out.append(f"| {ln['run']} | {ln['setting']} | {ln['concurrency']} | {none} | {cell['sequential']} | "
+                   f"{cell['parallel']} | {ratio(ln['parallel_vs_none'])} | {ratio(ln['parallel_vs_sequential'])} |")
+    return "\n".join(out) + "\n"
+
+
+def write_summary_plot(lines: Sequence[dict], path: Path) -> None:
+    """P-EAGLE's speedup over plain decoding and over EAGLE-3 (best K each) vs concurrency, a line per setting (its
+    points may come from several runs; each ratio is within one). Where runs share a setting and concurrency, the
+    line goes through the one that measured the most configurations there, the others are markers."""
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(12, 4.5))
+    axes = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    for key, ax, title in (("parallel_vs_none", axes[0], "P-EAGLE / no speculation"),
+                           ("parallel_vs_sequential", axes[1], "P-EAGLE / EAGLE-3")):
+        for i, label in enumerate(dict.fromkeys(ln["setting"] for ln in lines)):
+            pts = [ln for ln in lines if ln["setting"] == label and ln[key] is not None]
+            main = {}
+            for p in pts:
+                if p["configurations"] > main.get(p["concurrency"], {}).get("configurations", 0):
+                    main[p["concurrency"]] = p
+            if pts:
+                cs = sorted(main)
+                ax.plot(cs, [main[c][key] for c in cs], marker="o", color=f"C{i}", label=label)
+                rest = [p for p in pts if main[p["concurrency"]] is not p]
+                ax.plot([p["concurrency"] for p in rest], [p[key] for p in rest], "o", color=f"C{i}", alpha=0.5)
+        ax.axhline(1.0, color="black", linewidth=0.8, linestyle=":")
+        cs = sorted({ln["concurrency"] for ln in lines})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(cs, [str(c) for c in cs])
+        ax.minorticks_off()
+        ax.set(xlabel="concurrency (requests in flight)", ylabel="output tokens/s ratio (best K each)", title=title)
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
+    fig.savefig(path, format="png", dpi=120, bbox_inches="tight")
+
+
+def write_atomic(path: Path, write) -> None:
+    """write(tmp) to a temporary file beside `path`, then renamed to `path`."""
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    write(tmp)
+    os.replace(tmp, path)
+
+
 def write_summary(out: Path) -> bool:
     """OUT/table.md (and OUT/speedups.png where matplotlib is installed) from every OUT/*/bench.json, the table's
     runs first in their order; False when there is none."""
-    from pjax.bench import report
-    from pjax.checkpoint.files import write_atomic
+    from pjax.bench.report import plots_available
     found = {p.parent.name: json.loads(p.read_text()) for p in sorted(out.glob("*/bench.json"))}
     if not found:
         return False
     names = [n for n, _, _ in RUNS]
-    lines = report.summary({n: found[n] for n in sorted(found, key=lambda n: (
+    lines = summary({n: found[n] for n in sorted(found, key=lambda n: (
         names.index(n) if n in names else len(names), n))})
     text = ["# The pair's table", "", "Each run's plain decoding and best K of each head, from OUT/RUN/bench.json "
             "(ratios within a run: one process, one GPU). AL: mean acceptance length.", "",
-            report.summary_markdown(lines)]
-    if report.plots_available():
-        write_atomic(out / "speedups.png", lambda tmp: report.write_summary_plot(lines, tmp))
+            summary_markdown(lines)]
+    if plots_available():
+        write_atomic(out / "speedups.png", lambda tmp: write_summary_plot(lines, tmp))
         text += ["![P-EAGLE's speedups vs concurrency](speedups.png)", ""]
     write_atomic(out / "table.md", lambda tmp: tmp.write_text("\n".join(text)))
     return True

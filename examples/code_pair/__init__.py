@@ -4,8 +4,10 @@ the same budget; exported as a Hugging Face target and two speculators-format he
 from files no model has seen.
 
     python -m examples.code_pair --out out/code_pair --max-minutes 8   # repeat until it prints "pair complete"
-    python -m examples.code_pair --out /tmp/tiny_pair --tiny             # the same path on a CPU in ~2 minutes
+    python -m examples.code_pair --out /tmp/tiny_pair --tiny             # the same path on a CPU, in minutes
     python -m examples.code_pair --out out/code_pair --stage peagle --peagle-depths 12 --force
+
+from the repository root (the examples are not installed with pjax).
 
 Stages, each resumable (a re-run skips finished stages, and continues a training stage from its last orbax
 checkpoint):
@@ -22,6 +24,7 @@ checkpoint):
     export     DIR/pair: target/ (Hugging Face), peagle/ and eagle3/ (speculators), prompts.jsonl, pair.json
     check      greedy decoding of benchmark prompts: plain vs each head (acceptance length, equality), and each head
                teacher-forced over the same sequences beside its decoding acceptance
+A head whose held-out depth-0 accuracy or decoding acceptance says it learned nothing is logged as a warning.
 No feature stage: the heads compute the target's features in each training step (stored, 4 x 1024 values per token
 of the full target would take 8 KB a token, 105 GB for the heads' 13 M tokens).
 

@@ -34,7 +34,8 @@ def _flag_type(tp):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=package.__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m examples.code_pair", description=package.__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", required=True, help="build directory (created; a re-run continues it)")
     p.add_argument("--tiny", action="store_true", help="tiny corpus, tokenizer, target and heads (CPU, minutes)")
     p.add_argument("--stage", choices=STAGES + ("heads",), help="run only this stage (its inputs must be built)")
