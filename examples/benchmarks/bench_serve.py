@@ -54,6 +54,9 @@ def parse_args(argv=None):
     ap.add_argument("--prompt-len", type=int, default=128, help="random targets: random prompts of this length")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--rounds-per-step", type=int, default=8)
+    ap.add_argument("--compilation-cache", metavar="DIR", default=None,
+                    help="JAX's persistent compilation cache for both runs: the server's engines load the programs "
+                         "the bench compiled (default: pjax-bench-serve-cache in the temporary directory)")
     ap.add_argument("--client", metavar="JOB.json", help=argparse.SUPPRESS)  # the load process (internal)
     return ap.parse_args(argv)
 
@@ -64,13 +67,14 @@ def run_bench(args, out: Path) -> dict:
            "parallel", "--k", str(args.k), "--concurrency", args.concurrency, "--num-prompts", args.num_prompts,
            "--dataset", args.dataset, "--max-new-tokens", str(args.max_new_tokens), "--ignore-eos", "--scheduling",
            "continuous", "--rounds-per-step", str(args.rounds_per_step), "--dtype", args.dtype, "--out", str(out),
-           "--no-progress"]
+           "--no-progress", "--compilation-cache", args.compilation_cache]
     if args.target.startswith("random:"):
         cmd += ["--prompt-len", str(args.prompt_len)]
     if args.simulate_acceptance:
         cmd += ["--simulate-acceptance", args.simulate_acceptance]
     print("$", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT)
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    subprocess.run(cmd, check=True, env=dict(os.environ, PYTHONPATH=path), cwd=ROOT)
     rows = json.loads((out / "bench.json").read_text())
     return {r["concurrency"]: r["output_tokens_per_s"] for r in rows if r["drafting"] == "parallel"}
 
@@ -195,8 +199,12 @@ def main(argv=None):
         args.simulate_acceptance = ",".join(ACCEPT.split(",")[:args.k])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    args.compilation_cache = args.compilation_cache or os.path.join(tempfile.gettempdir(), "pjax-bench-serve-cache")
     bench = run_bench(args, out / "bench")  # first: its process has the device to itself
     import jax
+    from pjax.decode.compiled import use_compilation_cache
+
+    use_compilation_cache(args.compilation_cache)
 
     target, head, tokenizer, prompts = load(args)
     counts = [int(n) for n in args.num_prompts.split(",")]

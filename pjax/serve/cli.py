@@ -260,6 +260,12 @@ def make_server(app, *, grace_s: float = SHUTDOWN_GRACE_S, head_timeout_s: float
                 self._arm_head_timer()
             super().data_received(data)
 
+        def handle_events(self):
+            super().handle_events()
+            if self._head_timer is not None and not self._between_requests():  # a request's head arrived
+                self._head_timer.cancel()
+                self._head_timer = None
+
         def connection_lost(self, exc):
             if self._head_timer is not None:
                 self._head_timer.cancel()

@@ -1,6 +1,8 @@
 """The OpenAI-compatible HTTP API over the continuous-batching engine (an ASGI app: Starlette; served by uvicorn).
 
-    GET  /health                 {"status": "ok", "running": N, "waiting": M} (503 once the engine stopped)
+    GET  /health                 {"status": "ok", "running": N, "waiting": M} (503 once the engine stopped or while
+                                 the server shuts down)
+    GET  /metrics                Prometheus metrics under vLLM's names (`pjax.serve.metrics`)
     GET  /v1/models              the served model ({"object": "list", "data": [{"id": NAME, ...}]})
     POST /v1/completions         prompt: a string or a list of token ids
     POST /v1/chat/completions    messages, rendered with the model's chat template
@@ -22,8 +24,12 @@ statistics, {"drafting", "num_speculative_tokens", "num_drafts", "num_accepted_t
 the key ignore it.
 
 Errors are OpenAI's JSON: {"error": {"message", "type": "invalid_request_error", "param": FIELD, "code": null}} with
-400 for a bad field (the message says what was expected), 404 for an unknown model, 503 once the engine stopped. A
-client that disconnects (streaming or not) cancels its request.
+400 for a bad field (the message says what was expected) or a body that is not JSON text (deep nesting, lone
+surrogates), 404 for an unknown model, 408 / 413 for a body too slow / too large (`ServerLimits`), 503 once the
+engine stopped or while the server shuts down: never a 500 for a malformed request. Bodies are decoded, checked and
+tokenized on a thread pool, off the event loop. A client that disconnects (streaming or not) cancels its request
+(one log line on the "pjax.serve" logger). Shutdown (`app.state.begin_shutdown(grace_s)`): new requests get 503,
+requests in flight get grace_s, then the rest are aborted and each response still ends cleanly.
 """
 from __future__ import annotations
 
@@ -47,6 +53,7 @@ from pjax.decode.inputs import SEED_LIMIT, is_int, is_real
 from pjax.serve.async_engine import AsyncEngine, EngineDeadError
 from pjax.serve.engine import STOP_WIDTH, RequestParams
 from pjax.serve.limits import ServerLimits
+from pjax.serve.metrics import CONTENT_TYPE, Metrics
 from pjax.text.detokenize import OutputText, check_stop_strings
 from pjax.text.template import TemplateError
 from pjax.text.tokenizer import Tokenizer, TokenizerError, check_messages
@@ -474,8 +481,6 @@ def _client(request: Request) -> str:
 
 class _API:
     def __init__(self, bridge: AsyncEngine, model: ServedModel, limits: ServerLimits):
-        from pjax.serve.metrics import Metrics
-
         self.bridge, self.model, self.limits = bridge, model, limits
         chars = max_token_chars(model.tokenizer)
         self.max_chars = None if chars is None else chars * (model.max_len - model.slack - 1)
@@ -506,8 +511,6 @@ class _API:
         return JSONResponse({"status": "ok", "running": self.bridge.num_running, "waiting": self.bridge.num_waiting})
 
     async def metrics_text(self, request: Request) -> Response:
-        from pjax.serve.metrics import CONTENT_TYPE
-
         return Response(self.metrics.exposition(), media_type=CONTENT_TYPE)
 
     def _card(self) -> dict:
