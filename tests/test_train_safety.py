@@ -99,6 +99,8 @@ def test_resume_with_other_settings_is_refused(setup, tmp_path, capsys):
         cfg, optim=dataclasses.replace(cfg.optim, lr=2e-3)))
     refused(r"total_steps was 4, this run has 8", cfg=dataclasses.replace(cfg, total_steps=8))
     refused(r"the training data differs", stream=RowStream(stream.docs, S, B, seed=2))
+    other = dataclasses.replace(target, params=jax.tree.map(lambda x: x * 1.5, target.params))
+    refused(r"the target's weights differ", target=other)
     refused(r"the training data differs", stream=RowStream(stream.docs[1:], S, B, seed=1))
     deeper = pjax.train.init_drafter_for_target(target, dataclasses.replace(drafter.config, num_depths=6),
                                                 jax.random.key(1))

@@ -66,11 +66,13 @@ def _flat(prefix: str, value) -> dict:
     return {prefix: json.loads(json.dumps(value, default=str))}
 
 
-def run_settings(drafter_config, cfg, data: str, d2t: Optional[str] = None) -> dict:
+def run_settings(drafter_config, cfg, data: Optional[str], d2t: Optional[str] = None,
+                 target: Optional[str] = None) -> dict:
     """The settings a checkpoint depends on: the head's config ("head.*"), the training config (minus kernel and
-    memory layout choices), the draft vocabulary ("head.d2t", a fingerprint) and the data's fingerprint ("data")."""
+    memory layout choices), and fingerprints of the draft vocabulary ("head.d2t"), the target's weights ("target")
+    and the data ("data")."""
     train = {k: v for k, v in _flat("", cfg).items() if k.split(".")[0] not in _LAYOUT_FIELDS}
-    return {**_flat("head", drafter_config), "head.d2t": d2t, **train, "data": data}
+    return {**_flat("head", drafter_config), "head.d2t": d2t, **train, "target": target, "data": data}
 
 
 class Checkpointer:
@@ -93,7 +95,8 @@ class Checkpointer:
         record = Path(self.directory) / RUN_RECORD
         old = json.loads(record.read_text()) if record.exists() else None
         if old is not None and self.latest_step() is not None:
-            hashed = {"head.d2t": "the draft vocabulary (d2t) differs", "data": "the training data differs"}
+            hashed = {"head.d2t": "the draft vocabulary (d2t) differs", "target": "the target's weights differ",
+                      "data": "the training data differs"}
             diff = sorted((k for k in set(old) | set(settings) if old.get(k) != settings.get(k)),
                           key=lambda k: (k in hashed, k))
             if diff:
