@@ -83,6 +83,9 @@ def test_checkpoint_dir_is_checked_first(tmp_path):
     with pytest.raises(TrainError, match=r"file/sub: cannot be created"):
         check_checkpoint_dir(f / "sub")
     assert check_checkpoint_dir(tmp_path / "new" / "ckpt").is_dir()
+    for name in ("200", "300.orbax-checkpoint-tmp-17", RUN_RECORD):  # a checkpoint, a killed save's leftover
+        (tmp_path / "new" / "ckpt" / name).mkdir()
+    assert check_checkpoint_dir(tmp_path / "new" / "ckpt").is_dir()
 
 
 def test_resume_with_other_settings_is_refused(setup, tmp_path, capsys):

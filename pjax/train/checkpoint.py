@@ -36,8 +36,8 @@ def check_checkpoint_dir(path) -> Path:
     if out.exists() and not out.is_dir():
         raise TrainError(f"checkpoint directory {out}: is a file, expected a directory")
     if out.is_dir():
-        other = sorted(p.name for p in out.iterdir() if p.name != RUN_RECORD and not p.name.isdigit()
-                       and not p.name.startswith("."))
+        other = sorted(p.name for p in out.iterdir() if p.name != RUN_RECORD and not p.name.startswith(".")
+                       and not p.name.split(".")[0].isdigit())  # orbax steps "200", "200.orbax-checkpoint-tmp-*"
         if other:
             raise TrainError(f"checkpoint directory {out}: holds other files ({', '.join(other[:3])}"
                              f"{' ...' if len(other) > 3 else ''}), not a pjax training checkpoint; choose an empty "
