@@ -118,6 +118,14 @@ def test_resume_with_other_settings_is_refused(setup, tmp_path, capsys):
                         checkpoint_dir=ckpt, **KW)
     assert int(res.state.step) == 3
     assert "resumed from step 2" in capsys.readouterr().out
+    # a record of another pjax version (a field it lacks, one it had) resumes on the fields both know
+    record = json.loads((ckpt / RUN_RECORD).read_text())
+    del record["optim.lr"]
+    (ckpt / RUN_RECORD).write_text(json.dumps({**record, "retired.field": 1}))
+    refused(r"total_steps was 4, this run has 8", cfg=dataclasses.replace(cfg, total_steps=8))
+    res = train_drafter(target, drafter, stream, dataclasses.replace(cfg, remat=False), steps=4,
+                        checkpoint_dir=ckpt, **KW)
+    assert int(res.state.step) == 4
 
 
 def test_non_finite_loss_stops_at_its_step(setup, tmp_path):

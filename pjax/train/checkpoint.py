@@ -97,11 +97,12 @@ class Checkpointer:
         if old is not None and self.latest_step() is not None:
             hashed = {"head.d2t": "the draft vocabulary (d2t) differs", "target": "the target's weights differ",
                       "data": "the training data differs"}
-            diff = sorted((k for k in set(old) | set(settings) if old.get(k) != settings.get(k)),
+            # settings both runs know (one recorded by another pjax version may lack a newer field)
+            diff = sorted((k for k in set(old) & set(settings) if old[k] != settings[k]),
                           key=lambda k: (k in hashed, k))
             if diff:
                 k = diff[0]
-                what = hashed.get(k) or f"{k} was {old.get(k)!r}, this run has {settings.get(k)!r}"
+                what = hashed.get(k) or f"{k} was {old[k]!r}, this run has {settings[k]!r}"
                 more = [d for d in diff if d != k]
                 raise TrainError(f"checkpoint directory {self.directory}: cannot resume: {what}"
                                  f"{f' (also {len(more)} more: ' + ', '.join(more[:4]) + ')' if more else ''}; "
