@@ -3,7 +3,9 @@
 XLA's default on the GPU multiplies float32 matrices in TF32 (about 1e-3 relative error); PyTorch, and so the
 transformers / speculators references, multiply them in full float32 unless TF32 is allowed. pjax follows PyTorch:
 a computation involving a float32 Target or Drafter runs under matmul precision "highest" (XLA dots and the Pallas
-kernels read it), unless TF32 is asked for. On the CPU every precision is full float32 already.
+kernels read it), unless TF32 is asked for ("default" then, set explicitly). A precision chosen explicitly (a
+`jax.default_matmul_precision` context, the JAX config, the decoding engine's allow_tf32) is left as it is. On the
+CPU every precision is full float32 already.
 """
 from __future__ import annotations
 
@@ -28,16 +30,20 @@ def _model_dtype(x):
 
 
 def matmul_precision(*models, allow_tf32: bool = False) -> Optional[str]:
-    """"highest" when one of `models` (Targets, Drafters, None) is float32 and TF32 is not allowed, else None (the
-    default precision)."""
-    f32 = any(_model_dtype(m) == jnp.float32 for m in models)
-    return "highest" if f32 and not allow_tf32 else None
+    """When one of `models` (Targets, Drafters, None) is float32: "highest", or "default" (TF32 on the GPU) with
+    allow_tf32; else None (nothing to choose)."""
+    if not any(_model_dtype(m) == jnp.float32 for m in models):
+        return None
+    return "default" if allow_tf32 else "highest"
 
 
 def precision_scope(*models, allow_tf32: bool = False):
-    """A context in which computations (and the tracing of jitted ones) follow `matmul_precision`'s rule."""
+    """A context in which computations (and the tracing of jitted ones) follow `matmul_precision`'s rule, unless a
+    precision is chosen already."""
     precision = matmul_precision(*models, allow_tf32=allow_tf32)
-    return contextlib.nullcontext() if precision is None else jax.default_matmul_precision(precision)
+    if precision is None or jax.config.jax_default_matmul_precision is not None:
+        return contextlib.nullcontext()
+    return jax.default_matmul_precision(precision)
 
 
 def float32_products(fn: Callable) -> Callable:

@@ -212,5 +212,7 @@ def test_flags_agree_with_the_messages(dirs, tmp_path, capsys):
     cfg = ModelConfig("llama", 8, 8, 8, 1, (), max_position_embeddings=300)
     assert cli._max_new_tokens(args, cfg, [[1] * 100]) == 200
     assert cli._max_new_tokens(args, cfg, [[1] * 10]) == 256
+    from pjax.bench.cli import build_parser as bench_parser
     from pjax.serve.cli import build_parser as serve_parser
     assert serve_parser().parse_args(["--target", str(target), "--no-finite-check"]).no_finite_check
+    assert bench_parser().parse_args(["--target", str(target), "--out", "o", "--no-finite-check"]).no_finite_check

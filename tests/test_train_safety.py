@@ -83,6 +83,9 @@ def test_checkpoint_dir_is_checked_first(tmp_path):
     with pytest.raises(TrainError, match=r"file/sub: cannot be created"):
         check_checkpoint_dir(f / "sub")
     assert check_checkpoint_dir(tmp_path / "new" / "ckpt").is_dir()
+    for name in ("200", "300.orbax-checkpoint-tmp-17", RUN_RECORD):  # a checkpoint, a killed save's leftover
+        (tmp_path / "new" / "ckpt" / name).mkdir()
+    assert check_checkpoint_dir(tmp_path / "new" / "ckpt").is_dir()
 
 
 def test_resume_with_other_settings_is_refused(setup, tmp_path, capsys):
@@ -99,6 +102,8 @@ def test_resume_with_other_settings_is_refused(setup, tmp_path, capsys):
         cfg, optim=dataclasses.replace(cfg.optim, lr=2e-3)))
     refused(r"total_steps was 4, this run has 8", cfg=dataclasses.replace(cfg, total_steps=8))
     refused(r"the training data differs", stream=RowStream(stream.docs, S, B, seed=2))
+    other = dataclasses.replace(target, params=jax.tree.map(lambda x: x * 1.5, target.params))
+    refused(r"the target's weights differ", target=other)
     refused(r"the training data differs", stream=RowStream(stream.docs[1:], S, B, seed=1))
     deeper = pjax.train.init_drafter_for_target(target, dataclasses.replace(drafter.config, num_depths=6),
                                                 jax.random.key(1))
@@ -113,6 +118,14 @@ def test_resume_with_other_settings_is_refused(setup, tmp_path, capsys):
                         checkpoint_dir=ckpt, **KW)
     assert int(res.state.step) == 3
     assert "resumed from step 2" in capsys.readouterr().out
+    # a record of another pjax version (a field it lacks, one it had) resumes on the fields both know
+    record = json.loads((ckpt / RUN_RECORD).read_text())
+    del record["optim.lr"]
+    (ckpt / RUN_RECORD).write_text(json.dumps({**record, "retired.field": 1}))
+    refused(r"total_steps was 4, this run has 8", cfg=dataclasses.replace(cfg, total_steps=8))
+    res = train_drafter(target, drafter, stream, dataclasses.replace(cfg, remat=False), steps=4,
+                        checkpoint_dir=ckpt, **KW)
+    assert int(res.state.step) == 4
 
 
 def test_non_finite_loss_stops_at_its_step(setup, tmp_path):

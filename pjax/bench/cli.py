@@ -103,6 +103,8 @@ def build_parser(prog: str = "python -m pjax bench") -> argparse.ArgumentParser:
                    help="tokenizer directory (default: the target directory); with a random target it gives the "
                         "prompts' token lengths")
     m.add_argument("--dtype", default="bf16", help="parameter / compute dtype: bf16 (default), f32, f16")
+    m.add_argument("--no-finite-check", action="store_true",
+                   help="accept NaN / inf weights (by default every floating tensor is checked, on device)")
     m.add_argument("--cache-dtype", default=None, help="KV cache dtype (default: the model's)")
     m.add_argument("--implementation", default="auto", choices=IMPLEMENTATIONS,
                    help="kernel switch: xla | pallas | auto (default)")
@@ -204,12 +206,12 @@ def _tokenizer(args, random_target_: bool):
     return tok
 
 
-def _head(spec: str, flag: str, target, dtype, *, parallel: bool, shape: Optional[str]):
+def _head(spec: str, flag: str, target, dtype, *, parallel: bool, shape: Optional[str], check_finite: bool = True):
     n = parse_random(spec, flag)
     if n is not None:
         return random_head(target, n, parallel=parallel, dtype=dtype, shape=shape, flag=flag)
     try:
-        return load_drafter(spec, dtype, target=target)
+        return load_drafter(spec, dtype, target=target, check_finite=check_finite)
     except (CheckpointError, ConfigError) as e:
         raise BenchError(f"{flag}: {e}") from None
 
@@ -225,7 +227,8 @@ def _heads(args, settings: BenchSettings, target, dtype, shape: Optional[str]) -
             raise BenchError(f"--drafting {mode} needs --head DIR or --head random:N (or drop {mode} from "
                              "--drafting)")
         if (spec, own) not in loaded:
-            loaded[(spec, own)] = _head(spec, flag, target, dtype, parallel=not own, shape=shape)
+            loaded[(spec, own)] = _head(spec, flag, target, dtype, parallel=not own, shape=shape,
+                                        check_finite=not args.no_finite_check)
         heads[mode] = loaded[(spec, own)]
         for k in settings.ks:
             try:
@@ -263,7 +266,7 @@ def _load_target(args, shape: Optional[str], dtype, sets):
     if shape is not None:
         return random_target(shape, dtype)
     try:
-        target = load_target(args.target, dtype)
+        target = load_target(args.target, dtype, check_finite=not args.no_finite_check)
     except (CheckpointError, ConfigError) as e:
         raise BenchError(f"--target: {e}") from None
     vocab = target.config.vocab_size

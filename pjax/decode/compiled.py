@@ -134,5 +134,5 @@ def use_compilation_cache(path) -> None:
 
 def matmul_precision(target, drafter, allow_tf32: bool) -> Optional[str]:
     """float32 models get full-precision products (XLA dots and the kernels) unless TF32 is asked for
-    (`pjax.precision`)."""
+    (`pjax.precision`; None: a bfloat16 pair, nothing to choose)."""
     return _rule(target, drafter, allow_tf32=allow_tf32)

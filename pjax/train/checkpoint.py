@@ -36,8 +36,8 @@ def check_checkpoint_dir(path) -> Path:
     if out.exists() and not out.is_dir():
         raise TrainError(f"checkpoint directory {out}: is a file, expected a directory")
     if out.is_dir():
-        other = sorted(p.name for p in out.iterdir() if p.name != RUN_RECORD and not p.name.isdigit()
-                       and not p.name.startswith("."))
+        other = sorted(p.name for p in out.iterdir() if p.name != RUN_RECORD and not p.name.startswith(".")
+                       and not p.name.split(".")[0].isdigit())  # orbax steps "200", "200.orbax-checkpoint-tmp-*"
         if other:
             raise TrainError(f"checkpoint directory {out}: holds other files ({', '.join(other[:3])}"
                              f"{' ...' if len(other) > 3 else ''}), not a pjax training checkpoint; choose an empty "
@@ -66,11 +66,13 @@ def _flat(prefix: str, value) -> dict:
     return {prefix: json.loads(json.dumps(value, default=str))}
 
 
-def run_settings(drafter_config, cfg, data: str, d2t: Optional[str] = None) -> dict:
+def run_settings(drafter_config, cfg, data: Optional[str], d2t: Optional[str] = None,
+                 target: Optional[str] = None) -> dict:
     """The settings a checkpoint depends on: the head's config ("head.*"), the training config (minus kernel and
-    memory layout choices), the draft vocabulary ("head.d2t", a fingerprint) and the data's fingerprint ("data")."""
+    memory layout choices), and fingerprints of the draft vocabulary ("head.d2t"), the target's weights ("target")
+    and the data ("data")."""
     train = {k: v for k, v in _flat("", cfg).items() if k.split(".")[0] not in _LAYOUT_FIELDS}
-    return {**_flat("head", drafter_config), "head.d2t": d2t, **train, "data": data}
+    return {**_flat("head", drafter_config), "head.d2t": d2t, **train, "target": target, "data": data}
 
 
 class Checkpointer:
@@ -93,12 +95,14 @@ class Checkpointer:
         record = Path(self.directory) / RUN_RECORD
         old = json.loads(record.read_text()) if record.exists() else None
         if old is not None and self.latest_step() is not None:
-            hashed = {"head.d2t": "the draft vocabulary (d2t) differs", "data": "the training data differs"}
-            diff = sorted((k for k in set(old) | set(settings) if old.get(k) != settings.get(k)),
+            hashed = {"head.d2t": "the draft vocabulary (d2t) differs", "target": "the target's weights differ",
+                      "data": "the training data differs"}
+            # settings both runs know (one recorded by another pjax version may lack a newer field)
+            diff = sorted((k for k in set(old) & set(settings) if old[k] != settings[k]),
                           key=lambda k: (k in hashed, k))
             if diff:
                 k = diff[0]
-                what = hashed.get(k) or f"{k} was {old.get(k)!r}, this run has {settings.get(k)!r}"
+                what = hashed.get(k) or f"{k} was {old[k]!r}, this run has {settings[k]!r}"
                 more = [d for d in diff if d != k]
                 raise TrainError(f"checkpoint directory {self.directory}: cannot resume: {what}"
                                  f"{f' (also {len(more)} more: ' + ', '.join(more[:4]) + ')' if more else ''}; "

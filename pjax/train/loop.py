@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pjax.checkpoint.integrity import checksums
 from pjax.dtypes import parse_dtype
 from pjax.models.drafter import Drafter
 from pjax.models.target import Target
@@ -77,11 +78,14 @@ def _check_finite(host: list, first_step: int) -> None:
                              "learning rate)")
 
 
-def _settings(drafter: Drafter, cfg: TrainConfig, stream) -> dict:
+def _settings(target: Target, drafter: Drafter, cfg: TrainConfig, stream) -> dict:
+    """`run_settings` of this run: the data's, the draft vocabulary's and the target weights' fingerprints (one
+    device pass, `pjax.checkpoint.integrity.checksums`) with the configs."""
     fingerprint = getattr(stream, "fingerprint", None)
-    d2t = None if drafter.d2t is None else hashlib.blake2b(np.asarray(drafter.d2t).tobytes(),
-                                                           digest_size=16).hexdigest()
-    return run_settings(drafter.config, cfg, fingerprint() if callable(fingerprint) else None, d2t)
+    digest = lambda b: hashlib.blake2b(b, digest_size=16).hexdigest()  # noqa: E731
+    d2t = None if drafter.d2t is None else digest(np.asarray(drafter.d2t).tobytes())
+    weights = digest(" ".join(checksums(jax.tree.leaves(target.params))).encode())
+    return run_settings(drafter.config, cfg, fingerprint() if callable(fingerprint) else None, d2t, weights)
 
 
 def format_metrics(m: dict) -> str:
@@ -117,7 +121,7 @@ def train_drafter(target: Target, drafter: Drafter, stream: RowStream | FeatureS
                          "there is nothing to split the target over")
     ckpt = Checkpointer(checkpoint_dir) if checkpoint_dir is not None else None
     if ckpt is not None and resume:
-        ckpt.check_settings(_settings(drafter, cfg, stream))
+        ckpt.check_settings(_settings(target, drafter, cfg, stream))
     if state is None:
         state = replicate(init_train_state(drafter, cfg), mesh)
         if ckpt is not None and resume and ckpt.latest_step() is not None:
