@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import pjax
 from pjax.bench import (BenchError, BenchSettings, RequestResult, RunResult, build_prompt_set,
                         load_dataset, run_bench)
 from pjax.bench.datasets import Dataset, Prompt
@@ -271,7 +272,7 @@ def test_settings_per_concurrency():
 # ------------------------------------------------------------------------------------- random geometries
 @pytest.mark.parametrize("shape, params, layers, hidden, vocab", [
     ("llama3.1-8b", 8.030e9, 32, 4096, 128256), ("gpt-oss-20b", 20.915e9, 24, 2880, 201088),
-    ("qwen3-30b-a3b", 30.532e9, 48, 2048, 151936)])
+    ("qwen3-30b-a3b", 30.532e9, 48, 2048, 151936), ("gpt-oss-120b", 116.829e9, 36, 2880, 201088)])
 def test_published_geometries(shape, params, layers, hidden, vocab):
     cfg = config_from_hf(RANDOM_SHAPES[shape])
     n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract_target(cfg, jnp.bfloat16).params))
@@ -282,6 +283,31 @@ def test_published_geometries(shape, params, layers, hidden, vocab):
         assert [s.sliding_window for s in cfg.layers[:2]] == [128, None]
     if shape == "qwen3-30b-a3b":
         assert cfg.qk_norm and cfg.moe.num_experts == 128 and cfg.moe.top_k == 8
+    if shape == "gpt-oss-120b":
+        assert cfg.moe.num_experts == 128 and cfg.moe.top_k == 4
+
+
+def test_random_packed_targets():
+    """Quantised random targets hold packed experts generated in packed form (GPT-OSS-120B's MXFP4 experts: ~61 GB,
+    no bf16 copy: checked on shapes), dequantising to the dense weights' spread; speculative greedy output of a tiny
+    packed target equals plain greedy."""
+    from pjax.bench.models import PACKED_SHAPES, _packed
+    from pjax.kernels.quantized import QuantizedWeight, dequantize
+    assert set(PACKED_SHAPES) >= {"gpt-oss-120b", "qwen3-30b-a3b-fp8", "gpt-oss-20b-mxfp4"}
+    cfg = config_from_hf(RANDOM_SHAPES["gpt-oss-120b"])
+    e, h, i = cfg.moe.num_experts, cfg.hidden_size, cfg.moe.intermediate_size
+    layer = [jax.eval_shape(lambda s=s: _packed(jax.random.key(0), s, "mxfp4")) for s in ((e, h, 2 * i), (e, i, h))]
+    assert all(x.dtype == jnp.uint8 for w in layer for x in jax.tree.leaves(w))
+    assert cfg.num_layers * sum(x.size for w in layer for x in jax.tree.leaves(w)) == pytest.approx(60.9e9, rel=1e-2)
+    fp8 = jax.eval_shape(lambda: _packed(jax.random.key(0), (128, 2048, 1536), "fp8"))
+    assert fp8.data.dtype == jnp.float8_e4m3fn and fp8.scales.shape == (128, 12, 16)
+    target = random_target("tiny-moe-mxfp4", jnp.float32)
+    gate_up = target.params["layers"][0]["mlp"]["gate_up"]
+    assert isinstance(gate_up, QuantizedWeight) and 0.015 < float(jnp.std(dequantize(gate_up))) < 0.03
+    head = random_head(target, "2", parallel=True, dtype=jnp.float32)
+    run = lambda drafting: pjax.generate(target, head, [[1, 2, 3], [4, 5]], max_new_tokens=6, drafting=drafting,
+                                         num_speculative_tokens=3).tokens
+    assert run("parallel") == run("none")
 
 
 def test_random_heads():

@@ -6,7 +6,8 @@ defines them), and exactness against plain decoding at temperature 0.
         --k 3,7,11 --concurrency 1,8,64 --max-new-tokens 256 --out DIR
 
 Targets: a Hugging Face or pjax-native directory, or `random:llama3.1-8b|gpt-oss-20b|qwen3-30b-a3b` (random
-weights of that geometry: time large shapes with --simulate-acceptance). Heads: a P-EAGLE / EAGLE-3 directory or
+weights of that geometry: time large shapes with --simulate-acceptance; `random:gpt-oss-20b-mxfp4|gpt-oss-120b|
+qwen3-30b-a3b-fp8` keep their experts packed as the checkpoints ship them). Heads: a P-EAGLE / EAGLE-3 directory or
 `random:N` (N layers shaped for the target). Datasets: mt-bench, spec-bench, humaneval, or a .jsonl file with
 "prompt" or "messages" per line. Outputs in --out: bench.json, requests.jsonl, bench.md, PNG plots.
 

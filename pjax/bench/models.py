@@ -1,10 +1,13 @@
 """The models a benchmark runs: checkpoints from directories, or random weights of a published geometry for timing
-large shapes (`random:llama3.1-8b`, `random:gpt-oss-20b`, `random:qwen3-30b-a3b` targets, `random:code-pair` (the
-target `examples/code_pair/` trains), and `random:tiny` for CPU smoke runs; `random:N` heads of N layers shaped
-for the target).
+large shapes (`random:llama3.1-8b`, `random:gpt-oss-20b`, `random:qwen3-30b-a3b` targets, their shipped quantised
+forms with packed experts `random:gpt-oss-20b-mxfp4`, `random:gpt-oss-120b` (MXFP4) and `random:qwen3-30b-a3b-fp8`
+(FP8, 128 x 128 blocks), `random:code-pair` (the target `examples/code_pair/` trains), and `random:tiny` /
+`random:tiny-moe-mxfp4` for CPU smoke runs; `random:N` heads of N layers shaped for the target).
 
-Random geometries are the published `config.json` values of meta-llama/Llama-3.1-8B-Instruct, openai/gpt-oss-20b
-and Qwen/Qwen3-30B-A3B parsed by the same code as a real checkpoint (`pjax.models.config_from_hf`). Random heads
+Random geometries are the published `config.json` values of meta-llama/Llama-3.1-8B-Instruct, openai/gpt-oss-20b,
+openai/gpt-oss-120b and Qwen/Qwen3-30B-A3B parsed by the same code as a real checkpoint
+(`pjax.models.config_from_hf`). Packed experts are generated directly in their packed form on the device (random
+codes and one scale giving the dense weights' ~0.02 spread), so no bf16 copy of them ever exists. Random heads
 take the draft vocabulary of the published heads of that target where one is known (32,000 tokens with a d2t
 map for Llama-3.1-8B, as its EAGLE-3 heads; the full vocabulary and mask token 201020 for GPT-OSS-20B, as
 amazon/GPT-OSS-20B-P-EAGLE), else the target's vocabulary and its last id as mask token.
@@ -19,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pjax.bench.errors import BenchError
+from pjax.kernels.quantized import MXFP4_BLOCK, QuantizedWeight
 from pjax.models.drafter import Drafter, abstract_drafter
 from pjax.models.families import config_from_hf
 from pjax.models.target import Target, abstract_target
@@ -47,7 +51,16 @@ RANDOM_SHAPES = {
         "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
         "rms_norm_eps": 1e-6, "max_position_embeddings": 40960, "rope_theta": 1000000.0,
         "tie_word_embeddings": False},
-    "code-pair": {  # examples/code_pair's target at its full-build defaults (0.34 B parameters)
+    "gpt-oss-120b": {
+        "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
+        "num_hidden_layers": 36, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+        "num_local_experts": 128, "num_experts_per_tok": 4, "sliding_window": 128, "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 131072, "rope_theta": 150000.0, "swiglu_limit": 7.0, "attention_bias": True,
+        "tie_word_embeddings": False,
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(36)],
+        "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 4096}},
+    "code-pair": {  # examples/code_pair/'s target at its full-build defaults (0.34 B parameters)
         "model_type": "llama", "vocab_size": 32768, "hidden_size": 1024, "intermediate_size": 2816,
         "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 4, "rms_norm_eps": 1e-5,
         "max_position_embeddings": 2048, "rope_theta": 10000.0, "tie_word_embeddings": False},
@@ -56,8 +69,17 @@ RANDOM_SHAPES = {
         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
         "max_position_embeddings": 4096, "rope_theta": 10000.0, "tie_word_embeddings": False},
 }
+RANDOM_SHAPES["tiny-moe"] = {  # a CPU smoke-test MoE geometry (packed experts: tiny-moe-mxfp4)
+    **RANDOM_SHAPES["gpt-oss-20b"], "vocab_size": 512, "hidden_size": 64, "intermediate_size": 64,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 8,
+    "layer_types": ["sliding_attention", "full_attention"] * 2}
+# quantised forms: name -> (geometry, expert format); the experts are packed, everything else in the run's dtype
+PACKED_SHAPES = {"gpt-oss-20b-mxfp4": ("gpt-oss-20b", "mxfp4"), "gpt-oss-120b": ("gpt-oss-120b", "mxfp4"),
+                 "qwen3-30b-a3b-fp8": ("qwen3-30b-a3b", "fp8"), "tiny-moe-mxfp4": ("tiny-moe", "mxfp4")}
+FP8_BLOCK = (128, 128)
 # per target shape: (draft vocabulary size or None = the target's, mask token id or None = the last id)
-HEAD_VOCAB = {"llama3.1-8b": (32000, None), "gpt-oss-20b": (None, 201020), "qwen3-30b-a3b": (None, None)}
+HEAD_VOCAB = {"llama3.1-8b": (32000, None), "gpt-oss-20b": (None, 201020), "gpt-oss-20b-mxfp4": (None, 201020),
+              "gpt-oss-120b": (None, 201020), "qwen3-30b-a3b": (None, None), "qwen3-30b-a3b-fp8": (None, None)}
 RANDOM_PREFIX = "random:"
 
 
@@ -95,14 +117,41 @@ def _random_params(abstract, key, scale: float = 0.02):
     return jax.tree.unflatten(treedef, out)
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _packed(key, shape, fmt):
+    """Random packed experts of logical shape [E, in, out] (std ~0.02 once dequantised)."""
+    e, din, dout = shape
+    if fmt == "mxfp4":  # uniform E2M1 codes (rms ~2.9) x 2 ** -7
+        data = jax.random.bits(key, (e, dout, din // 2), jnp.uint8)
+        return QuantizedWeight(data, jnp.full((e, dout, din // MXFP4_BLOCK), 127 - 7, jnp.uint8))
+    data = (64 * jax.random.normal(key, (e, dout, din), jnp.bfloat16)).astype(jnp.float8_e4m3fn)
+    blocks = (e, -(-dout // FP8_BLOCK[0]), -(-din // FP8_BLOCK[1]))
+    return QuantizedWeight(data, jnp.full(blocks, 0.02 / 64, jnp.float32), "fp8", FP8_BLOCK)
+
+
 def random_target(shape: str, dtype, seed: int = 0) -> Target:
-    """A target of the named geometry (`RANDOM_SHAPES`) with random weights."""
-    if shape not in RANDOM_SHAPES:
+    """A target of the named geometry (`RANDOM_SHAPES`, or `PACKED_SHAPES` with packed MXFP4 / FP8 experts) with
+    random weights."""
+    geometry, fmt = PACKED_SHAPES.get(shape, (shape, None))
+    if geometry not in RANDOM_SHAPES:
         raise BenchError(f"--target random:{shape}: unknown shape (expected one of "
-                         f"{', '.join('random:' + s for s in RANDOM_SHAPES)})")
-    cfg = config_from_hf(RANDOM_SHAPES[shape], f"random:{shape}")
+                         f"{', '.join('random:' + s for s in [*RANDOM_SHAPES, *PACKED_SHAPES])})")
+    cfg = config_from_hf(RANDOM_SHAPES[geometry], f"random:{shape}")
     abstract = abstract_target(cfg, dtype)
-    return Target(cfg, abstract.graphdef, _random_params(abstract.params, jax.random.key(seed)))
+    key = jax.random.key(seed)
+    if fmt is None:
+        return Target(cfg, abstract.graphdef, _random_params(abstract.params, key))
+    params = jax.tree.map(lambda x: x, abstract.params)  # a copy: the experts are replaced below
+    experts = {}
+    for i, layer in params["layers"].items():
+        mlp = layer.get("mlp", {})
+        for name in ("gate_up", "down"):
+            if name in mlp:
+                experts[(i, name)] = mlp.pop(name)
+    params = _random_params(params, key)  # everything else, one leaf at a time
+    for n, ((i, name), leaf) in enumerate(sorted(experts.items())):
+        params["layers"][i]["mlp"][name] = _packed(jax.random.fold_in(key, 2 ** 31 + n), tuple(leaf.shape), fmt)
+    return Target(cfg, abstract.graphdef, params)
 
 
 def random_head(target: Target, spec: str, *, parallel: bool, dtype, shape: Optional[str] = None, seed: int = 1,
