@@ -328,3 +328,12 @@ def test_summary_across_runs(tmp_path):
     if plots_available():
         write_summary_plot(lines, tmp_path / "speedups.png")
         assert (tmp_path / "speedups.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_simulated_acceptance_checks_its_probabilities():
+    from pjax.bench.simulate import SimulatedAcceptance
+    assert SimulatedAcceptance([1, 0.5]).probabilities == (1.0, 0.5)
+    assert hash(SimulatedAcceptance((0.5,))) == hash(SimulatedAcceptance((0.5,)))  # a static argument: by value
+    for bad in ((), (0.5, 1.5), (-0.1,)):
+        with pytest.raises(ValueError, match="one probability in \\[0, 1\\] per draft position"):
+            SimulatedAcceptance(bad)

@@ -5,7 +5,7 @@ bridge, detokenization, SSE) with one streaming `openai` request per prompt, all
     PYTHONPATH=. python examples/benchmarks/bench_serve.py            # GPU: Llama-3.1-8B shape, P-EAGLE K = 7
     PYTHONPATH=. python examples/benchmarks/bench_serve.py --tiny     # CPU smoke run (tiny shapes)
 
-Weights are random bf16 with simulated acceptance (EngineConfig.simulate_acceptance: seeded per-position verdicts,
+Weights are random bf16 with simulated acceptance (pjax.bench.simulate: seeded per-position verdicts,
 so rounds emit tokens as a trained head's would); the tokenizer is a word-level one covering the whole vocabulary,
 built in memory, so detokenization does one DecodeStream step per token as with a real tokenizer. Every request has
 a --prompt-len random prompt and generates exactly --max-tokens tokens (ignore_eos). Per slot count (--slots, the
@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import pjax  # noqa: E402
 from pjax.config import LayerSpec, ModelConfig, RopeSpec  # noqa: E402
 from pjax.models.drafter import DrafterConfig  # noqa: E402
+from pjax.bench.simulate import SimulatedAcceptance  # noqa: E402
 from pjax.decode.inputs import bucket_batch  # noqa: E402
 from pjax.serve import AsyncEngine, Engine, EngineConfig, RequestParams  # noqa: E402
 from pjax.serve.cli import _bind  # noqa: E402
@@ -192,7 +193,8 @@ def main(argv=None):
         rng = np.random.default_rng(c)
         prompts = rng.integers(0, vocab - 1, (n, prompt_len)).tolist()
         engine = Engine(target, drafter, EngineConfig(max_slots=c, max_len=max_len, num_speculative_tokens=k,
-                                                      drafting="parallel", simulate_acceptance=ACCEPT[:k]))
+                                                      drafting="parallel", prefill="padded"),
+                        acceptance=SimulatedAcceptance(tuple(ACCEPT[:k])))
         admissions = sorted({bucket_batch(i) for i in range(1, engine.max_slots + 1)})
         compile_s = engine.precompile(admissions, [prompt_len], warm=True)  # every admission this run can make
         direct(engine, prompts[:c], params)  # one untimed pass: first-run costs

@@ -43,7 +43,7 @@ from starlette.routing import Route
 
 from pjax.decode.inputs import SEED_LIMIT, is_int, is_real
 from pjax.serve.async_engine import AsyncEngine, EngineDeadError
-from pjax.serve.engine import STOP_WIDTH, RequestParams
+from pjax.decode.engine import STOP_WIDTH, RequestParams
 from pjax.text.detokenize import OutputText, check_stop_strings
 from pjax.text.template import TemplateError
 from pjax.text.tokenizer import Tokenizer, TokenizerError, check_messages
