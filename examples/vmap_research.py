@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pjax  # noqa: E402
 from pjax.config import LayerSpec, ModelConfig, RopeSpec  # noqa: E402
-from pjax.decode import Sampling, make_spec, prefill_single, round_single  # noqa: E402
+from pjax.decode import EngineConfig, Sampling, make_spec, prefill_single, round_single  # noqa: E402
 from pjax.models.drafter import DrafterConfig, init_drafter  # noqa: E402
 
 
@@ -44,7 +44,8 @@ def tiny_models():
 def sample_many(target, drafter, prompt, *, samples, temperature, k, new_tokens, drafting="parallel"):
     """Run `samples` sequences of `prompt` (seeds 0..samples-1) to completion; returns the final
     batched DecodeState (leading axis = sample)."""
-    spec = make_spec(target, drafter, max_new_tokens=new_tokens, num_speculative_tokens=k, drafting=drafting)
+    spec = make_spec(target, drafter, EngineConfig(num_speculative_tokens=k, drafting=drafting),
+                     max_new_tokens=new_tokens)
     capacity = len(prompt) + new_tokens + 2 * k
     init = jax.jit(jax.vmap(functools.partial(prefill_single, spec=spec, capacity=capacity),
                             in_axes=(None, None, None, None, 0)))

@@ -18,10 +18,11 @@ def serve_models():
     return tiny_pair(V, H)
 
 
-def engine(models, drafting="parallel", **kw):
+def engine(models, drafting="parallel", acceptance=None, **kw):
     cfg = dict(max_slots=2, max_len=MAX_LEN, num_speculative_tokens=3, drafting=drafting, rounds_per_step=2,
-               compiler_options=FAST)
-    return Engine(models[0], models[1] if drafting != "none" else None, EngineConfig(**{**cfg, **kw}))
+               prefill="padded", compiler_options=FAST)
+    return Engine(models[0], models[1] if drafting != "none" else None, EngineConfig(**{**cfg, **kw}),
+                  acceptance=acceptance)
 
 
 _REFS: dict = {}
@@ -37,7 +38,7 @@ def _reference(models, drafting, prompt, new, stops=(), temperature=0.0, top_k=0
 def _generate(models, drafting, prompt, new, stops, temperature, top_k, top_p, seed):
     return pjax.generate(models[0], models[1] if drafting != "none" else None, [list(prompt)], max_new_tokens=new,
                          num_speculative_tokens=3, drafting=drafting, eos_token_id=list(stops) or None,
-                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, cache_capacity=MAX_LEN,
+                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_len=MAX_LEN,
                          compiler_options=FAST)
 
 

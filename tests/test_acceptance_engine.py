@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 import pjax
-from pjax.decode.generate import make_spec
+from pjax.decode.settings import EngineConfig, make_spec
 from pjax.decode.state import Sampling
 from pjax.decode.step import prefill, spec_round
 from pjax.models.attention import init_step_kv
@@ -139,8 +139,8 @@ def _run(target, drafter, drafting, draft_sampling):
     groups = list(GROUPS.values())
     col = lambda i: np.array([g[i] for g in groups for _ in range(N)])  # noqa: E731
     m = N * len(groups)
-    spec = make_spec(target, drafter, max_new_tokens=2, num_speculative_tokens=K, drafting=drafting,
-                     draft_sampling=draft_sampling)
+    spec = make_spec(target, drafter, EngineConfig(num_speculative_tokens=K, drafting=drafting,
+                                                   draft_sampling=draft_sampling), max_new_tokens=2)
     sampling = Sampling(jnp.asarray(col(0), jnp.float32), jnp.asarray(col(1), jnp.int32),
                         jnp.asarray(col(2), jnp.float32), jnp.arange(m, dtype=jnp.uint32))
 

@@ -81,9 +81,11 @@ def bench(*args, out):
 
 
 @pytest.mark.parametrize("scheduling", ["continuous", "static"])
-def test_end_to_end(ckpt, tmp_path, capsys, scheduling):
+def test_end_to_end(ckpt, tmp_path, capsys, monkeypatch, scheduling):
     """2 MT-Bench prompts through the chat template, drafting parallel / none, K 1 and 2, concurrency 1 and 2,
     float32 greedy, both schedulings: every speculative output equals plain decoding's; the numbers are consistent."""
+    import pjax.decode.compiled as C
+    monkeypatch.setattr(C, "_COMPILED", {})  # both schedulings run the same engine programs: compile them here
     target_dir, head_dir, _ = ckpt
     out = tmp_path / "res"
     assert bench("--target", target_dir, "--head", head_dir, "--dataset", "mt-bench", "--num-prompts", 2,
@@ -220,7 +222,6 @@ def _no_output(path: Path):
     ("no-head", ["--drafting", "parallel"], "--drafting parallel needs --head"),
     ("num-prompts", ["--num-prompts", "81"], "--num-prompts 81: mt-bench has only 80 prompts"),
     ("dtype", ["--dtype", "int8"], "--dtype=int8 is not supported"),
-    ("rounds-per-step", ["--rounds-per-step", "0"], "--rounds-per-step 0: must be >= 1"),
 ])
 def test_bad_input(ckpt, tmp_path, capsys, case, args, needle):
     target_dir, _, _ = ckpt
@@ -228,6 +229,17 @@ def test_bad_input(ckpt, tmp_path, capsys, case, args, needle):
     assert bench("--target", target_dir, "--drafting", "none", *args, out=out) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and needle in err and "\n" not in err
+    _no_output(out)
+
+
+def test_bad_setting_flag(ckpt, tmp_path, capsys):
+    """The settings' flags (shared with generate and serve) check their values as the arguments are parsed."""
+    target_dir, _, _ = ckpt
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        bench("--target", target_dir, "--drafting", "none", "--rounds-per-step", "0", out=out)
+    assert e.value.code == 2
+    assert "argument --rounds-per-step: 0 must be >= 1" in capsys.readouterr().err
     _no_output(out)
 
 

@@ -4,6 +4,7 @@ compiled by `prepare`, and the admissions it precompiles cover every admission t
 import pytest
 
 from pjax.bench.backend import BatchBackend, EngineBackend, Request, RunSettings
+from pjax.decode import EngineConfig
 from pjax.decode.inputs import bucket_batch, prefill_buckets
 from tests.engine_utils import fast_default_compiles, tiny_pair
 
@@ -42,11 +43,12 @@ def test_continuous_equals_static_per_request(models, drafting, k, concurrency, 
     requests = [Request(str(i), tuple(p), seed=i) for i, p in enumerate(PROMPTS)]
     settings = RunSettings(drafting=drafting, k=k, concurrency=concurrency, max_new_tokens=14,
                            max_positions=max(map(len, PROMPTS)) + 14 + 2 * 2, eos_token_ids=(4,))
-    static = BatchBackend(target, {"parallel": drafter}, prefill="auto")
+    static = BatchBackend(target, {"parallel": drafter}, EngineConfig(prefill="auto"))
     static.prepare(requests, settings)
     want = static.run(requests, settings)
 
-    cont = EngineBackend(target, {"parallel": drafter}, rounds_per_step=2, prefill="auto", max_admit_rows=admit)
+    cont = EngineBackend(target, {"parallel": drafter},
+                         EngineConfig(rounds_per_step=2, prefill="auto", max_admit_rows=admit or 8))
     cont.prepare(requests, settings)
     eng = cont.engine(settings)
     assert eng.max_slots == bucket_batch(concurrency)
@@ -93,6 +95,7 @@ def test_draft_sampling_reaches_the_engine(models):
 
     def results(backend):
         return [(r.tokens, r.accepted_per_position) for r in backend.run(requests, settings).requests]
-    sampled = results(BatchBackend(target, {"parallel": drafter}, draft_sampling="sample"))
-    assert results(EngineBackend(target, {"parallel": drafter}, rounds_per_step=2, draft_sampling="sample")) == sampled
-    assert results(BatchBackend(target, {"parallel": drafter}, draft_sampling="argmax")) != sampled
+    sampled = results(BatchBackend(target, {"parallel": drafter}, EngineConfig(draft_sampling="sample")))
+    assert results(EngineBackend(target, {"parallel": drafter},
+                                 EngineConfig(rounds_per_step=2, draft_sampling="sample"))) == sampled
+    assert results(BatchBackend(target, {"parallel": drafter}, EngineConfig(draft_sampling="argmax"))) != sampled

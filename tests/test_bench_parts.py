@@ -323,3 +323,12 @@ def test_random_heads():
         random_head(target, "x", parallel=True, dtype=jnp.float32)
     with pytest.raises(BenchError, match="unknown shape"):
         random_target("llama-70b", jnp.bfloat16)
+
+
+def test_simulated_acceptance_checks_its_probabilities():
+    from pjax.bench.simulate import SimulatedAcceptance
+    assert SimulatedAcceptance([1, 0.5]).probabilities == (1.0, 0.5)
+    assert hash(SimulatedAcceptance((0.5,))) == hash(SimulatedAcceptance((0.5,)))  # a static argument: by value
+    for bad in ((), (0.5, 1.5), (-0.1,)):
+        with pytest.raises(ValueError, match="one probability in \\[0, 1\\] per draft position"):
+            SimulatedAcceptance(bad)

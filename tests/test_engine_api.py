@@ -11,7 +11,7 @@ import pytest
 
 import pjax
 from pjax.config import LayerSpec, ModelConfig, RopeSpec
-from pjax.decode import Sampling, make_spec, prefill_single, round_single
+from pjax.decode import EngineConfig, Sampling, make_spec, prefill_single, round_single
 from pjax.decode.state import DecodeState
 from pjax.decode.step import _emit
 from tests.engine_utils import FAST, make_drafter
@@ -32,22 +32,22 @@ def models():
     return target, make_drafter(target)
 
 
-gen = functools.partial(pjax.generate, compiler_options=FAST)
+gen = functools.partial(pjax.generate, compiler_options=FAST, drafting="parallel", num_speculative_tokens=3)
 
 
 # ----------------------------------------------------------------------------------------------- errors
 
 def test_errors(models):
     target, drafter = models
-    with pytest.raises(ValueError, match="longer than cache_capacity"):
-        gen(target, drafter, PROMPTS, max_new_tokens=4, cache_capacity=8)
+    with pytest.raises(ValueError, match="longer than max_len"):
+        gen(target, drafter, PROMPTS, max_new_tokens=4, max_len=8)
     for k in (0, -2):
         with pytest.raises(ValueError, match="num_speculative_tokens must be an integer >= 1"):
             gen(target, drafter, PROMPTS, max_new_tokens=4, num_speculative_tokens=k)
     with pytest.raises(ValueError, match="drafting="):
         gen(target, drafter, PROMPTS, max_new_tokens=4, drafting="tree")
     with pytest.raises(ValueError, match="needs a drafter"):
-        gen(target, None, PROMPTS, max_new_tokens=4)
+        gen(target, None, PROMPTS, max_new_tokens=4, drafting="parallel")
     with pytest.raises(ValueError, match="vocab_size"):
         gen(target, make_drafter(tiny_target(vocab=V + 3), mask_token_id=V), PROMPTS, max_new_tokens=4)
     wide = dataclasses.replace(target, config=dataclasses.replace(target.config, hidden_size=2 * H))
@@ -57,7 +57,7 @@ def test_errors(models):
         gen(target, make_drafter(target, aux=(0, 1, 3)), PROMPTS, max_new_tokens=4)
     eagle3 = make_drafter(target, mask_token_id=None, has_mask_hidden=False, model_kind="eagle3")
     with pytest.raises(ValueError, match="use drafting='sequential'"):
-        gen(target, eagle3, PROMPTS, max_new_tokens=4, num_speculative_tokens=3)
+        gen(target, eagle3, PROMPTS, max_new_tokens=4, num_speculative_tokens=3, drafting="parallel")
     with pytest.raises(ValueError, match="max_new_tokens"):
         gen(target, drafter, PROMPTS, max_new_tokens=0)
     with pytest.raises(ValueError, match="outside"):
@@ -144,7 +144,7 @@ def test_cache_capacity_clean_stop(models):
     unconstrained run (drafts are cut near the end so no verify write falls outside the cache)."""
     target, drafter = models
     ref = gen(target, drafter, PROMPTS, max_new_tokens=12).tokens
-    res = gen(target, drafter, PROMPTS, max_new_tokens=12, cache_capacity=12)
+    res = gen(target, drafter, PROMPTS, max_new_tokens=12, max_len=12)
     for p, r, got, why in zip(PROMPTS, ref, res.tokens, res.stats["stop_reasons"]):
         assert why == "capacity" and got == r[:12 - len(p) + 1]
 
@@ -205,10 +205,10 @@ def test_seeded_alone_equals_in_batch(models):
     assert greedy.tokens != batch.tokens
 
 
-def test_host_loop_equals_device_loop(models):
+def test_one_round_per_call_equals_chunks(models):
     target, drafter = models
     dev = gen(target, drafter, PROMPTS, seed=[11, 12, 13], **SAMPLED)
-    host = gen(target, drafter, PROMPTS, seed=[11, 12, 13], loop="host", **SAMPLED)
+    host = gen(target, drafter, PROMPTS, seed=[11, 12, 13], rounds_per_step=1, **SAMPLED)
     assert host.tokens == dev.tokens and host.stats["rounds"] == dev.stats["rounds"]
 
 
@@ -216,7 +216,7 @@ def test_vmap_single_round_equals_batched_engine(models):
     """The research API: vmap the single-sequence prefill / round over sequences with their own seeds."""
     target, drafter = models
     batched = gen(target, drafter, PROMPTS, seed=[11, 12, 13], **SAMPLED)
-    spec = make_spec(target, drafter, max_new_tokens=12, num_speculative_tokens=3, drafting="parallel")
+    spec = make_spec(target, drafter, EngineConfig(num_speculative_tokens=3, drafting="parallel"), max_new_tokens=12)
     b = len(PROMPTS)
     pad = np.zeros((b, 16), np.int32)
     for i, p in enumerate(PROMPTS):
@@ -248,4 +248,4 @@ def test_trained_depth_warning(models):
     target, _ = models
     drafter = make_drafter(target, num_depths=2)
     with pytest.warns(UserWarning, match="trained for"):
-        make_spec(target, drafter, max_new_tokens=4, num_speculative_tokens=3, drafting="parallel")
+        make_spec(target, drafter, EngineConfig(num_speculative_tokens=3, drafting="parallel"), max_new_tokens=4)

@@ -2,13 +2,13 @@
 checkpoints of every target family (ragged batch, its prefill padded, and packed into one row for P-EAGLE; K in {1, 3,
 7, 11}, one per family to bound compile time), and with injected drafts (every accepted-prefix length) the KV
 bookkeeping of target and drafter stays exact."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import pjax
 from pjax.decode import Sampling
-from pjax.decode.generate import _jitted
 from tests.engine_utils import AVAILABLE, FAST, FAST_KEY, K_OF, NEW, PROMPTS, V, build
 
 
@@ -52,10 +52,13 @@ def test_injected_drafts_every_accept_length(llama, drafting):
     incremental drafter KV cache, with its overwritten mask / EAGLE-3 slots, is exact)."""
     target, drafter, ref = llama
     k, new, cap, lp = 3, 30, 64, 48
-    spec = pjax.decode.make_spec(target, drafter, max_new_tokens=new, num_speculative_tokens=k, drafting=drafting)
+    spec = pjax.decode.make_spec(target, drafter, pjax.decode.EngineConfig(num_speculative_tokens=k, drafting=drafting),
+                                 max_new_tokens=new)
     b = len(PROMPTS)
     samp = Sampling(jnp.zeros(b), jnp.zeros(b, jnp.int32), jnp.ones(b), jnp.zeros(b, jnp.uint32))
-    prefill, round_ = _jitted("prefill", False, FAST_KEY), _jitted("round", False, FAST_KEY)
+    prefill = jax.jit(pjax.decode.prefill, static_argnames=("spec", "capacity", "cache_dtype"),
+                      compiler_options=dict(FAST_KEY))
+    round_ = jax.jit(pjax.decode.spec_round, static_argnames=("spec",), compiler_options=dict(FAST_KEY))
 
     def run_prefill(seqs):
         pad = np.zeros((b, lp), np.int32)

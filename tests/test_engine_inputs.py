@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 
 import pjax
+from pjax.bench.simulate import SimulatedAcceptance
 from pjax.config import LayerSpec, ModelConfig, RopeSpec
 from pjax.models.drafter import DrafterConfig, init_drafter
 from tests.engine_utils import FAST, make_drafter
 
 V, H = 61, 32
 PROMPTS = [[5, 17, 3], [9, 1, 44, 60, 2, 10, 33, 8], [30, 31, 32, 33, 34, 35]]
-gen = functools.partial(pjax.generate, compiler_options=FAST)
+gen = functools.partial(pjax.generate, compiler_options=FAST, drafting="parallel", num_speculative_tokens=3)
 
 
 def tiny_target(seed=0, layers=2, **kw):
@@ -55,10 +56,11 @@ def models():
     (dict(eos_token_id=[[1], [2]]), ValueError, r"2 stop lists for 3 prompts"),
     (dict(eos_token_id=[1, [2]]), TypeError, r"mixes ids and lists"),
     (dict(eos_token_id=["1"]), TypeError, r"'1' is not an integer token id"),
-    (dict(simulate_acceptance=[0.5]), ValueError, r"simulate_acceptance must give 3 probabilities"),
+    (dict(acceptance=SimulatedAcceptance((0.5,))), ValueError, r"gives 1 probabilities for K = 3"),
     (dict(implementation="triton"), ValueError, r"implementation='triton'"),
 ])
 def test_bad_values_are_errors(models, kw, err, match):
+    """(also an acceptance hook whose probabilities do not match K: the benchmark's simulated acceptance)"""
     target, drafter = models
     args = dict(max_new_tokens=4)
     args.update(kw)
@@ -206,7 +208,7 @@ def test_context_beyond_max_positions_warns(models):
 def test_float32_models_run_full_precision_products(models, monkeypatch):
     """float32 models compile under matmul precision "highest" unless TF32 is allowed (CPU: the setting is seen)."""
     import sys
-    G = sys.modules["pjax.decode.generate"]
+    G = sys.modules["pjax.decode._generate"]
     target, drafter = models
     seen = []
     orig = G._compiled

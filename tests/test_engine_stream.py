@@ -1,6 +1,6 @@
-"""The device loop in bounded chunks: output equal to one device call and to the host loop, streaming chunks that
-concatenate to the result, rows ended from the host, Ctrl-C returning the output so far, and a sweep of shapes and
-settings that compiles only a handful of programs."""
+"""`pjax.generate` on the engine, in device chunks: output equal to one device call and to one round per call,
+streaming chunks that concatenate to the result, rows ended from the host, Ctrl-C returning the output so far, and a
+sweep of shapes and settings that compiles only a handful of programs."""
 import functools
 import itertools
 import sys
@@ -14,7 +14,7 @@ from tests.engine_utils import FAST, tiny_pair
 V, H = 61, 32
 PROMPTS = [[5, 17, 3], [9, 1, 44, 60, 2, 10, 33, 8], [30, 31, 32, 33, 34, 35]]
 SAMPLED = dict(temperature=[1.0, 0.0, 0.8], top_k=[0, 0, 5], seed=[3, 4, 5])
-gen = functools.partial(pjax.generate, compiler_options=FAST)
+gen = functools.partial(pjax.generate, compiler_options=FAST, drafting="parallel", num_speculative_tokens=3)
 
 
 @pytest.fixture(scope="module")
@@ -23,35 +23,22 @@ def models():
 
 
 @pytest.mark.parametrize("drafting", ["parallel", "sequential", "none"])
-def test_chunked_equals_one_call_and_host_loop(models, drafting):
+def test_chunked_equals_one_call_and_one_round_per_call(models, drafting):
     target, drafter = models
     kw = dict(max_new_tokens=20, drafting=drafting, num_speculative_tokens=3, **SAMPLED)
-    one = gen(target, drafter, PROMPTS, chunk_seconds=None, **kw)
-    many = gen(target, drafter, PROMPTS, chunk_seconds=1e-6, **kw)  # one round per chunk after the first
-    host = gen(target, drafter, PROMPTS, loop="host", **kw)
-    assert many.tokens == one.tokens == host.tokens
-    assert many.stats["rounds"] == one.stats["rounds"] == host.stats["rounds"]
+    one = gen(target, drafter, PROMPTS, rounds_per_step=64, **kw)  # every round in one device call
+    many = gen(target, drafter, PROMPTS, rounds_per_step=1, **kw)  # one round per device call
+    assert many.tokens == one.tokens
+    assert many.stats["rounds"] == one.stats["rounds"]
     assert one.stats["device_chunks"] == 1 and many.stats["device_chunks"] > 3
     assert many.stats["num_accepted_tokens"] == one.stats["num_accepted_tokens"]
-
-
-def test_the_first_chunk_is_sized_from_the_programs_last_run(models):
-    """A generation's first chunk is sized from the last chunk its program ran (8 rounds before it ever ran): with
-    chunk_seconds far above the generation's length, the first generation takes two device calls, the next one."""
-    from pjax.decode.generate import _SECONDS_PER_ROUND
-    target, drafter = models
-    kw = dict(max_new_tokens=30, num_speculative_tokens=2, drafting="parallel", chunk_seconds=60.0)
-    _SECONDS_PER_ROUND.clear()
-    first = gen(target, drafter, PROMPTS, **kw)
-    second = gen(target, drafter, PROMPTS, **kw)
-    assert first.stats["rounds"] > 8 and first.stats["device_chunks"] == 2
-    assert second.stats["device_chunks"] == 1 and second.tokens == first.tokens
 
 
 def test_stream_chunks_concatenate_to_the_result(models):
     target, drafter = models
     ref = gen(target, drafter, PROMPTS, max_new_tokens=16, **SAMPLED)
-    g = Generation(target, drafter, PROMPTS, max_new_tokens=16, chunk_seconds=1e-6, compiler_options=FAST, **SAMPLED)
+    g = Generation(target, drafter, PROMPTS, max_new_tokens=16, rounds_per_step=1, compiler_options=FAST,
+                   num_speculative_tokens=3, **SAMPLED)
     got = [[] for _ in PROMPTS]
     chunks = list(g)
     assert all(len(t) == 1 for t in chunks[0].new_tokens)  # the first chunk: the token sampled at prefill
@@ -66,7 +53,8 @@ def test_stream_chunks_concatenate_to_the_result(models):
 def test_finish_ends_a_row_from_the_host(models):
     target, drafter = models
     ref = gen(target, drafter, PROMPTS, max_new_tokens=24)
-    g = Generation(target, drafter, PROMPTS, max_new_tokens=24, chunk_seconds=1e-6, compiler_options=FAST)
+    g = Generation(target, drafter, PROMPTS, max_new_tokens=24, rounds_per_step=1, compiler_options=FAST,
+                   num_speculative_tokens=3)
     next(g)
     next(g)
     g.finish(1, keep=2)
@@ -82,15 +70,16 @@ def test_ctrl_c_returns_the_output_so_far(models, monkeypatch):
     """KeyboardInterrupt while a chunk runs: GenerationInterrupted carries every token of the finished chunks."""
     target, drafter = models
     ref = gen(target, drafter, PROMPTS, max_new_tokens=24)
-    g = Generation(target, drafter, PROMPTS, max_new_tokens=24, chunk_seconds=1e-6, compiler_options=FAST)
-    loop, calls = g._loop, []
+    g = Generation(target, drafter, PROMPTS, max_new_tokens=24, rounds_per_step=1, compiler_options=FAST,
+                   num_speculative_tokens=3)
+    step, calls = g._engine.step, []
 
-    def flaky(*a):
+    def flaky(*a, **kw):
         calls.append(1)
         if len(calls) == 3:
             raise KeyboardInterrupt
-        return loop(*a)
-    g._loop = flaky
+        return step(*a, **kw)
+    g._engine.step = flaky
     with pytest.raises(GenerationInterrupted) as e:
         g.result()
     part = e.value.result
@@ -113,7 +102,7 @@ def test_a_sweep_compiles_a_handful_of_programs(models, monkeypatch):
     into 16, 4 x 16 into 16 and into 32); the same sweep again compiles nothing."""
     target, drafter = models
     monkeypatch.setattr(sys.modules["pjax.decode.compiled"], "_COMPILED", {})
-    G = sys.modules["pjax.decode.generate"]
+    G = sys.modules["pjax.decode._generate"]
     settings = list(itertools.product([1, 2, 3, 4], [2, 9, 14], [3, 8], [None, [7, 8, 9]]))
     samplings = [dict(), dict(temperature=1.0, top_k=4), dict(temperature=0.7, top_p=0.8)]
 
@@ -128,35 +117,35 @@ def test_a_sweep_compiles_a_handful_of_programs(models, monkeypatch):
     assert sweep() == 0
 
 
-def test_a_k_sweep_compiles_the_target_prefill_once(models, monkeypatch):
-    """The target's prefill depends on no drafting setting: across K and drafting modes it compiles once, the
-    drafter's prefill and the decode chunk once per setting."""
+def test_a_k_sweep_compiles_one_admission_and_one_chunk_per_setting(models, monkeypatch):
+    """Across K and drafting modes each setting compiles its admission (the prefill of the batch) and its decode chunk
+    once, and every setting's greedy output equals plain decoding's."""
     target, drafter = models
-    G = sys.modules["pjax.decode.generate"]
+    G = sys.modules["pjax.decode.engine"]
     built = []
-    orig = G._compiled
+    orig = G.compiled
 
     def record(name, *a):
         exe, seconds = orig(name, *a)
         if seconds:
             built.append(name)
         return exe, seconds
-    monkeypatch.setattr(G, "_compiled", record)
+    monkeypatch.setattr(G, "compiled", record)
     prompts = [[7, 8, 9, 10, 11, 12, 13], [1, 2]]
     outs = [gen(target, drafter, prompts, max_new_tokens=6, drafting=d, num_speculative_tokens=k).tokens
             for d, k in [("parallel", 2), ("parallel", 5), ("sequential", 4)]]
-    assert built.count("prefill_target") <= 1 and built.count("prefill_drafter") == 3 and built.count("chunk") == 3
+    assert built.count("admit") == 3 and built.count("chunk") == 3, built
     assert outs[0] == outs[1] == outs[2] == gen(target, None, prompts, max_new_tokens=6, drafting="none").tokens
 
 
 def test_precompile_in_threads_builds_each_program_once(models, monkeypatch):
-    """`pjax.decode.precompile` from threads at once (the benchmark's warm-up): each program is compiled by one thread
-    while the others wait for it, nothing runs, and the generations afterwards compile nothing and give the outputs
-    of generations that compiled for themselves."""
+    """`Engine.precompile_admissions` from threads at once: each program is compiled by one thread while the others
+    wait for it, nothing runs, and the generations afterwards compile nothing and give the outputs of generations
+    that compiled for themselves."""
     from concurrent.futures import ThreadPoolExecutor
     target, drafter = models
     C = sys.modules["pjax.decode.compiled"]
-    G = sys.modules["pjax.decode.generate"]
+    G = sys.modules["pjax.decode._generate"]
     settings = dict(max_new_tokens=5, prefill="padded", num_speculative_tokens=3, compiler_options=FAST)
     prompts = [[list(range(3, 3 + n))] * 2 for n in (2, 20)] * 3  # two prompt buckets, six settings
     expected = [gen(target, drafter, p, **settings).tokens for p in prompts]
@@ -168,9 +157,13 @@ def test_precompile_in_threads_builds_each_program_once(models, monkeypatch):
         built.append(name)
         return orig_jitted(name, *a)
     monkeypatch.setattr(C, "jitted", counting)
+    config = pjax.decode.EngineConfig(max_slots=2, max_len=64, prefill="padded", num_speculative_tokens=3,
+                                      compiler_options=FAST)
+    engines = [pjax.decode.Engine(target, drafter, config) for _ in prompts]
     with ThreadPoolExecutor(6) as pool:
-        seconds = list(pool.map(lambda p: pjax.decode.precompile(target, drafter, p, **settings), prompts))
-    assert sorted(built) == ["chunk"] + ["prefill_drafter"] * 2 + ["prefill_target"] * 2, built
+        seconds = list(pool.map(lambda ep: ep[0].precompile_admissions([[len(x) for x in ep[1]]]),
+                                zip(engines, prompts)))
+    assert sorted(built) == ["admit"] * 2 + ["chunk", "chunk_ending"], built
     assert sum(s > 0 for s in seconds) >= 1
     before = G.compile_count()
     assert [pjax.generate(target, drafter, p, **settings).tokens for p in prompts] == expected

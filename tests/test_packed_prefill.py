@@ -199,20 +199,21 @@ def test_the_layout_follows_prefill(pair):
 
 
 def test_packed_programs_are_bucketed(pair):
-    """A batch of other prompt lengths in the same (rows, prompt, packed row) buckets reuses the target's prefill:
-    3 prompts of 12, 2, 7 tokens and 4 of 10, 3, 3, 2 both run 4 rows of 16 positions packed into 32."""
-    G = sys.modules["pjax.decode.generate"]
+    """A batch of other prompt lengths in the same (rows, prompt, packed row) buckets reuses the admission (the
+    batch's prefill): 3 prompts of 12, 2, 7 tokens and 4 of 10, 3, 3, 2 both run 4 rows of 16 positions packed into
+    32."""
+    G = sys.modules["pjax.decode.engine"]
     built = []
-    orig = G._compiled
+    orig = G.compiled
 
     def record(name, *a):
         exe, seconds = orig(name, *a)
-        if seconds and name == "prefill_target":
-            built.append(a[0][1].shape)
+        if seconds and name == "admit":
+            built.append(a[0][4].shape)
         return exe, seconds
     second = [[6] * 10, [7] * 3, [8] * 3, [9] * 2]
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(G, "_compiled", record)
+        mp.setattr(G, "compiled", record)
         first = gen(pair, [[3] * 12, [4] * 2, [5] * 7], prefill="packed")
         compiled = len(built)
         out = gen(pair, second, prefill="packed")
@@ -231,11 +232,11 @@ def test_packed_drafter_prefill_equals_padded(drafting, implementation):
     drafting) are packed too: the same first drafts, draft probabilities and drafter KV cache (every row, every
     position) as the padded [B, Lp + mask slots] pass, for a 2-layer head (its fused first layer and a decoder
     layer), float32; under "pallas" the packed attention is the flash kernel's (interpret mode off a GPU)."""
-    from pjax.decode.generate import make_spec
+    from pjax.decode.settings import EngineConfig, make_spec
     target, _ = tiny_pair(97)
     drafter = make_drafter(target, num_layers=2)
-    spec = make_spec(target, drafter, max_new_tokens=8, num_speculative_tokens=3, drafting=drafting,
-                     draft_sampling="sample", implementation=implementation)
+    spec = make_spec(target, drafter, EngineConfig(num_speculative_tokens=3, drafting=drafting, draft_sampling="sample",
+                                                   implementation=implementation), max_new_tokens=8)
     prompts, lengths = padded(RAGGED)
     samp = Sampling(jnp.full(5, 0.8), jnp.zeros(5, jnp.int32), jnp.ones(5), jnp.arange(5, dtype=jnp.uint32))
     run = functools.partial(_full_prefill, target, drafter, prompts, lengths, samp, spec=spec, capacity=CAP)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pjax.decode.generate import make_spec
+from pjax.decode.settings import EngineConfig, make_spec
 from pjax.decode.state import Sampling
 from pjax.decode.step import prefill, spec_round
 from pjax.models.pairing import check_pair
@@ -30,7 +30,8 @@ def run():
 
 def engine_programs(target, dr, rows: int, max_new_tokens: int):
     """(greedy Sampling for `rows` rows, jitted prefill, jitted spec_round, spec) of parallel drafting at K."""
-    spec = make_spec(target, dr, max_new_tokens=max_new_tokens, num_speculative_tokens=K, drafting="parallel")
+    spec = make_spec(target, dr, EngineConfig(num_speculative_tokens=K, drafting="parallel"),
+                     max_new_tokens=max_new_tokens)
     samp = Sampling(jnp.zeros(rows), jnp.zeros(rows, jnp.int32), jnp.ones(rows), jnp.zeros(rows, jnp.uint32),
                     jnp.full((rows, 1), -1, jnp.int32))
     fast = {"xla_backend_optimization_level": 0}

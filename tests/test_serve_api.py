@@ -27,7 +27,7 @@ import pjax.text as T
 from pjax.serve.async_engine import AsyncEngine
 import pjax.serve.cli as cli
 from pjax.serve.cli import _bind, _warm_up
-from pjax.serve.engine import Engine, EngineConfig, Event, RequestParams
+from pjax.decode.engine import Engine, EngineConfig, Event, RequestParams
 from pjax.serve.openai_api import ServedModel, _until_disconnect, create_app
 from tests.engine_utils import FAST
 from tests.text_utils import CHAT, V, build

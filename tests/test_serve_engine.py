@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import pjax
+from pjax.bench.simulate import SimulatedAcceptance
 from pjax.serve import Engine, EngineConfig, RequestParams
 from tests.engine_utils import FAST
 from tests.serve_utils import (MAX_LEN, V, assert_free_rows_done, check_against_reference, drain, engine, reference,
@@ -81,14 +82,14 @@ def test_freed_slots_drop_their_filters(models):
 
 
 def test_simulated_acceptance_equals_generate(models):
-    sim = (0.9, 0.5, 0.3)
-    eng = engine(models, max_slots=2, simulate_acceptance=sim)
+    sim = SimulatedAcceptance((0.9, 0.5, 0.3))
+    eng = engine(models, max_slots=2, acceptance=sim)
     ids = [eng.submit(p, RequestParams(n)) for p, n in zip(PROMPTS[:3], NEW[:3])]
     outputs, finals = {}, {}
     drain(eng, outputs, finals)
     for rid, p, n in zip(ids, PROMPTS, NEW):
         ref = pjax.generate(models[0], models[1], [p], max_new_tokens=n, num_speculative_tokens=3,
-                            simulate_acceptance=sim, cache_capacity=MAX_LEN, compiler_options=FAST)
+                            acceptance=sim, max_len=MAX_LEN, compiler_options=FAST)
         assert outputs[rid] == ref.tokens[0]
         assert finals[rid].stats["num_accepted_tokens"] == ref.stats["num_accepted_tokens"] > 0
 
@@ -379,6 +380,6 @@ def test_config_needs_a_drafter_and_a_target(models):
         Engine(models[0], None, EngineConfig(drafting="parallel"))
     with pytest.raises(TypeError, match="target must be a pjax Target"):
         Engine("path", models[1], EngineConfig())
-    with pytest.raises(TypeError, match="config must be a pjax.serve.EngineConfig"):
+    with pytest.raises(TypeError, match="config must be a pjax.decode.EngineConfig"):
         Engine(models[0], models[1], dict(max_slots=2))
     assert hash(EngineConfig(compiler_options={"a": 1})) == hash(EngineConfig())  # options are not hashed

@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import pjax.text as T
 from pjax.serve.async_engine import AsyncEngine
 from pjax.serve.cli import _bind, make_server
-from pjax.serve.engine import Engine, EngineConfig, Event
+from pjax.serve import Engine, EngineConfig, Event
 from pjax.serve.openai_api import COMPLETION_FIELDS, CHAT_FIELDS, ServedModel, ServerLimits, create_app
 from tests.engine_utils import FAST
 from tests.text_utils import CHAT, V, build

@@ -82,7 +82,7 @@ def test_file_in_batches_streamed(dirs, gen, tmp_path, capsys, monkeypatch):
     f = tmp_path / "prompts.jsonl"
     f.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     monkeypatch.setattr(cli, "TextGenerator", functools.partial(T.TextGenerator, compiler_options=FAST,
-                                                                chunk_seconds=1e-6))
+                                                                rounds_per_step=1))
     rc, out, err = _main(capsys, "--target", target, "--head", head, "--file", f, "--max-new-tokens", NEW, "--k", 3,
                          "--dtype", "float32", "--batch-size", 2, "--stream")
     assert rc == 0, err
@@ -167,7 +167,7 @@ def test_ctrl_c_prints_the_text_so_far(dirs, gen, capsys, monkeypatch):
         return s
     monkeypatch.setattr(T.TextGenerator, "stream", interrupted)
     monkeypatch.setattr(cli, "TextGenerator", functools.partial(T.TextGenerator, compiler_options=FAST,
-                                                                chunk_seconds=1e-6))
+                                                                rounds_per_step=1))
     for streaming in ([], ["--stream"]):
         rc, out, err = _main(capsys, "--target", target, "--head", head, "--prompt", "The quick brown fox",
                              "--max-new-tokens", NEW, "--k", 3, "--dtype", "float32", *streaming)

@@ -146,7 +146,7 @@ def test_stream_deltas_concatenate_to_the_text(gen, sampling, with_stop):
     stop = [_stop_from(free[0].text, len(free[0].text) // 3, 2)] if with_stop else None
     kw = dict(max_new_tokens=NEW, k=K, stop=stop, **sampling)
     want = gen.generate(PROMPTS, **kw)
-    fine = T.TextGenerator(gen.target, gen.drafter, gen.tokenizer, compiler_options=FAST, chunk_seconds=1e-6)
+    fine = T.TextGenerator(gen.target, gen.drafter, gen.tokenizer, compiler_options=FAST, rounds_per_step=1)
     stream = fine.stream(PROMPTS, **kw)
     texts, ids, finished, deltas = ["", "", ""], [[], [], []], [None] * 3, 0
     for d in stream:
@@ -172,7 +172,7 @@ def test_stream_deltas_concatenate_to_the_text(gen, sampling, with_stop):
 
 def test_ctrl_c_returns_the_text_so_far(gen):
     full = gen.generate(PROMPTS, max_new_tokens=NEW, k=K, ignore_eos=True)
-    fine = T.TextGenerator(gen.target, gen.drafter, gen.tokenizer, compiler_options=FAST, chunk_seconds=1e-6)
+    fine = T.TextGenerator(gen.target, gen.drafter, gen.tokenizer, compiler_options=FAST, rounds_per_step=1)
     stream = fine.stream(PROMPTS, max_new_tokens=NEW, k=K, ignore_eos=True)
     engine = stream._gen
     loop, calls = engine._loop, []

@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import pjax  # noqa: E402
 from pjax.config import LayerSpec, ModelConfig, RopeSpec  # noqa: E402
 from pjax.models.cache import init_cache  # noqa: E402
-from pjax.decode import DecodeState, Sampling, make_spec, spec_round, verify  # noqa: E402
+from pjax.decode import DecodeState, EngineConfig, Sampling, make_spec, spec_round, verify  # noqa: E402
 from pjax.decode import draft as D  # noqa: E402
 from pjax.kernels import IMPLEMENTATIONS, accept  # noqa: E402
 from pjax.kernels.metadata import build_draft_inputs  # noqa: E402
@@ -186,8 +186,9 @@ class Bench:
         self.sampling = Sampling(jnp.zeros(b), jnp.zeros(b, jnp.int32), jnp.ones(b), jnp.arange(b, dtype=jnp.uint32))
 
     def spec(self, k, drafting):
-        return make_spec(self.target, self.drafter, max_new_tokens=4096, num_speculative_tokens=k,
-                         drafting=drafting, implementation=self.implementation)
+        return make_spec(self.target, self.drafter, EngineConfig(num_speculative_tokens=k, drafting=drafting,
+                                                                 implementation=self.implementation),
+                         max_new_tokens=4096)
 
     def state(self, spec):
         return synthetic_state(self.target, self.drafter, spec, self.b, self.capacity, self.ctx)

@@ -46,7 +46,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import pjax  # noqa: E402
 from pjax.config import LayerSpec, ModelConfig, RopeSpec  # noqa: E402
-from pjax.decode import precompile  # noqa: E402
 from pjax.decode.compiled import compile_stats  # noqa: E402
 from pjax.models.drafter import DrafterConfig  # noqa: E402
 
@@ -91,6 +90,12 @@ def head(shape, head_layers: int, peagle: bool = True):
 def prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return rng.integers(0, vocab - 1, (batch, length)).tolist()
+
+
+def precompile(target, drafter, ps, **kw) -> None:
+    """A generation's start without its run: `pjax.decode.Generation` checks the inputs, builds its engine and finds
+    (or compiles) the programs."""
+    pjax.decode.Generation(target, drafter, ps, **kw).close()
 
 
 def run_host(args) -> dict:

@@ -121,6 +121,7 @@ def serve_and_load(args, target, head, tokenizer, prompts, c: int, max_positions
     """Serve an engine of c slots (as the bench's: KV capacity for max_positions, the whole prompt set's longest
     request) and drive it with c clients in flight: output tokens, wall s."""
     from pjax.decode.inputs import bucket_batch, bucket_capacity
+    from pjax.bench.simulate import SimulatedAcceptance
     from pjax.serve import AsyncEngine, Engine, EngineConfig
     from pjax.serve.cli import make_server
     from pjax.serve.openai_api import ServedModel, create_app
@@ -129,8 +130,8 @@ def serve_and_load(args, target, head, tokenizer, prompts, c: int, max_positions
     sim = tuple(float(x) for x in args.simulate_acceptance.split(","))[:k] if args.simulate_acceptance else None
     max_len = bucket_capacity(max_positions)
     engine = Engine(target, head, EngineConfig(max_slots=c, max_len=max_len, num_speculative_tokens=k,
-                                               drafting="parallel", rounds_per_step=args.rounds_per_step,
-                                               simulate_acceptance=sim))
+                                               drafting="parallel", rounds_per_step=args.rounds_per_step),
+                    acceptance=None if sim is None else SimulatedAcceptance(sim))
     rows = sorted({bucket_batch(i) for i in range(1, min(c, 8) + 1)})
     compile_s = engine.precompile(rows, sorted({len(p) for p in prompts}), warm=True)
     model = ServedModel(name="bench", tokenizer=tokenizer, vocab_size=target.config.vocab_size, max_len=max_len,

@@ -2,23 +2,23 @@
 ...) and returns what each request produced and when. The benchmark's metrics, tables and exactness checks are
 computed from these results only, so the scheduling is the backend's choice.
 
-`EngineBackend` (continuous batching, `pjax.serve.Engine`): concurrency c = an engine of c slots; every request of
-the run is submitted at once and waits in the engine's queue until a slot frees (vLLM's `--max-concurrency c`).
-`BatchBackend` (static batches, `pjax.decode.Generation`): c requests decoded as one ragged batch; the next c start
-when all of them have finished.
+Both backends run the one engine (`pjax.decode.Engine`) of c slots for concurrency c, with the settings of one
+`EngineConfig` (drafting and K per configuration):
+`EngineBackend` (continuous batching): the next request joins as soon as one finishes (vLLM's `--max-concurrency c`).
+`BatchBackend` (static batches): c requests admitted at once (one prefill of the batch); the next c start when all of
+them have finished.
 """
 from __future__ import annotations
 
 import dataclasses
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Mapping, Optional, Protocol, Sequence
 
 from pjax.bench.errors import BenchError
-from pjax.decode import Generation, precompile
-from pjax.decode.compiled import COMPILE_THREADS
+from pjax.bench.simulate import SimulatedAcceptance
+from pjax.decode.engine import STOP_WIDTH, Engine, RequestParams
 from pjax.decode.inputs import bucket_capacity, prefill_buckets
-from pjax.serve.engine import STOP_WIDTH, Engine, EngineConfig, RequestParams
+from pjax.decode.settings import EngineConfig
 
 __all__ = ["SCHEDULING", "Backend", "BatchBackend", "EngineBackend", "Request", "RequestResult", "RunResult",
            "RunSettings"]
@@ -93,6 +93,12 @@ class RunResult:
     compile_s: float
 
 
+def _acceptance(settings: RunSettings) -> Optional[SimulatedAcceptance]:
+    """The engine's acceptance hook for `settings`: simulated verdicts, or None (the target's)."""
+    p = settings.simulate_acceptance
+    return None if p is None else SimulatedAcceptance(tuple(p))
+
+
 class Backend(Protocol):
     """Runs requests under one setting. `scheduling` is one line, shown with the results, saying how requests in
     flight are scheduled."""
@@ -106,98 +112,27 @@ class Backend(Protocol):
         """Run every request; `on_progress(n)` after each n more requests finished."""
 
 
-class BatchBackend:
-    """`pjax.decode.Generation` in static batches of `concurrency` requests.
-
-    drafters: the head of each drafting mode ({"parallel": head, "sequential": head}; "none" needs none).
-    implementation / cache_dtype / prefill / draft_sampling: passed to the engine. The KV cache of every batch holds
-    `bucket_capacity(settings.max_positions)` positions, so programs depend on the batch's rows, prompt-length and
-    packed-row buckets only and `prepare` can compile each of them with a short generation.
-    """
-    scheduling = ("static batches: concurrency c = c requests decoded as one ragged batch (one "
-                  "pjax.decode.Generation, its default device loop in bounded chunks); the next c start when all of "
-                  "them finish (no continuous batching)")
-
-    def __init__(self, target, drafters: Mapping[str, object], *, implementation: str = "auto", cache_dtype=None,
-                 prefill: str = "auto", draft_sampling: str = "argmax"):
-        self.target, self.drafters = target, dict(drafters)
-        self.implementation, self.cache_dtype, self.prefill = implementation, cache_dtype, prefill
-        self.draft_sampling = draft_sampling
-
-    @staticmethod
-    def batches(requests: Sequence[Request], concurrency: int) -> list[Sequence[Request]]:
-        return [requests[i:i + concurrency] for i in range(0, len(requests), concurrency)]
-
-    def _generation(self, batch: Sequence[Request], settings: RunSettings, max_new_tokens: int, *,
-                    compile_only: bool = False):
-        """The Generation of `batch`; compile_only: its programs' compile seconds instead (`precompile`)."""
-        s = settings
-        return (precompile if compile_only else Generation)(
-            self.target, self.drafters.get(s.drafting), [list(r.tokens) for r in batch],
-            max_new_tokens=max_new_tokens, num_speculative_tokens=max(s.k, 1), drafting=s.drafting,
-            temperature=s.temperature, seed=[r.seed for r in batch], eos_token_id=list(s.eos_token_ids) or None,
-            cache_capacity=bucket_capacity(s.max_positions), implementation=self.implementation,
-            cache_dtype=self.cache_dtype, simulate_acceptance=s.simulate_acceptance, prefill=self.prefill,
-            draft_sampling=self.draft_sampling)
-
-    def prepare(self, requests: Sequence[Request], settings: RunSettings) -> float:
-        """The programs of every distinct batch of the run compiled in threads (`pjax.decode.precompile`: XLA
-        compiles them in parallel, nothing runs), then one short generation (K + 2 new tokens: prefill and a few
-        rounds) per distinct batch, one after another; returns the compile seconds (summed over programs)."""
-        firsts = {}
-        for batch in self.batches(requests, settings.concurrency):
-            firsts.setdefault(prefill_buckets([len(r.tokens) for r in batch], bucket_capacity(settings.max_positions),
-                                              self.prefill), batch)
-        new_tokens = min(settings.max_new_tokens, settings.k + 2)
-        with ThreadPoolExecutor(max_workers=min(len(firsts), COMPILE_THREADS)) as pool:
-            compile_s = sum(pool.map(lambda batch: self._generation(batch, settings, new_tokens, compile_only=True),
-                                     firsts.values()))
-        return compile_s + sum(self._generation(batch, settings, new_tokens).result().stats["compile_time_s"]
-                               for batch in firsts.values())
-
-    def run(self, requests: Sequence[Request], settings: RunSettings,
-            on_progress: Optional[Callable[[int], None]] = None) -> RunResult:
-        out: list[RequestResult] = []
-        compile_s = 0.0
-        t0 = time.perf_counter()
-        for batch in self.batches(requests, settings.concurrency):
-            res = self._generation(batch, settings, settings.max_new_tokens).result()
-            compile_s += res.stats["compile_time_s"]
-            for tokens, r in zip(res.tokens, res.stats["requests"]):
-                nd = r["num_drafts"]
-                out.append(RequestResult(
-                    tokens=list(tokens), ttft_s=r["ttft_s"], e2e_s=r["e2e_s"], rounds=r["rounds"], num_drafts=nd,
-                    accepted_per_position=[int(round(a * nd)) for a in r["acceptance_rates"]][:settings.k],
-                    stop_reason=r["stop_reason"]))
-            if on_progress is not None:
-                on_progress(len(batch))
-        duration = time.perf_counter() - t0 - compile_s
-        return RunResult(out, duration, compile_s)
-
-
 class EngineBackend:
-    """`pjax.serve.Engine` (continuous batching) with `concurrency` requests in flight: the run's requests are fed in
-    order, the next one as soon as one finishes, into an engine of `concurrency` slots (rounded up to a power of two:
-    a power of two of device rows, never more than `concurrency` requests). A request's TTFT and end-to-end latency
-    count from its admission into a slot (the moment vLLM's client would send it).
+    """The engine with `concurrency` requests in flight: the run's requests are fed in order, the next one as soon as
+    one finishes, into an engine of `concurrency` slots (rounded up to a power of two: a power of two of device rows,
+    never more than `concurrency` requests). A request's TTFT and end-to-end latency count from its admission into a
+    slot (the moment vLLM's client would send it).
 
-    drafters: as `BatchBackend`. rounds_per_step: rounds per device chunk (admission, streaming between chunks);
-    prefill / draft_sampling / max_admit_rows: the admissions' prefill layout, the drafts' sampling and the requests
-    one admission program prefills at most (`EngineConfig`; None: its default).
-    Every slot's KV cache holds `bucket_capacity(settings.max_positions)` positions (as `BatchBackend`). One engine
-    is kept (the last configuration's, reused by its `run`).
+    drafters: the head of each drafting mode ({"parallel": head, "sequential": head}; "none" needs none). config: the
+    engine's settings (kernels, cache dtype, prefill layout, draft sampling, rounds per chunk, admission rows); the
+    drafting, K, slots and KV positions are each configuration's. Every slot's KV cache holds
+    `bucket_capacity(settings.max_positions)` positions. One engine is kept (the last configuration's, reused by its
+    `run`).
     """
-    scheduling = ("continuous batching: concurrency c = c requests in flight in one pjax.serve.Engine (c slots, "
+    scheduling = ("continuous batching: concurrency c = c requests in flight in one pjax.decode.Engine (c slots, "
                   "rounded up to a power of two); the next request joins as soon as one finishes, between device "
                   "chunks (vLLM's --max-concurrency c); TTFT and end-to-end latency count from a request's admission")
+    static = False
 
-    def __init__(self, target, drafters: Mapping[str, object], *, implementation: str = "auto", cache_dtype=None,
-                 rounds_per_step: int = 8, prefill: str = "padded", draft_sampling: str = "argmax",
-                 max_admit_rows: Optional[int] = None):
-        self.target, self.drafters = target, dict(drafters)
-        self.implementation, self.cache_dtype, self.rounds_per_step = implementation, cache_dtype, rounds_per_step
-        self.prefill, self.draft_sampling = prefill, draft_sampling
-        self.admit = {} if max_admit_rows is None else {"max_admit_rows": max_admit_rows}
+    def __init__(self, target, drafters: Mapping[str, object], config: EngineConfig = EngineConfig()):
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be a pjax.decode.EngineConfig, got {type(config).__name__}")
+        self.target, self.drafters, self.config = target, dict(drafters), config
         self._engine: Optional[tuple[tuple, Engine]] = None
 
     def engine(self, settings: RunSettings) -> Engine:
@@ -206,12 +141,10 @@ class EngineBackend:
         key = (s.drafting, s.k, s.concurrency, s.max_positions, s.simulate_acceptance)
         if self._engine is None or self._engine[0] != key:
             self._engine = None  # release the previous engine's device state first
-            cfg = EngineConfig(max_slots=s.concurrency, max_len=bucket_capacity(s.max_positions),
-                               num_speculative_tokens=max(s.k, 1), drafting=s.drafting,
-                               implementation=self.implementation, cache_dtype=self.cache_dtype,
-                               rounds_per_step=self.rounds_per_step, simulate_acceptance=s.simulate_acceptance,
-                               prefill=self.prefill, draft_sampling=self.draft_sampling, **self.admit)
-            self._engine = (key, Engine(self.target, self.drafters.get(s.drafting), cfg))
+            cfg = dataclasses.replace(self.config, max_slots=s.concurrency, max_len=bucket_capacity(s.max_positions),
+                                      num_speculative_tokens=max(s.k, 1), drafting=s.drafting,
+                                      **({"max_admit_rows": None} if self.static else {}))
+            self._engine = (key, Engine(self.target, self.drafters.get(s.drafting), cfg, acceptance=_acceptance(s)))
         return self._engine[1]
 
     @staticmethod
@@ -230,6 +163,11 @@ class EngineBackend:
                 out.setdefault(prefill_buckets(run, capacity, prefill), run)
         return out
 
+    def _admission_runs(self, eng: Engine, requests: Sequence[Request], settings: RunSettings):
+        """The prompt lengths of admissions that use every admission program the run can use."""
+        return self.admissions(requests, min(settings.concurrency, eng.max_admit_rows), eng.max_len,
+                               eng.prefill).values()
+
     def _params(self, r: Request, settings: RunSettings, max_new_tokens: int) -> RequestParams:
         if len(settings.eos_token_ids) > STOP_WIDTH:
             raise BenchError(f"{len(settings.eos_token_ids)} EOS ids: the engine takes {STOP_WIDTH} at most")
@@ -239,18 +177,20 @@ class EngineBackend:
     def _serve(self, eng: Engine, requests: Sequence[Request], settings: RunSettings, max_new_tokens: int,
                on_progress=None) -> list[tuple[list[int], object]]:
         """Keep `concurrency` requests in the engine (its slots are a power of two, possibly more), submitting the
-        next one as one finishes; returns each request's (tokens, final event) in order."""
+        next one as one finishes (static: the next `concurrency` when all have finished); returns each request's
+        (tokens, final event) in order."""
         params = [self._params(r, settings, max_new_tokens) for r in requests]
         ids: list[int] = []
         tokens: dict[int, list[int]] = {}
         finals: dict[int, object] = {}
         while len(ids) < len(requests) or eng.has_work:
-            while len(ids) < len(requests) and eng.num_running + eng.num_waiting < settings.concurrency:
+            room = not eng.has_work if self.static else True
+            while room and len(ids) < len(requests) and eng.num_running + eng.num_waiting < settings.concurrency:
                 rid = eng.submit(list(requests[len(ids)].tokens), params[len(ids)])
                 ids.append(rid)
                 tokens[rid] = []
             done = 0
-            for ev in eng.step():
+            for ev in eng.step(final=self.static):
                 tokens[ev.request_id] += ev.new_tokens
                 if ev.finished:
                     finals[ev.request_id] = ev
@@ -260,12 +200,11 @@ class EngineBackend:
         return [(tokens[i], finals[i]) for i in ids]
 
     def prepare(self, requests: Sequence[Request], settings: RunSettings) -> float:
-        """Compile and run once the chunk program and every admission program the run can use (`admissions`), then
-        serve the first `concurrency` requests for K + 2 new tokens (warm-up)."""
+        """Compile and run once the chunk program and every admission program the run can use, then serve the first
+        `concurrency` requests for K + 2 new tokens (warm-up)."""
         eng = self.engine(settings)
         before = eng.compile_s
-        runs = self.admissions(requests, min(settings.concurrency, eng.max_admit_rows), eng.max_len, eng.prefill)
-        eng.precompile_admissions(runs.values(), warm=True)
+        eng.precompile_admissions(self._admission_runs(eng, requests, settings), warm=True)
         self._serve(eng, requests[:settings.concurrency], settings, min(settings.max_new_tokens, settings.k + 2))
         return eng.compile_s - before
 
@@ -287,3 +226,20 @@ class EngineBackend:
                 accepted_per_position=[int(round(a * nd)) for a in st["acceptance_rates"]][:settings.k],
                 stop_reason=ev.stop_reason))
         return RunResult(out, duration, compile_s)
+
+
+class BatchBackend(EngineBackend):
+    """Static batches on the same engine: `concurrency` requests admitted at once (one prefill of the whole batch,
+    packed where it computes fewer positions under prefill "auto"), decoded until all of them have finished; then
+    the next `concurrency` (no continuous batching). Arguments as `EngineBackend`."""
+    scheduling = ("static batches: concurrency c = c requests admitted at once into one pjax.decode.Engine of c slots "
+                  "(one prefill of the batch) and decoded together; the next c start when all of them finish (no "
+                  "continuous batching)")
+    static = True
+
+    @staticmethod
+    def batches(requests: Sequence[Request], concurrency: int) -> list[Sequence[Request]]:
+        return [requests[i:i + concurrency] for i in range(0, len(requests), concurrency)]
+
+    def _admission_runs(self, eng: Engine, requests: Sequence[Request], settings: RunSettings):
+        return [tuple(len(r.tokens) for r in batch) for batch in self.batches(requests, settings.concurrency)]

@@ -58,14 +58,13 @@ from pjax.checkpoint.heads import load_drafter
 from pjax.checkpoint.target import load_target
 from pjax.command import run_command
 from pjax.config import ConfigError
-from pjax.decode import make_spec
+from pjax.bench.simulate import SimulatedAcceptance
+from pjax.decode import EngineConfig, make_spec
+from pjax.decode.settings import add_flags, config_from_flags
 from pjax.decode.compiled import use_compilation_cache
-from pjax.decode.inputs import PREFILL_LAYOUTS
-from pjax.decode.state import DRAFT_SAMPLING
 from pjax.models.families import config_from_hf
 from pjax.dtypes import parse_dtype
-from pjax.kernels import IMPLEMENTATIONS
-from pjax.serve.engine import STOP_WIDTH
+from pjax.decode.engine import STOP_WIDTH
 
 CHAT = ("auto", "on", "off")
 
@@ -106,14 +105,7 @@ def build_parser(prog: str = "python -m pjax bench") -> argparse.ArgumentParser:
     m.add_argument("--dtype", default="bf16", help="parameter / compute dtype: bf16 (default), f32, f16")
     m.add_argument("--no-finite-check", action="store_true",
                    help="accept NaN / inf weights (by default every floating tensor is checked, on device)")
-    m.add_argument("--cache-dtype", default=None, help="KV cache dtype (default: the model's)")
-    m.add_argument("--implementation", default="auto", choices=IMPLEMENTATIONS,
-                   help="kernel switch: xla | pallas | auto (default)")
-    m.add_argument("--prefill", default=None, choices=PREFILL_LAYOUTS,
-                   help="layout of the target's prefill: padded (one right-padded row per prompt), packed (the "
-                        "prompts of a batch in one row) or auto (packed where it computes fewer positions). Default: "
-                        "auto with --scheduling static, padded with continuous (packing multiplies the engine's "
-                        "admission programs to compile)")
+    add_flags(m, "cache_dtype", "implementation", "prefill")
     d = p.add_argument_group("prompts")
     d.add_argument("--dataset", action="append", default=None, metavar="NAME_OR_FILE",
                    help=f"{', '.join(DATASET_NAMES)}, or a .jsonl file with 'prompt' or 'messages' per line; "
@@ -138,19 +130,13 @@ def build_parser(prog: str = "python -m pjax bench") -> argparse.ArgumentParser:
                    help="continuous (default): c requests in flight in the serving engine, the next joining as one "
                         "finishes (vLLM's --max-concurrency); static: c requests decoded as one batch, the next c "
                         "when all have finished")
-    s.add_argument("--rounds-per-step", type=int, default=8,
-                   help="continuous scheduling: rounds per device chunk, between which requests join and leave "
-                        "(default 8)")
+    add_flags(s, "rounds_per_step", "max_admit_rows")
     s.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per request at most (default 256)")
     s.add_argument("--ignore-eos", action="store_true", help="every request runs --max-new-tokens tokens")
     s.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy, "
                                                                   "exactness checked)")
     s.add_argument("--seed", type=int, default=0, help="sampling seed of the first prompt (prompt i: seed + i)")
-    s.add_argument("--draft-sampling", choices=DRAFT_SAMPLING, default="argmax",
-                   help="temperature > 0: argmax (default; drafts are the head's argmax, accepted with the target's "
-                        "probability of them, as vLLM) or sample (drafts drawn from the head's distribution under the "
-                        "request's sampling, accepted with probability sum min(p, q): more where the target's "
-                        "distribution is broad)")
+    add_flags(s, "draft_sampling")
     s.add_argument("--simulate-acceptance", type=_floats, default=None, metavar="P1,...,PK",
                    help="simulated verdicts for timing random weights: draft i accepted with probability p_i (the "
                         "chain stops at the first rejection); at least max(--k) values, the first K used at K")
@@ -233,8 +219,10 @@ def _heads(args, settings: BenchSettings, target, dtype, shape: Optional[str]) -
         heads[mode] = loaded[(spec, own)]
         for k in settings.ks:
             try:
-                make_spec(target, heads[mode], max_new_tokens=settings.max_new_tokens, num_speculative_tokens=k,
-                          drafting=mode, simulate_acceptance=settings.simulated(k))
+                sim = settings.simulated(k)
+                make_spec(target, heads[mode], EngineConfig(num_speculative_tokens=k, drafting=mode),
+                          max_new_tokens=settings.max_new_tokens,
+                          acceptance=None if sim is None else SimulatedAcceptance(sim))
             except (ValueError, TypeError) as e:
                 raise BenchError(f"{flag} {spec} with --drafting {mode} --k {k}: {e}") from None
     return heads
@@ -288,7 +276,7 @@ def _header(args, settings: BenchSettings, target, meta: dict, cache_dtype, argv
                   f"{cfg.vocab_size}{', random weights' if args.target.startswith('random:') else ''})",
         "heads": "; ".join(f"{m}: `{h}`" for m, h in meta["heads"].items()) or "-",
         "dtype": f"{meta['dtype']} (KV cache: {cache_dtype.name if cache_dtype is not None else 'the same'}), "
-                 f"kernels: {args.implementation}",
+                 f"kernels: {meta['implementation']}",
         "hardware": meta["hardware"],
         "software": f"JAX {meta['jax_version']}, jaxlib {meta['jaxlib_version']}, pjax {meta['pjax_version']}, "
                     f"Python {meta['python_version']}",
@@ -296,8 +284,8 @@ def _header(args, settings: BenchSettings, target, meta: dict, cache_dtype, argv
         "settings": f"max_new_tokens {settings.max_new_tokens}"
                     + (", EOS ignored" if not eos else f", stops at EOS {list(eos)}")
                     + f", temperature {settings.temperature}"
-                    + (f" ({args.draft_sampling} drafts)" if settings.temperature > 0 else "")
-                    + f", seed {settings.seed}, prefill {args.prefill}",
+                    + (f" ({meta['draft_sampling']} drafts)" if settings.temperature > 0 else "")
+                    + f", seed {settings.seed}, prefill {meta['prefill']}",
         "exactness": f"temperature 0: each speculative output vs `none`'s at the same concurrency; near-tie "
                      f"threshold {NEAR_TIE_EPS} x eps({meta['dtype']}) x max(1, abs(top logit))",
         "timing": "compilation excluded: every configuration compiles and warms up before it is timed; output "
@@ -313,8 +301,6 @@ def run(args, argv) -> int:
     cache_dtype = _dtype(args.cache_dtype, "--cache-dtype")
     if args.prompt_len is not None and args.prompt_len < 1:
         raise BenchError(f"--prompt-len {args.prompt_len}: must be >= 1")
-    if args.rounds_per_step < 1:
-        raise BenchError(f"--rounds-per-step {args.rounds_per_step}: must be >= 1")
     if args.compilation_cache is not None:
         use_compilation_cache(args.compilation_cache)
     shape = parse_random(args.target, "--target")
@@ -334,28 +320,21 @@ def run(args, argv) -> int:
     sets, chat = _prompt_sets(args, settings, datasets, tok, shape)
     if not (args.ignore_eos or tok is None or shape is not None):
         settings = dataclasses.replace(settings, eos_token_ids=tuple(tok.eos_token_ids))
-    if args.scheduling == "continuous" and len(settings.eos_token_ids) > STOP_WIDTH:
-        raise BenchError(f"--scheduling continuous: the tokenizer has {len(settings.eos_token_ids)} EOS ids, the "
-                         f"engine takes {STOP_WIDTH} at most (use --scheduling static or --ignore-eos)")
+    if len(settings.eos_token_ids) > STOP_WIDTH:
+        raise BenchError(f"the tokenizer has {len(settings.eos_token_ids)} EOS ids, the engine takes {STOP_WIDTH} at "
+                         "most (use --ignore-eos)")
 
     target = _load_target(args, shape, dtype, sets)
     heads = _heads(args, settings, target, dtype, shape)
-    if args.prefill is None:
-        args.prefill = "padded" if args.scheduling == "continuous" else "auto"
+    config = config_from_flags(args)
     meta = {"target": args.target,
             "heads": {m: (args.sequential_head if m == "sequential" and args.sequential_head else args.head)
                       for m in settings.speculative},
-            "dtype": jnp.dtype(dtype).name, "implementation": args.implementation, "prefill": args.prefill,
-            "draft_sampling": args.draft_sampling,
+            "dtype": jnp.dtype(dtype).name, "implementation": config.implementation, "prefill": config.prefill,
+            "draft_sampling": config.draft_sampling,
             "chat_template": chat, "seed": settings.seed, "near_tie_eps": NEAR_TIE_EPS,
             **environment()}
-    if args.scheduling == "continuous":
-        backend = EngineBackend(target, heads, implementation=args.implementation, cache_dtype=cache_dtype,
-                                rounds_per_step=args.rounds_per_step, prefill=args.prefill,
-                                draft_sampling=args.draft_sampling)
-    else:
-        backend = BatchBackend(target, heads, implementation=args.implementation, cache_dtype=cache_dtype,
-                               prefill=args.prefill, draft_sampling=args.draft_sampling)
+    backend = (EngineBackend if args.scheduling == "continuous" else BatchBackend)(target, heads, config)
     from tqdm.auto import tqdm
     header = _header(args, settings, target, meta, cache_dtype, argv)
     written = False
@@ -366,7 +345,7 @@ def run(args, argv) -> int:
         written = True
 
     result = run_bench(backend, sets, settings, meta=meta,
-                       next_logits=lambda ids: next_token_logits(target, ids, args.implementation),
+                       next_logits=lambda ids: next_token_logits(target, ids, config.implementation),
                        compute_dtype=dtype, progress=not args.no_progress, t_start=t_start,
                        log=lambda msg: tqdm.write(msg, file=sys.stderr), on_partial=write_partial)
 

@@ -22,7 +22,7 @@ from pjax.bench.errors import BenchError
 from pjax.bench.metrics import by_category, summarize
 from pjax.decode.compiled import compile_stats
 from pjax.decode.inputs import check_sampling
-from pjax.decode.state import DRAFTING_MODES
+from pjax.decode.drafting import Drafting
 
 __all__ = ["BenchResult", "BenchSettings", "PromptSet", "build_prompt_set", "environment", "run_bench"]
 
@@ -54,7 +54,7 @@ class BenchSettings:
         """BenchError naming the flag of the first bad value."""
         if not self.drafting:
             raise BenchError("--drafting: give at least one of parallel, sequential, none")
-        bad = [d for d in self.drafting if d not in DRAFTING_MODES]
+        bad = [d for d in self.drafting if d not in Drafting.names()]
         if bad:
             raise BenchError(f"--drafting {','.join(bad)}: expected parallel, sequential and / or none")
         if len(set(self.drafting)) != len(self.drafting):

@@ -1,10 +1,9 @@
-"""The compilation cache of the decoding programs (shared by `Generation` and the serving engine): each pure function
-is jitted once per compiler options and AOT-compiled once per (static settings, matmul precision, argument structure
-and shapes); `compile_count` counts the programs built, so tests and benchmarks see recompilations.
+"""The compilation cache of the engine's programs: each pure function is jitted once per compiler options and
+AOT-compiled once per (static settings, matmul precision, argument structure and shapes); `compile_count` counts the
+programs built, so tests and benchmarks see recompilations.
 
-Programs are named: "prefill", its two parts "prefill_target" (shared by every K and drafting mode with the same
-target features) and "prefill_drafter", "chunk" (`decode_chunk`) and "round" (`spec_round`) are built in; a higher
-layer adds its own pure functions with `register_program` (the serving engine's admission).
+Programs are named; the engine registers its pure functions with `register_program` (the admission "admit" and the
+device chunks "chunk" and "chunk_ending").
 """
 from __future__ import annotations
 
@@ -18,20 +17,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pjax.decode.step import decode_chunk, prefill, prefill_drafter, prefill_target, spec_round
 from pjax.precision import matmul_precision as _rule
 
 __all__ = ["COMPILE_THREADS", "clear_compiled", "compile_count", "compile_stats", "compiled", "jitted",
            "matmul_precision", "register_program", "use_compilation_cache"]
 
 # name -> (function, static argument names, donated argument names)
-_PROGRAMS: dict[str, tuple[Callable, tuple[str, ...], tuple[str, ...]]] = {
-    "prefill": (prefill, ("spec", "capacity", "cache_dtype", "packed_len"), ()),
-    "prefill_target": (prefill_target, ("spec", "capacity", "cache_dtype", "packed_len"), ()),
-    "prefill_drafter": (prefill_drafter, ("spec", "capacity", "cache_dtype", "packed_len"), ()),
-    "chunk": (decode_chunk, ("spec",), ("state",)),
-    "round": (spec_round, ("spec",), ("state",)),
-}
+_PROGRAMS: dict[str, tuple[Callable, tuple[str, ...], tuple[str, ...]]] = {}
 
 
 def register_program(name: str, fn: Callable, *, static_argnames: Sequence[str],

@@ -127,7 +127,7 @@ def draft_round(drafter, cache, comb, verify_tokens, num_accepted, next_token, s
                             mask_token_id=spec.mask_token_id, implementation=spec.implementation)
     valid = di.valid & (di.write_pos >= 0) & active[:, None]
     first_pos = start_pos + num_accepted + 2  # position of d_1
-    if spec.drafting == "parallel":
+    if spec.drafting.one_pass:
         h_in = gather_features(drafter, comb, di.feature_row, use_mask=k > 1)
         normed, _, cache = _draft_pass(drafter, di.tokens, h_in, di.positions, valid, cache, spec)
         logits = draft_logits_from_hidden(drafter, _pick(normed, di.sample_idx))
@@ -190,7 +190,7 @@ def draft_prefill(drafter, cache, comb, prompts, lengths, first_token, active, s
     rows [B] i32: prompt b's row of `cache` (None: row b; rows outside the cache dropped); parallel drafting only
     (sequential drafting's later passes read the cache by batch row). Returns (drafts [B, K], q or None, cache)."""
     k = spec.k
-    use_masks = spec.drafting == "parallel"
+    use_masks = spec.drafting.one_pass
     kk = k if use_masks else 1
     if rows is not None and not use_masks:
         raise ValueError("draft_prefill: rows (K/V written into other cache rows) needs parallel drafting")

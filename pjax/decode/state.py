@@ -6,12 +6,13 @@ N output buffer length (max_new_tokens + K + 1), V target vocabulary.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 
-DRAFTING_MODES = ("parallel", "sequential", "none")
+from pjax.decode.drafting import Drafting
+
 DRAFT_SAMPLING = ("argmax", "sample")
 
 # stop codes (DecodeState.stop). STOP_NONFINITE: the target's logits turned NaN / inf (nothing is emitted from
@@ -27,7 +28,7 @@ class EngineSpec:
     """Static engine settings (hashable: a static jit argument).
 
     num_speculative_tokens: K drafts per round (0 when drafting == "none").
-    drafting: "parallel" (P-EAGLE, one drafter pass) | "sequential" (EAGLE-3, K passes) | "none".
+    drafting: a `Drafting` (its name is accepted: "parallel" | "sequential" | "none").
     max_new_tokens: the static bound on new tokens per row (sizes the output buffer); a row's own limit is
       `Sampling.max_new` (runtime data) when given.
     draft_sampling: "argmax" (q one-hot, vLLM default) | "sample" (draft d_i ~ q = softmax(draft logits / T)
@@ -38,9 +39,9 @@ class EngineSpec:
     implementation: the kernel switch of every op the round runs ("xla" | "pallas" | "auto", `pjax.kernels`).
     sampling_filters: compile the top-k / top-p truncation (a vocabulary sort per position); it then runs only in
       rounds where some row asks for it (runtime data: switching filters on does not recompile).
-    simulate_acceptance: None, or K probabilities p_1..p_K: the verdict of draft position i becomes a seeded draw
-      of probability p_i (chain: the first reject stops), the target's argmax follows the accepted drafts. For
-      timing with random weights only: the output is then not the target's.
+    acceptance: None (the speculative-sampling rule, `pjax.kernels.acceptance`), or a hashable function that
+      replaces it, fn(logits [B, K+1, V], drafts [B, K], sampling, positions [B], num_drafts [B], spec) ->
+      `AcceptResult`: the one extension point of a round (e.g. the benchmark's simulated acceptance).
     """
     num_speculative_tokens: int
     drafting: str
@@ -50,7 +51,10 @@ class EngineSpec:
     mask_token_id: int = 0
     implementation: str = "auto"
     sampling_filters: bool = True
-    simulate_acceptance: Optional[tuple[float, ...]] = None
+    acceptance: Optional[Callable] = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "drafting", Drafting.parse(self.drafting, "EngineSpec.drafting"))
 
     @property
     def k(self) -> int:

@@ -12,19 +12,15 @@ import jax
 import jax.numpy as jnp
 
 from pjax.decode import draft as D
+from pjax.decode.drafting import Drafting
 from pjax.decode.packing import pack_prompts
 from pjax.decode.state import (RUNNING, STOP_CAPACITY, STOP_EOS, STOP_LENGTH, STOP_NONFINITE, DecodeState, EngineSpec,
                                Sampling, add_batch_axis, drop_batch_axis)
-from pjax.kernels import rng
 from pjax.kernels.acceptance import AcceptResult, accept
 from pjax.kernels.flash_attention import causal_mask, document_mask
 from pjax.models.cache import init_cache
 from pjax.models.drafter import combine, init_drafter_cache
 from pjax.models.target import forward, logits_from_hidden
-
-
-# counter-hash stream of the simulated verdicts (distinct from the acceptance and draft streams)
-STREAM_SIMULATE = 0x53
 
 
 def _accept(logits, drafts, q, sampling: Sampling, positions, num_drafts, spec: EngineSpec) -> AcceptResult:
@@ -44,22 +40,6 @@ def _accept(logits, drafts, q, sampling: Sampling, positions, num_drafts, spec: 
                       top_p=sampling.top_p.astype(jnp.float32), **kw)
     wanted = jnp.any((sampling.top_k > 0) | (sampling.top_p < 1))
     return jax.lax.cond(wanted, filtered, plain)
-
-
-def _simulate(logits, drafts, sampling: Sampling, positions, num_drafts, spec: EngineSpec) -> AcceptResult:
-    """Simulated verdicts (EngineSpec.simulate_acceptance): draft i is accepted with probability p_i, the chain
-    stops at the first reject, and the target's argmax at that index follows. logits [B, K+1, V]."""
-    k = spec.k
-    idx = jnp.arange(k, dtype=jnp.int32)[None]
-    u = rng.uniform(sampling.seed.astype(jnp.uint32)[:, None], positions.astype(jnp.int32)[:, None] + idx, 0,
-                    STREAM_SIMULATE)
-    ok = (u < jnp.asarray(spec.simulate_acceptance, jnp.float32)[None]) & (idx < num_drafts[:, None])
-    n = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
-    nxt = jnp.argmax(jnp.take_along_axis(logits, n[:, None, None], axis=1)[:, 0], axis=-1).astype(jnp.int32)
-    j = jnp.arange(k + 1, dtype=jnp.int32)[None]
-    padded = jnp.concatenate([drafts, jnp.zeros_like(drafts[:, :1])], axis=1)
-    tokens = jnp.where(j < n[:, None], padded, jnp.where(j == n[:, None], nxt[:, None], -1))
-    return AcceptResult(tokens.astype(jnp.int32), n, nxt)
 
 
 def _finite_rows(logits, num_valid):
@@ -117,8 +97,8 @@ def _emit(state: DecodeState, tokens, count, new_pos, active, spec: EngineSpec, 
 def target_spec(spec: EngineSpec) -> EngineSpec:
     """The settings `prefill_target` depends on: `spec` without its drafting fields, so that every K and drafting
     mode with the same aux_layer_ids shares one compiled target prefill."""
-    return dataclasses.replace(spec, num_speculative_tokens=0, drafting="none", draft_sampling="argmax",
-                               mask_token_id=0, simulate_acceptance=None)
+    return dataclasses.replace(spec, num_speculative_tokens=0, drafting=Drafting.NONE, draft_sampling="argmax",
+                               mask_token_id=0, acceptance=None)
 
 
 def _target_pass(target, prompts, lengths, cache, spec: EngineSpec, packed_len, rows=None):
@@ -231,7 +211,7 @@ def prefill(target, drafter, prompts, lengths, sampling: Sampling, *, spec: Engi
     """
     state, aux = prefill_target(target, prompts, lengths, sampling, spec=target_spec(spec), capacity=capacity,
                                 cache_dtype=cache_dtype, packed_len=packed_len, cache=target_cache, rows=rows)
-    if spec.drafting == "none":
+    if not spec.drafting.speculative:
         return state
     return dataclasses.replace(state, **prefill_drafter(drafter, state, aux, prompts, lengths, sampling, spec=spec,
                                                         capacity=capacity, cache_dtype=cache_dtype,
@@ -258,10 +238,10 @@ def spec_round(target, drafter, state: DecodeState, sampling: Sampling, *, spec:
     active = ~state.done
     num_drafts = jnp.where(active, jnp.clip(capacity - 1 - state.pos, 0, k), 0).astype(jnp.int32)
     logits, aux, tcache, vtokens = verify(target, state, num_drafts, active, spec)
-    if spec.simulate_acceptance is None:
+    if spec.acceptance is None:
         res = _accept(logits, state.drafts, state.draft_probs, sampling, state.pos + 1, num_drafts, spec)
     else:
-        res = _simulate(logits, state.drafts, sampling, state.pos + 1, num_drafts, spec)
+        res = spec.acceptance(logits, state.drafts, sampling, state.pos + 1, num_drafts, spec)
     finite = _finite_rows(logits, num_drafts + 1)
     active_ok = active & finite
     n = jnp.where(active_ok, res.num_accepted, 0).astype(jnp.int32)
@@ -279,7 +259,7 @@ def spec_round(target, drafter, state: DecodeState, sampling: Sampling, *, spec:
         num_draft_tokens=state.num_draft_tokens + jnp.where(has, num_drafts, 0),
         accepted=state.accepted + jnp.where(has, n, 0),
         accepted_at=state.accepted_at + acc_at.astype(jnp.int32))
-    if spec.drafting == "none":
+    if not spec.drafting.speculative:
         return new
     comb = combine(drafter, aux)
     drafts, q, dcache = D.draft_round(drafter, state.drafter_cache, comb, vtokens, n, res.next_token, state.pos,
@@ -306,13 +286,6 @@ def decode_loop(target, drafter, state: DecodeState, sampling: Sampling, max_rou
         return spec_round(target, drafter, s, sampling, spec=spec), i + 1
 
     return jax.lax.while_loop(cond, body, (state, jnp.int32(0)))
-
-
-def decode_chunk(target, drafter, state: DecodeState, sampling: Sampling, max_rounds, *, spec: EngineSpec):
-    """`decode_loop` for the host's chunked loop: (state, rounds i32, running rows i32, emitted tokens i32). The two
-    counts are fresh scalars, readable while the next chunk (which takes over the donated state) already runs."""
-    state, rounds = decode_loop(target, drafter, state, sampling, max_rounds, spec=spec)
-    return state, rounds, jnp.sum((~state.done).astype(jnp.int32)), jnp.sum(state.num_out)
 
 
 def prefill_single(target, drafter, prompt, length, sampling: Sampling, *, spec: EngineSpec, capacity: int,

@@ -25,6 +25,7 @@ import sys
 import time
 
 from pjax.command import dtype_flag, run_command
+from pjax.decode.settings import DEFAULT_MAX_LEN, add_flags, config_from_flags
 from pjax.dtypes import parse_dtype
 from pjax.serve.limits import ServerLimits
 
@@ -33,7 +34,6 @@ __all__ = ["build_parser", "main"]
 SHUTDOWN_GRACE_S = 5.0  # default seconds requests in flight get to finish after Ctrl-C / SIGTERM
 ABORT_WAIT_S = 10.0  # then at most this long for the aborted requests to end (one engine step) before their handlers
 # are cancelled (each still answers cleanly)
-DEFAULT_MAX_LEN = 2048
 
 
 class InputError(ValueError):
@@ -85,19 +85,7 @@ def build_parser(prog: str = "python -m pjax serve") -> argparse.ArgumentParser:
                    help="Hugging Face target directory (config.json, safetensors, tokenizer.json)")
     p.add_argument("--head", metavar="DIR", help="P-EAGLE / EAGLE-3 head directory (default: no drafting)")
     p.add_argument("--tokenizer", metavar="DIR", help="tokenizer directory (default: --target)")
-    p.add_argument("--drafting", choices=("parallel", "sequential", "none"),
-                   help="default: the head's kind with --head, else none")
-    p.add_argument("--k", type=_positive, metavar="K",
-                   help="draft tokens per round (default 7 parallel, capped by the head's depth; 3 sequential)")
-    p.add_argument("--max-slots", type=_positive, default=8, metavar="N",
-                   help="requests decoded at once: the device batch (default 8; rounded up to a power of two)")
-    p.add_argument("--max-admit-rows", type=_positive, metavar="N",
-                   help="requests prefilled by one admission program at most (default 8, pjax.serve.EngineConfig's): "
-                        "larger admissions run as several, and warm-up compiles admission programs of 1, 2, 4, ... "
-                        "up to N rows")
-    p.add_argument("--max-len", type=_positive, metavar="N",
-                   help=f"positions per request: prompt + new tokens + 2K (default {DEFAULT_MAX_LEN}, or the "
-                        "target's max_position_embeddings when smaller)")
+    add_flags(p, "drafting", "num_speculative_tokens", "max_slots", "max_admit_rows", "max_len")
     p.add_argument("--dtype", type=dtype_flag, default="bfloat16",
                    help="parameter dtype: bfloat16 (default), float32, float16 (or bf16, f32, f16)")
     p.add_argument("--no-finite-check", action="store_true",
@@ -106,8 +94,7 @@ def build_parser(prog: str = "python -m pjax serve") -> argparse.ArgumentParser:
     p.add_argument("--port", type=_port, default=8000, help="port (default 8000; 0: any free port, logged)")
     p.add_argument("--served-model-name", metavar="NAME",
                    help="the model name clients send (default: --target as given)")
-    p.add_argument("--rounds-per-step", type=_positive, default=8, metavar="N",
-                   help="rounds per device chunk (default 8): new requests join, and text streams, between chunks")
+    add_flags(p, "rounds_per_step", "prefill", "implementation", "cache_dtype")
     p.add_argument("--warmup", choices=("full", "minimal"), default="full",
                    help="full (default): compile every program traffic can need before listening; minimal: the "
                         "decode program and a one-request short-prompt admission (others compile on first use)")
@@ -168,7 +155,7 @@ def _log(msg: str):
 def run(args) -> int:
     if args.drafting in ("parallel", "sequential") and args.head is None:
         raise InputError(f"--drafting {args.drafting} needs --head DIR (or use --drafting none)")
-    if args.k is not None and (args.head is None or args.drafting == "none"):
+    if args.num_speculative_tokens is not None and (args.head is None or args.drafting == "none"):
         raise InputError("--k needs drafting: give --head DIR (and not --drafting none)")
     try:
         importlib.import_module("uvicorn")  # used by _serve: checked before the models load
@@ -203,9 +190,9 @@ def run(args) -> int:
 def _load(args):
     """Tokenizer, target, head -> (the engine, the ServedModel)."""
     from pjax.checkpoint import load_drafter, load_target
-    from pjax.serve.engine import Engine, EngineConfig
+    from pjax.decode.drafting import resolve
+    from pjax.decode.engine import Engine
     from pjax.serve.openai_api import ServedModel
-    from pjax.text.generate import resolve_drafting
     from pjax.text.tokenizer import load_tokenizer
 
     t0 = time.perf_counter()
@@ -220,20 +207,18 @@ def _load(args):
     if tokenizer.vocab_size > vocab:
         _log(f"warning: the tokenizer has {tokenizer.vocab_size} tokens but the target's vocabulary is {vocab}: "
              "prompts holding the extra tokens will be refused")
-    drafting, k = _checked("--drafting / --k", resolve_drafting, drafter, args.drafting, args.k)
+    drafting, k = _checked("--drafting / --k", resolve, drafter, args.drafting, args.num_speculative_tokens)
     mpe = target.config.max_position_embeddings
     max_len = args.max_len or (min(DEFAULT_MAX_LEN, mpe) if mpe else DEFAULT_MAX_LEN)
-    config = EngineConfig(max_slots=args.max_slots, max_len=max_len, num_speculative_tokens=max(k, 1),
-                          drafting=drafting, rounds_per_step=args.rounds_per_step,
-                          **({} if args.max_admit_rows is None else {"max_admit_rows": args.max_admit_rows}))
-    engine = _checked("", Engine, target, drafter if drafting != "none" else None, config)
+    config = config_from_flags(args, drafting=drafting, num_speculative_tokens=k or None, max_len=max_len)
+    engine = _checked("", Engine, target, drafter if drafting.speculative else None, config)
     slack = engine.slack
     if max_len - slack < 2:
         raise InputError(f"--max-len {max_len}: leaves no room for a prompt and a new token beside the {slack} "
                          f"positions kept for drafting (K = {k})")
-    _log(f"loaded {args.target} ({drafting} drafting, K = {engine.spec.k}) in {time.perf_counter() - t0:.1f} s")
+    _log(f"loaded {args.target} ({drafting.value} drafting, K = {engine.spec.k}) in {time.perf_counter() - t0:.1f} s")
     model = ServedModel(name=args.served_model_name or args.target, tokenizer=tokenizer, vocab_size=vocab,
-                        max_len=max_len, slack=slack, drafting=drafting, num_speculative_tokens=engine.spec.k,
+                        max_len=max_len, slack=slack, drafting=drafting.value, num_speculative_tokens=engine.spec.k,
                         root=str(args.target))
     return engine, model
 

@@ -51,7 +51,7 @@ from starlette.routing import Route
 
 from pjax.decode.inputs import SEED_LIMIT, is_int, is_real
 from pjax.serve.async_engine import AsyncEngine, EngineDeadError
-from pjax.serve.engine import STOP_WIDTH, RequestParams
+from pjax.decode.engine import STOP_WIDTH, RequestParams
 from pjax.serve.limits import ServerLimits
 from pjax.serve.metrics import CONTENT_TYPE, Metrics
 from pjax.text.detokenize import OutputText, check_stop_strings

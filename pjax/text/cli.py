@@ -19,6 +19,7 @@ from pjax.checkpoint import load_drafter, load_target
 from pjax.checkpoint.hf import read_target_config
 from pjax.command import dtype_flag, run_command
 from pjax.decode.inputs import SEED_LIMIT
+from pjax.decode.settings import add_flags, config_from_flags, number_flag
 from pjax.dtypes import parse_dtype
 from pjax.text.generate import TextGenerationInterrupted, TextGenerator, TextOutput
 from pjax.text.tokenizer import check_messages, load_tokenizer
@@ -32,25 +33,6 @@ class InputError(ValueError):
     """Bad input to the command (a file, a flag's value); the message names it."""
 
 
-def _number(kind, low=None, high=None, low_open=False, high_open=False):
-    """An argparse type: int / float within bounds (argparse names the flag on error)."""
-    def parse(text):
-        try:
-            v = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got "
-                                             f"{text!r}") from None
-        if kind is float and v != v:
-            raise argparse.ArgumentTypeError("NaN is not a value")
-        if low is not None and (v < low or (low_open and v == low)):
-            raise argparse.ArgumentTypeError(f"{text} must be {'>' if low_open else '>='} {low}")
-        if high is not None and (v > high or (high_open and v == high)):
-            raise argparse.ArgumentTypeError(f"{text} must be {'<' if high_open else '<='} {high}")
-        return v
-    parse.__name__ = kind.__name__
-    return parse
-
-
 def build_parser(prog: str = "python -m pjax generate") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, metavar="DIR",
@@ -62,18 +44,10 @@ def build_parser(prog: str = "python -m pjax generate") -> argparse.ArgumentPars
     src.add_argument("--chat", metavar="TEXT", help="one user message, rendered with the model's chat template")
     src.add_argument("--file", metavar="FILE.jsonl",
                      help='prompts, one JSON object per line: {"prompt": TEXT} or {"messages": [{"role", "content"}]}')
-    p.add_argument("--drafting", choices=("parallel", "sequential", "none"),
-                   help="default: the head's kind with --head, else none")
-    p.add_argument("--k", type=_number(int, low=1), metavar="K",
-                   help="draft tokens per round (default 7 parallel, capped by the head's depth; 3 sequential)")
-    p.add_argument("--temperature", type=_number(float, low=0.0), default=0.0, metavar="T",
-                   help="0 = greedy (default)")
-    p.add_argument("--top-p", type=_number(float, low=0.0, high=1.0, low_open=True), metavar="P",
-                   help="nucleus sampling in (0, 1] (default: off)")
-    p.add_argument("--top-k", type=_number(int, low=0), metavar="N", help="top-k sampling (default: off)")
-    p.add_argument("--seed", type=_number(int, low=0, high=SEED_LIMIT, high_open=True), default=0, metavar="S",
+    add_flags(p, "drafting", "num_speculative_tokens", "temperature", "top_p", "top_k")
+    p.add_argument("--seed", type=number_flag(int, low=0, high=SEED_LIMIT, high_open=True), default=0, metavar="S",
                    help="sampling seed in [0, 2**32) (default 0)")
-    p.add_argument("--max-new-tokens", type=_number(int, low=1), metavar="N",
+    p.add_argument("--max-new-tokens", type=number_flag(int, low=1), metavar="N",
                    help=f"new tokens per prompt at most (default {DEFAULT_NEW_TOKENS}, fewer when the target's context "
                         "length, max_position_embeddings, leaves less room after the prompt)")
     p.add_argument("--dtype", type=dtype_flag, default="bfloat16",
@@ -83,7 +57,8 @@ def build_parser(prog: str = "python -m pjax generate") -> argparse.ArgumentPars
     p.add_argument("--stop", nargs="+", action="extend", metavar="STR",
                    help="stop strings: the text ends before the first one (bash: --stop $'\\n\\n' for newlines)")
     p.add_argument("--stream", action="store_true", help="print the text as it is generated")
-    p.add_argument("--batch-size", type=_number(int, low=1), default=8, metavar="N",
+    add_flags(p, "prefill", "implementation", "cache_dtype")
+    p.add_argument("--batch-size", type=number_flag(int, low=1), default=8, metavar="N",
                    help="--file prompts decoded together (default 8)")
     return p
 
@@ -230,7 +205,7 @@ def _max_new_tokens(args, config, prompts) -> int:
 def run(args) -> int:
     if args.drafting in ("parallel", "sequential") and args.head is None:
         raise InputError(f"--drafting {args.drafting} needs --head DIR (or use --drafting none)")
-    if args.k is not None and (args.head is None or args.drafting == "none"):
+    if args.num_speculative_tokens is not None and (args.head is None or args.drafting == "none"):
         raise InputError("--k needs drafting: give --head DIR (and not --drafting none)")
     tokenizer = (_checked("--target", load_tokenizer, args.target) if args.tokenizer is None
                  else _checked("--tokenizer", load_tokenizer, args.tokenizer))
@@ -241,9 +216,9 @@ def run(args) -> int:
     target = _checked("--target", load_target, args.target, dtype=dtype, check_finite=check)
     drafter = None if args.head is None else _checked("--head", load_drafter, args.head, dtype=dtype, target=target,
                                                       check_finite=check)
-    gen = TextGenerator(target, drafter, tokenizer)
-    kw = dict(max_new_tokens=max_new, drafting=args.drafting, k=args.k, temperature=args.temperature,
-              top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop)
+    gen = TextGenerator(target, drafter, tokenizer, config=config_from_flags(args))
+    kw = dict(max_new_tokens=max_new, drafting=args.drafting, k=args.num_speculative_tokens,
+              temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop)
     blocks = args.file is not None
     step = args.batch_size if blocks else 1
     outputs: list[TextOutput] = []

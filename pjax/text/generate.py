@@ -12,20 +12,18 @@ import warnings
 from typing import Any, Iterator, Optional, Sequence, Union
 
 from pjax.checkpoint import load_drafter, load_target
-from pjax.decode import Generation, GenerationInterrupted
+from pjax.decode import EngineConfig, Generation, GenerationInterrupted
+from pjax.decode.settings import configure
 from pjax.decode.inputs import check_prefill, is_int
-from pjax.decode.state import DRAFTING_MODES
+from pjax.decode.drafting import resolve
 from pjax.dtypes import parse_dtype
-from pjax.models.drafter import Drafter, no_parallel_reason
+from pjax.models.drafter import Drafter
 from pjax.models.target import Target
 from pjax.text.detokenize import OutputText, check_stop_strings
 from pjax.text.tokenizer import Tokenizer, load_tokenizer
 
-__all__ = ["DEFAULT_K", "TextDelta", "TextGenerationInterrupted", "TextGenerator", "TextOutput", "TextStream", "load",
-           "resolve_drafting"]
+__all__ = ["TextDelta", "TextGenerationInterrupted", "TextGenerator", "TextOutput", "TextStream", "load"]
 
-# default K: P-EAGLE heads peak at K=7 and EAGLE-3 heads at K=3 in the published sweeps (spec/peagle.md)
-DEFAULT_K = {"parallel": 7, "sequential": 3}
 # engine stop reasons -> finish reasons ("eos" is a stop token: vLLM's "stop")
 FINISH = {"eos": "stop", "length": "length", "capacity": "capacity", "nonfinite": "nonfinite",
           "interrupted": "interrupted"}
@@ -159,41 +157,15 @@ class TextStream:
         return self._outputs[0] if self._single else list(self._outputs)
 
 
-def resolve_drafting(drafter, drafting: Optional[str] = None, k: Optional[int] = None) -> tuple[str, int]:
-    """(drafting mode, K) for a head: drafting None = the head's kind ("parallel" for a P-EAGLE head, "sequential"
-    for an EAGLE-3 one, "none" without a head); k None = DEFAULT_K of the mode, a P-EAGLE head's trained depth at
-    most. ValueError naming `drafting` / `k` for a bad value or a mode that needs a missing head."""
-    if drafting is None:
-        drafting = "none" if drafter is None else (
-            "sequential" if no_parallel_reason(drafter.config) else "parallel")
-    if drafting not in DRAFTING_MODES:
-        raise ValueError(f"drafting={drafting!r}: expected one of {DRAFTING_MODES}")
-    if drafting == "none":
-        return drafting, 0
-    if drafter is None:
-        raise ValueError(f"drafting={drafting!r} needs a drafter (load a head, or pass drafting='none')")
-    if k is None:
-        k = DEFAULT_K[drafting]
-        depths = drafter.config.num_depths
-        if drafting == "parallel" and depths is not None:
-            k = min(k, depths)
-    elif not is_int(k) or k < 1:
-        raise ValueError(f"k must be an integer >= 1 (draft tokens per round), got {k!r}")
-    return drafting, int(k)
-
-
 class TextGenerator:
     """Speculative text generation with a target, a drafter (None: plain decoding) and the target's tokenizer.
 
-    implementation: the kernel switch ("xla" | "pallas" | "auto"); compiler_options: XLA options of the compiled
-    programs; chunk_seconds: device time per chunk of rounds (how often text streams and stop strings are checked);
-    cache_dtype / allow_tf32 / prefill (the target prefill's layout, "auto" | "packed" | "padded"): as
-    `pjax.generate`.
+    config / settings: the decoding settings, a `pjax.decode.EngineConfig` and / or its fields by name (e.g.
+    implementation, prefill, cache_dtype, rounds_per_step: rounds per device chunk, how often text streams and stop
+    strings are checked), as `pjax.generate`; drafting and K are chosen per call.
     """
 
-    def __init__(self, target, drafter, tokenizer: Tokenizer, *, implementation: str = "auto",
-                 compiler_options: Optional[dict] = None, chunk_seconds: float = 0.25, cache_dtype=None,
-                 allow_tf32: bool = False, prefill: str = "auto"):
+    def __init__(self, target, drafter, tokenizer: Tokenizer, *, config: Optional[EngineConfig] = None, **settings):
         if not isinstance(target, Target):
             raise TypeError(f"target must be a pjax Target (pjax.load_target(dir)), got {type(target).__name__}")
         if not isinstance(tokenizer, Tokenizer):
@@ -206,10 +178,8 @@ class TextGenerator:
             warnings.warn(f"the tokenizer has {tokenizer.vocab_size} tokens but the target's vocabulary is {vocab}: "
                           "prompts holding the extra tokens will be refused", stacklevel=2)
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
-        check_prefill(prefill)
-        self._engine = dict(implementation=implementation, compiler_options=compiler_options,
-                            chunk_seconds=chunk_seconds, cache_dtype=cache_dtype, allow_tf32=allow_tf32,
-                            prefill=prefill)
+        self.config = configure(config, **settings)
+        check_prefill(self.config.prefill)
 
     def __repr__(self):
         head = "none" if self.drafter is None else self.drafter.config.model_kind
@@ -240,11 +210,11 @@ class TextGenerator:
         return [one(p, f"prompts[{i}]") for i, p in enumerate(prompts)], False
 
     def _drafting(self, drafting: Optional[str], k: Optional[int]) -> tuple[str, int]:
-        return resolve_drafting(self.drafter, drafting, k)
+        return resolve(self.drafter, drafting, k)
 
     # -- generation ----------------------------------------------------------------------------------------------
     def stream(self, prompts, *, max_new_tokens: Union[int, Sequence[int]], drafting: Optional[str] = None,
-               k: Optional[int] = None, temperature=0.0, top_p=None, top_k=None, seed=0,
+               k: Optional[int] = None, temperature=None, top_p=None, top_k=None, seed=0,
                stop: Union[str, Sequence[str], None] = None, stop_token_ids: Optional[Sequence[int]] = None,
                include_stop_str_in_output: bool = False, ignore_eos: bool = False, skip_special_tokens: bool = True,
                chat: Optional[bool] = None, chat_template_kwargs: Optional[dict] = None,
@@ -259,16 +229,16 @@ class TextGenerator:
             raise TypeError("include_stop_str_in_output and ignore_eos must be True or False")
         eos = () if ignore_eos else self.tokenizer.eos_token_ids
         stop_ids = list(dict.fromkeys([*eos, *user_ids]))
-        generation = Generation(self.target, self.drafter if drafting != "none" else None, ids,
-                                max_new_tokens=max_new_tokens, num_speculative_tokens=max(k, 1), drafting=drafting,
-                                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                                eos_token_id=stop_ids, progress=progress, **self._engine)
+        generation = Generation(self.target, self.drafter if drafting.speculative else None, ids,
+                                max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                seed=seed, eos_token_id=stop_ids, progress=progress, config=self.config,
+                                num_speculative_tokens=max(k, 1), drafting=drafting)
         requests = [_Request(p, OutputText(self.tokenizer, p, stop=stops, skip_special_tokens=skip_special_tokens,
                                            include_stop_str_in_output=include_stop_str_in_output)) for p in ids]
         return TextStream(generation, requests, single=single, eos=frozenset(eos), stop_token_ids=frozenset(user_ids))
 
     def generate(self, prompts, *, max_new_tokens: Union[int, Sequence[int]], drafting: Optional[str] = None,
-                 k: Optional[int] = None, temperature=0.0, top_p=None, top_k=None, seed=0,
+                 k: Optional[int] = None, temperature=None, top_p=None, top_k=None, seed=0,
                  stop: Union[str, Sequence[str], None] = None, stop_token_ids: Optional[Sequence[int]] = None,
                  include_stop_str_in_output: bool = False, ignore_eos: bool = False, skip_special_tokens: bool = True,
                  chat: Optional[bool] = None, chat_template_kwargs: Optional[dict] = None,

@@ -6,24 +6,33 @@ static shapes) but masks it, so it writes no KV and emits nothing. A request wai
 free, is prefilled into it, decodes together with whatever else runs, and frees the slot when it stops (EOS, its
 max_new_tokens, cancellation).
 
-A step (`step`) runs one piece of device work, then reads the result on the host. The work is either (a) an
-admission: up to (free slots) queued requests, oldest first, are prefilled in groups of at most `max_admit_rows`,
-each group as one batch (rows bucketed to a power of two, prompt positions to `inputs.bucket_length`, and with
-`EngineConfig.prefill` "auto" / "packed" the prompts packed into one row of a power-of-two length,
-`pjax.decode.prefill_target`; padding rows hold one token and stop at prefill) and scattered into the big state and
-the big Sampling at their slots, in one jitted program call (`admit`; padding rows carry slot index max_slots and
-are dropped); the step then returns their first tokens at once (TTFT = queueing + prefill); or (b) one device
-chunk: `decode_chunk` with at most `rounds_per_step` rounds, ending early once every row is done. A step right
-after an admission always runs a chunk when anything runs, so admissions never starve running requests. The host
-snapshot of the rows' outputs and counters becomes `Event`s (the tokens each request produced since its previous
-event) and the statistics of the requests that finished, whose slots are freed. Cancellation ends a row on the
-device state between steps.
+A step (`step`) dispatches device work, then reads a result on the host. The work: (a) an admission, when requests
+wait and slots are free: up to (free slots) queued requests, oldest first, are prefilled in groups of at most
+`max_admit_rows`, each group as one batch (rows bucketed to a power of two, prompt positions to
+`inputs.bucket_length`, and with `EngineConfig.prefill` "auto" / "packed" the prompts packed into one row of a
+power-of-two length, `pjax.decode.prefill_target`; padding rows hold one token and stop at prefill) and scattered
+into the big state and the big Sampling at their slots, in one jitted program call (`admit`; padding rows carry slot
+index max_slots and are dropped); then (b) one device chunk of `rounds_per_step` rounds if anything runs (a step
+right after an admission always runs one, so admissions never starve running requests). Every program also returns
+a fresh `host_view` of the rows (outputs and counters in one array: one transfer), which the host turns into
+`Event`s (the tokens each request produced since its previous event) and the statistics of the requests that
+finished, whose slots are freed. Cancellation ends a row on the device state between steps.
+
+Pipelining. While some running request surely outlives the chunk in flight and the next one (its max_new_tokens and
+its cache allow more tokens than two chunks can emit), the chunk runs a fixed trip count of rounds and is dispatched
+before the host reads the previous program's view: on a GPU the call returns at once, so the host's reading,
+bookkeeping and the next admission overlap the running chunk and the device never waits for the host. A step then
+reports what the device finished one program earlier, and a slot freed in a chunk is refilled after the next one.
+Rows that stop inside a fixed-trip chunk are masked for its remaining rounds (no token past a stop). Otherwise (the
+tail of the work) a step waits for its own chunk, which ends early once every row is done; `step(final=True)` (a
+static batch: no arrival expected) runs that tail in one device call.
 
 Cost model. Every round computes all max_slots rows (target verify of K + 1 positions per row, drafter pass(es)),
 running or not, so a round costs what a batch of max_slots costs whatever the occupancy; an admission costs a
 prefill of its rows bucket times its prompt bucket (or of its packed row) plus the scatter (the K/V are written in
-place into the slots' rows, so an admission of every slot needs no second cache); each step costs one host round
-trip (dispatch, snapshot). Programs: one chunk program, plus one admission program per (rows bucket up to
+place into the slots' rows, so an admission of every slot needs no second cache); a waiting step costs one host round
+trip (dispatch, view), a pipelined one none. Programs: the two chunk programs (a fixed trip count; ending early),
+plus one admission program per (rows bucket up to
 max_admit_rows, prompt-length bucket, packed row bucket) used; sampling values, stop ids (a fixed-width table) and
 per-request limits are runtime data and never recompile. Every random draw is keyed on (seed, position), so a
 request's output does not depend on which slot it took or on the other requests.
@@ -45,51 +54,17 @@ import numpy as np
 
 from pjax.decode import inputs as I
 from pjax.decode.compiled import COMPILE_THREADS, compiled, matmul_precision, register_program
-from pjax.decode.generate import acceptance_stats, make_spec
+from pjax.decode.settings import DEFAULT_MAX_LEN, EngineConfig, make_spec
 from pjax.decode.state import STOP_HOST, STOP_NAMES, DecodeState, EngineSpec, Sampling
-from pjax.decode.step import prefill
+from pjax.decode.step import decode_loop, prefill, spec_round
 from pjax.dtypes import parse_dtype
 from pjax.models.drafter import consistent_drafter
 from pjax.models.pairing import pair_warnings
 from pjax.models.target import consistent_target
 
-__all__ = ["Engine", "EngineConfig", "Event", "RequestParams", "STOP_WIDTH", "admit"]
+__all__ = ["Engine", "EngineConfig", "Event", "RequestParams", "STOP_WIDTH", "acceptance_stats", "admit"]
 
 STOP_WIDTH = 8  # stop ids per request: the width of the device's stop table (fixed: it never recompiles)
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """Engine settings (validated by `Engine`).
-
-    max_slots: requests decoded at once (device batch rows), rounded up to a power of two.
-    max_len: KV positions per slot; a request's prompt + max_new_tokens + 2 K must fit.
-    num_speculative_tokens / drafting / draft_sampling / implementation / cache_dtype / allow_tf32 /
-      compiler_options: as `pjax.generate`.
-    rounds_per_step: rounds per device chunk at most; admission, cancellation and streaming happen between chunks.
-    simulate_acceptance: None, or K probabilities: seeded verdicts instead of the target's (timing random weights,
-      as `pjax.generate`; the outputs are then not the target's).
-    prefill: the admission prefill's layout, as `pjax.generate`'s: "padded" (the default here; `pjax.generate`'s is
-      "auto"), "auto" or "packed". Packing compiles one admission program per packed-row bucket besides the (rows,
-      prompt length) buckets, so `precompile` builds several programs per bucket pair (one per power of two the
-      packed row can take).
-    max_admit_rows: requests prefilled by one admission program at most (rounded up to a power of two, at most
-      max_slots); a step admits every request that fits a free slot, in consecutive groups of this many. The rows
-      buckets, and so the admission programs, stop there: 1, 2, 4, 8 rows by default instead of up to max_slots.
-    """
-    max_slots: int = 8
-    max_len: int = 2048
-    num_speculative_tokens: int = 3
-    drafting: str = "parallel"
-    draft_sampling: str = "argmax"
-    implementation: str = "auto"
-    cache_dtype: Optional[str] = None
-    rounds_per_step: int = 8
-    allow_tf32: bool = False
-    compiler_options: Optional[dict] = dataclasses.field(default=None, hash=False)
-    simulate_acceptance: Optional[tuple[float, ...]] = None
-    prefill: str = "padded"
-    max_admit_rows: int = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,8 +83,9 @@ class RequestParams:
 class Event:
     """What one step produced for one request: new_tokens since its previous event (the first event holds the token
     sampled at prefill); when finished, stop_reason ("eos" | "length" | "capacity" | "nonfinite" | "stop") and
-    stats: prompt_tokens, output_tokens, rounds, num_drafts, num_accepted_tokens, mean_acceptance_length,
-    acceptance_rates [K] (per draft position), queue_s, ttft_s, e2e_s, tpot_s (seconds from `submit`)."""
+    stats: prompt_tokens, output_tokens, rounds, num_drafts, num_draft_tokens, num_accepted_tokens,
+    mean_acceptance_length, acceptance_rates [K] (per draft position), queue_s, ttft_s, e2e_s, tpot_s (seconds from
+    `submit`)."""
     request_id: int
     new_tokens: list[int]
     finished: bool
@@ -128,7 +104,7 @@ def admit(target, drafter, state: DecodeState, sampling: Sampling, prompts, leng
     drafting passes read the cache by batch row); the other fields are built for the b rows and scattered. Returns
     the big (state, sampling) with rows `slots` replaced. Pure."""
     in_place = {"target_cache": state.target_cache}
-    if spec.drafting == "parallel":
+    if spec.drafting.one_pass:
         in_place["drafter_cache"] = state.drafter_cache
     new = prefill(target, drafter, prompts, lengths, new_sampling, spec=spec, capacity=capacity,
                   cache_dtype=cache_dtype, packed_len=packed_len, rows=slots, **in_place)
@@ -138,11 +114,54 @@ def admit(target, drafter, state: DecodeState, sampling: Sampling, prompts, leng
     return merged, jax.tree.map(put, sampling, new_sampling)
 
 
-register_program("admit", admit, static_argnames=("spec", "capacity", "cache_dtype", "packed_len"),
-                 donate_argnames=("state", "sampling"))
-
 _HOST_FIELDS = ("out", "num_out", "done", "stop", "rounds", "num_drafts", "num_draft_tokens", "accepted",
                 "accepted_at")
+
+
+def host_view(state: DecodeState):
+    """What the host reads of the rows, as one array (one transfer): [B, N + 7 + K] i32, the columns of out [B, N],
+    then num_out, done, stop, rounds, num_drafts, num_draft_tokens, accepted, then accepted_at [B, K]. A fresh array:
+    it stays readable while the next program takes over the (donated) state."""
+    cols = [state.out] + [getattr(state, k).astype(jnp.int32)[:, None] for k in _HOST_FIELDS[1:-1]]
+    return jnp.concatenate(cols + [state.accepted_at], axis=1).astype(jnp.int32)
+
+
+def unpack_view(view: np.ndarray, out_len: int) -> dict:
+    """`host_view`'s array (on the host) -> {field: writable [B, ...] array}."""
+    n = out_len
+    host = {"out": view[:, :n]}
+    for i, k in enumerate(_HOST_FIELDS[1:-1]):
+        host[k] = view[:, n + i]
+    host["done"] = host["done"].astype(bool)
+    host["accepted_at"] = view[:, n + len(_HOST_FIELDS) - 2:]
+    return host
+
+
+def admit_viewed(target, drafter, state, sampling, prompts, lengths, new_sampling, slots, **statics):
+    """`admit`, and the admitted state's `host_view`."""
+    state, sampling = admit(target, drafter, state, sampling, prompts, lengths, new_sampling, slots, **statics)
+    return state, sampling, host_view(state)
+
+
+def fixed_chunk(target, drafter, state: DecodeState, sampling: Sampling, *, spec: EngineSpec, rounds: int):
+    """Exactly `rounds` rounds (a fixed trip count: on a GPU the call returns before the rounds run, so the host
+    dispatches the next chunk and reads this one's view while the device works; rows that stop inside the chunk are
+    masked for the rest of it, a no-op), then the state's `host_view`."""
+    state = jax.lax.fori_loop(0, rounds, lambda i, s: spec_round(target, drafter, s, sampling, spec=spec), state)
+    return state, host_view(state)
+
+
+def ending_chunk(target, drafter, state: DecodeState, sampling: Sampling, max_rounds, *, spec: EngineSpec):
+    """Rounds until every row is done, at most `max_rounds` (i32, runtime data; the loop reads its condition back
+    every round, so the call returns when the chunk ends), then the state's `host_view`."""
+    state = decode_loop(target, drafter, state, sampling, max_rounds, spec=spec)[0]
+    return state, host_view(state)
+
+
+register_program("admit", admit_viewed, static_argnames=("spec", "capacity", "cache_dtype", "packed_len"),
+                 donate_argnames=("state", "sampling"))
+register_program("chunk", fixed_chunk, static_argnames=("spec", "rounds"), donate_argnames=("state",))
+register_program("chunk_ending", ending_chunk, static_argnames=("spec",), donate_argnames=("state",))
 
 
 @dataclasses.dataclass
@@ -155,7 +174,16 @@ class _Request:
     t_admit: Optional[float] = None
     t_first: Optional[float] = None
     slot: Optional[int] = None
+    seq: int = -1  # sequence number of its admission's view (views before it do not hold its row)
     sent: int = 0  # tokens already handed out in events
+
+
+def acceptance_stats(num_drafts: int, accepted: int, accepted_at) -> dict:
+    """num_drafts (rounds that verified >= 1 draft), num_accepted_tokens, mean_acceptance_length (1 + accepted /
+    num_drafts, as vLLM) and acceptance_rates (accepted_at [K]: rounds whose draft i was accepted, over num_drafts)."""
+    return {"num_drafts": num_drafts, "num_accepted_tokens": accepted,
+            "mean_acceptance_length": 1.0 + accepted / num_drafts if num_drafts else 1.0,
+            "acceptance_rates": [float(x) / num_drafts if num_drafts else 0.0 for x in accepted_at]}
 
 
 def _check_int(v, name: str, low: int):
@@ -171,22 +199,24 @@ class Engine:
     target / drafter: as `pjax.generate` (drafter None for drafting "none"). compile_s: compilation seconds so far.
     """
 
-    def __init__(self, target, drafter, config: EngineConfig = EngineConfig()):
+    def __init__(self, target, drafter, config: EngineConfig = EngineConfig(), *, acceptance=None):
         if not isinstance(config, EngineConfig):
-            raise TypeError(f"config must be a pjax.serve.EngineConfig, got {type(config).__name__}")
+            raise TypeError(f"config must be a pjax.decode.EngineConfig, got {type(config).__name__}")
         c = config
         slots = _check_int(c.max_slots, "max_slots", 1)
-        self.max_len = _check_int(c.max_len, "max_len", 2)
+        if c.max_len is None:
+            mpe = getattr(getattr(target, "config", None), "max_position_embeddings", None)
+            self.max_len = min(DEFAULT_MAX_LEN, mpe) if mpe else DEFAULT_MAX_LEN
+        else:
+            self.max_len = _check_int(c.max_len, "max_len", 2)
         self.rounds_per_step = _check_int(c.rounds_per_step, "rounds_per_step", 1)
         self.prefill = I.check_prefill(c.prefill, "EngineConfig.prefill")
         if c.compiler_options is not None and not isinstance(c.compiler_options, dict):
             raise TypeError(f"EngineConfig.compiler_options must be a dict or None, got "
                             f"{type(c.compiler_options).__name__}")
-        spec = make_spec(target, drafter, max_new_tokens=self.max_len, num_speculative_tokens=c.num_speculative_tokens,
-                         drafting=c.drafting, draft_sampling=c.draft_sampling, implementation=c.implementation,
-                         simulate_acceptance=c.simulate_acceptance)
+        spec = make_spec(target, drafter, c, max_new_tokens=self.max_len, acceptance=acceptance)
         self._target = consistent_target(target)
-        self._drafter = consistent_drafter(drafter) if spec.drafting != "none" else None
+        self._drafter = consistent_drafter(drafter) if spec.drafting.speculative else None
         self.warnings = [] if self._drafter is None else pair_warnings(self._target.config, self._drafter.config)
         mpe = self._target.config.max_position_embeddings
         if mpe and self.max_len > mpe:
@@ -195,22 +225,27 @@ class Engine:
         for w in self.warnings:
             warnings.warn(w, stacklevel=2)
         self.config, self.spec, self.max_slots = c, spec, I.bucket_batch(slots)
-        self.max_admit_rows = min(I.bucket_batch(_check_int(c.max_admit_rows, "max_admit_rows", 1)), self.max_slots)
+        admit_rows = self.max_slots if c.max_admit_rows is None else _check_int(c.max_admit_rows, "max_admit_rows", 1)
+        self.max_admit_rows = min(I.bucket_batch(admit_rows), self.max_slots)
         self._cache_dtype = None if c.cache_dtype is None else parse_dtype(c.cache_dtype, what="cache_dtype")
         self._options = tuple(sorted((c.compiler_options or {}).items()))
         self._precision = matmul_precision(self._target, self._drafter, c.allow_tf32)
         self._vocab = self._target.config.vocab_size
         self._state, self._sampling = self._empty()
-        self._host: Optional[dict] = None  # host copy of the rows' outputs and counters (the last snapshot)
+        self._host: Optional[dict] = None  # host copy of the rows' outputs and counters (the last view read)
+        self._host_seq = -1  # sequence number of the view self._host came from
+        self._views: list[tuple[int, object]] = []  # (sequence number, device view) dispatched, not read yet
+        self._seq = itertools.count()  # sequence numbers of the device programs that return a view
         self._queue: dict[int, _Request] = {}  # FIFO (insertion order)
         self._slots: dict[int, _Request] = {}  # slot -> running request
         self._ended: list[tuple[_Request, Optional[dict], float]] = []  # cancelled (row, when), reported next step
         self._unfilter: set[int] = set()  # freed slots whose sampling still asks for top-k / top-p
-        self._admitted_last = False  # the previous step was an admission (the next one runs a chunk)
+        self._admitted_last = False  # the previous step admitted (the next one runs a chunk)
         self._ids = itertools.count()
         self._admit_exe: dict[tuple[int, int, Optional[int]], object] = {}
-        self._chunk_exe = None
+        self._chunk_exe: dict[bool, object] = {}
         self.compile_s = 0.0
+        self.chunks = 0  # device chunks run so far
         self._compile_lock = threading.Lock()  # precompile's threads add to compile_s
 
     # -- device state ------------------------------------------------------------------------------------------
@@ -271,13 +306,21 @@ class Engine:
                 self._admit_exe[key] = exe
         return exe
 
-    def _chunk_program(self, args):
-        if self._chunk_exe is None:
-            exe, c = compiled("chunk", args, dict(spec=self.spec), self._options, self._precision)
+    def _chunk_args(self, fixed: bool, rounds: int = 0):
+        args = (self._target, self._drafter, self._state, self._sampling)
+        return args if fixed else args + (np.int32(rounds),)
+
+    def _chunk_program(self, fixed: bool):
+        """The chunk program: a fixed trip count of rounds_per_step rounds (pipelined), or ending early."""
+        exe = self._chunk_exe.get(fixed)
+        if exe is None:
+            name, statics = ("chunk", dict(spec=self.spec, rounds=self.rounds_per_step)) if fixed else (
+                "chunk_ending", dict(spec=self.spec))
+            exe, c = compiled(name, self._chunk_args(fixed), statics, self._options, self._precision)
             with self._compile_lock:
                 self.compile_s += c
-                self._chunk_exe = exe
-        return self._chunk_exe
+                self._chunk_exe[fixed] = exe
+        return exe
 
     def precompile(self, rows: Sequence[int], prompt_lengths: Sequence[int], *, warm: bool = False) -> float:
         """Compile the chunk program and the admission programs of every admission in the buckets of n in `rows`
@@ -314,24 +357,24 @@ class Engine:
         then (warm) each run once in order."""
         before = self.compile_s
         keys = list(dict.fromkeys(keys))
-        chunk_args = (self._target, self._drafter, self._state, self._sampling, np.int32(1))
-        jobs = [lambda: self._chunk_program(chunk_args)]
+        jobs = [lambda fixed=fixed: self._chunk_program(fixed) for fixed in (True, False)]
         jobs += [lambda key=key: self._admit_program(*key, self._admission_args([], [], *key[:2]))
                  for key in keys if key not in self._admit_exe]
         with ThreadPoolExecutor(max_workers=min(len(jobs), COMPILE_THREADS)) as pool:
             list(pool.map(lambda job: job(), jobs))
-        if warm and not self._slots:
-            self._state = self._chunk_program(chunk_args)(*chunk_args)[0]
+        for fixed in (True, False) if warm and not self._slots else ():
+            self._state = self._chunk_program(fixed)(*self._chunk_args(fixed, 1))[0]
         for key in keys if warm else ():
             args = self._admission_args([], [], *key[:2])
-            self._state, self._sampling = self._admit_program(*key, args)(*args)
+            self._state, self._sampling = self._admit_program(*key, args)(*args)[:2]
         jax.block_until_ready((self._state, self._sampling))
         return self.compile_s - before
 
     # -- requests ----------------------------------------------------------------------------------------------
-    def submit(self, prompt: Sequence[int], params: RequestParams) -> int:
+    def submit(self, prompt: Sequence[int], params: RequestParams, *, stop_at_capacity: bool = False) -> int:
         """Queue a request (prompt: token ids); returns its id. Every bad value is a ValueError (TypeError for a
-        wrong type) naming the field."""
+        wrong type) naming the field. stop_at_capacity: accept a request whose prompt + max_new_tokens + slack
+        exceed max_len (its prompt must fit): it stops with reason "capacity" when its cache fills."""
         if not isinstance(params, RequestParams):
             raise TypeError(f"params must be a pjax.serve.RequestParams, got {type(params).__name__}")
         if isinstance(prompt, (str, bytes)):
@@ -358,7 +401,9 @@ class Engine:
         if len(stops) > STOP_WIDTH:
             raise ValueError(f"stop_token_ids: {len(stops)} ids, more than the engine's {STOP_WIDTH}")
         slack = self.slack
-        if p.size + max_new + slack > self.max_len:
+        if stop_at_capacity and p.size > self.max_len:
+            raise ValueError(f"prompt has {p.size} tokens, longer than max_len={self.max_len}")
+        if not stop_at_capacity and p.size + max_new + slack > self.max_len:
             raise ValueError(f"prompt ({p.size} tokens) + max_new_tokens ({max_new}) + drafting slack ({slack}) = "
                              f"{p.size + max_new + slack} positions exceed max_len={self.max_len}")
         params = RequestParams(max_new, temperature, top_k, top_p, seed, tuple(int(t) for t in stops))
@@ -383,12 +428,15 @@ class Engine:
         if slot is None:
             return
         req = self._free(slot)
-        row = {k: np.array(self._host[k][slot]) for k in _HOST_FIELDS}  # the device row equals the last snapshot
+        s = self._state
+        self._state = dataclasses.replace(s, done=s.done.at[slot].set(True), stop=s.stop.at[slot].set(STOP_HOST))
+        if req.seq > self._host_seq:  # admitted after the last view read: nothing of it was read, none is reported
+            self._ended.append((req, None, t_end))
+            return
+        row = {k: np.array(self._host[k][slot]) for k in _HOST_FIELDS}  # (the device may be a chunk ahead)
         if keep is not None:
             row["num_out"] = np.minimum(row["num_out"], keep)
         row["done"], row["stop"] = np.True_, np.int32(STOP_HOST)
-        s = self._state
-        self._state = dataclasses.replace(s, done=s.done.at[slot].set(True), stop=s.stop.at[slot].set(STOP_HOST))
         self._ended.append((req, row, t_end))
 
     @property
@@ -431,10 +479,11 @@ class Engine:
             group, slots = reqs[i:i + a], free[i:i + a]
             rows, lp, packed_len = I.prefill_buckets([len(r.prompt) for r in group], self.max_len, self.prefill)
             args = self._admission_args(group, slots, rows, lp)
-            self._state, self._sampling = self._admit_program(rows, lp, packed_len, args)(*args)
+            self._state, self._sampling, view = self._admit_program(rows, lp, packed_len, args)(*args)
+            seq = self._push(view)
             for r, slot in zip(group, slots):
                 del self._queue[r.id]
-                r.slot, r.t_admit = slot, now
+                r.slot, r.t_admit, r.seq = slot, now, seq
                 self._slots[slot] = r
         return reqs
 
@@ -453,35 +502,70 @@ class Engine:
             self._sampling = dataclasses.replace(s, top_k=s.top_k.at[idx].set(0), top_p=s.top_p.at[idx].set(1.0))
             self._unfilter.clear()
 
-    def _snapshot(self):
-        s = self._state
-        self._host = jax.device_get({k: getattr(s, k) for k in _HOST_FIELDS})
+    def _push(self, view) -> int:
+        """Queue a dispatched program's view for reading (its copy to the host starts when the program ends)."""
+        seq = next(self._seq)
+        view.copy_to_host_async()
+        self._views.append((seq, view))
+        return seq
 
-    def step(self) -> list[Event]:
+    def _read(self, upto: int):
+        """Read the newest view dispatched up to index `upto` of the queue (one transfer; it waits for its program);
+        the older ones are dropped (a later view holds everything an earlier one does)."""
+        i = upto % len(self._views)
+        seq, view = self._views[i]
+        del self._views[:i + 1]
+        self._host = unpack_view(np.array(view), self.spec.out_len)
+        self._host_seq = seq
+
+    def _can_pipeline(self) -> bool:
+        """Whether a fixed-trip chunk may be dispatched before the host reads the chunk in flight: some running
+        request surely outlives both (its tokens still allowed, by its max_new_tokens and its cache, exceed what the
+        chunks can emit), so the chunk computes no rounds for nothing unless rows end early (EOS, host stops)."""
+        in_flight = 1 + sum(1 for seq, _ in self._views if seq > self._host_seq)
+        most = in_flight * self.rounds_per_step * (self.spec.k + 1)
+        h = self._host
+        for slot, r in self._slots.items():
+            out = int(h["num_out"][slot]) if h is not None and r.seq <= self._host_seq else 0
+            left = min(r.params.max_new_tokens, self.max_len - len(r.prompt)) - out
+            if left > most:
+                return True
+        return False
+
+    def step(self, *, final: bool = False) -> list[Event]:
         """One step of device work, then this step's events: one per request with new tokens or that finished
         (cancelled ones first, then by request id).
 
-        The device work: an admission of queued requests into free slots (one batched prefill; the step returns their
-        first tokens right away, so TTFT is queueing + prefill), else one chunk of at most rounds_per_step rounds if
-        anything runs. A step after an admission always runs a chunk when anything runs (admissions never starve the
-        running requests)."""
+        The device work: an admission of queued requests into free slots (one batched prefill), then one chunk of
+        rounds_per_step rounds if anything runs. While some running request surely outlives two chunks, the chunk
+        has a fixed trip count and is dispatched before the host reads the previous chunk's outputs: the host's
+        reading, bookkeeping and the next admission overlap the running chunk, and a step reports what the device
+        finished one chunk earlier (an admission's first tokens right away). Otherwise the step waits for its own
+        chunk, which ends once every row is done (a step that admits then runs no chunk: its first tokens come back
+        at once). final: no request will be submitted before the running ones finish (a static batch): such a
+        waiting chunk runs every round left, in one device call."""
         t0 = time.perf_counter()
         self._clear_filters()
-        admitted = [] if self._admitted_last and self._slots else self._admit(t0)
+        starved = self._admitted_last and self._slots  # a step after an admission runs a chunk
+        admitted = self._admit(t0) if self._queue and len(self._slots) < self.max_slots and not starved else []
         self._admitted_last = bool(admitted)
-        if admitted:
-            self._snapshot()
-        elif self._slots:
-            args = (self._target, self._drafter, self._state, self._sampling, np.int32(self.rounds_per_step))
-            self._state = self._chunk_program(args)(*args)[0]
-            self._snapshot()
+        pipelined = bool(self._slots) and self._can_pipeline()
+        if self._slots and (pipelined or not admitted):
+            rounds = self.max_len if final else self.rounds_per_step  # (every row's limits end it sooner)
+            self._state, view = self._chunk_program(pipelined)(*self._chunk_args(pipelined, rounds))
+            self.chunks += 1
+            self._push(view)
+        if self._views and not (pipelined and len(self._views) == 1):
+            self._read(-2 if pipelined else -1)
         now = time.perf_counter()
-        for r in admitted:
-            r.t_first = now
         events = [self._finished(r, row, t_end) for r, row, t_end in self._ended]
         self._ended = []
-        h = self._host
+        h, seen = self._host, self._host_seq if self._host is not None else -1
         for slot, r in sorted(self._slots.items(), key=lambda kv: kv[1].id):
+            if r.seq > seen:
+                continue  # admitted after the view read: its row is not in it yet
+            if r.t_first is None:
+                r.t_first = now
             num = int(h["num_out"][slot])
             new = h["out"][slot, r.sent:num].tolist()
             r.sent = num
@@ -497,7 +581,8 @@ class Engine:
         e2e = now - r.t_submit
         k = self.spec.k
         if row is None:
-            stats = {"prompt_tokens": len(r.prompt), "output_tokens": 0, "rounds": 0, **acceptance_stats(0, 0, [0] * k),
+            stats = {"prompt_tokens": len(r.prompt), "output_tokens": 0, "rounds": 0, "num_draft_tokens": 0,
+                     **acceptance_stats(0, 0, [0] * k),
                      "queue_s": e2e, "ttft_s": None, "e2e_s": e2e, "tpot_s": None}
             return Event(r.id, [], True, STOP_NAMES[STOP_HOST], stats)
         num = int(row["num_out"])
@@ -505,6 +590,7 @@ class Engine:
             new = row["out"][r.sent:num].tolist()
         ttft = r.t_first - r.t_submit
         stats = {"prompt_tokens": len(r.prompt), "output_tokens": num, "rounds": int(row["rounds"]),
+                 "num_draft_tokens": int(row["num_draft_tokens"]),
                  **acceptance_stats(int(row["num_drafts"]), int(row["accepted"]), row["accepted_at"]),
                  "queue_s": r.t_admit - r.t_submit, "ttft_s": ttft, "e2e_s": e2e,
                  "tpot_s": (e2e - ttft) / (num - 1) if num > 1 else None}

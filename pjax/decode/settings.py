@@ -1,0 +1,178 @@
+"""The decoding settings: one frozen `EngineConfig` with one set of defaults, shared by `pjax.generate`, the text API,
+the benchmark, the server and every CLI (whose flags for these settings come from `FLAGS`, defined once here), and
+`make_spec`, which checks them against a (target, drafter) pair and returns the static `EngineSpec`.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Callable, Optional
+
+from pjax.decode import inputs as I
+from pjax.decode.drafting import Drafting, resolve
+from pjax.decode.state import DRAFT_SAMPLING, EngineSpec
+from pjax.kernels import IMPLEMENTATIONS
+from pjax.models.target import Target
+
+__all__ = ["DEFAULT_MAX_LEN", "FLAGS", "EngineConfig", "add_flags", "config_from_flags", "configure", "flag_of",
+           "make_spec", "number_flag"]
+
+DEFAULT_MAX_LEN = 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Decoding settings (validated when an engine is built).
+
+    drafting: "parallel" (P-EAGLE) | "sequential" (EAGLE-3) | "none" (plain decoding); None = the head's kind
+      (none without a head). num_speculative_tokens: K drafts per round; None = the drafting's default (7 for
+      parallel, at most the head's trained depth; 3 for sequential).
+    draft_sampling: "argmax" (vLLM's default) | "sample" (drafts sampled from the drafter's distribution).
+    temperature / top_k / top_p: the sampling of a request that gives none (0 = greedy; 0 and 1 = no filter).
+    prefill: the target prefill's layout, "auto" | "packed" | "padded" (`pjax.generate`).
+    rounds_per_step: rounds per device chunk: requests join, tokens stream and host stops apply between chunks.
+    max_slots: requests decoded at once (device rows; rounded up to a power of two); `pjax.generate` uses one per
+      prompt. max_len: KV positions per request (prompt + max_new_tokens + 2 K must fit); None = what the batch needs
+      for `pjax.generate`, DEFAULT_MAX_LEN (at most the target's max_position_embeddings) for the serving engine.
+    max_admit_rows: requests prefilled by one admission program at most (rounded up to a power of two); None = every
+      free slot at once (`pjax.generate`: one prefill of the whole batch).
+    implementation: the kernel switch, "xla" | "pallas" | "auto". cache_dtype: KV cache dtype (None: the model's).
+    allow_tf32: float32 models run full-precision products unless True. compiler_options: XLA options.
+    """
+    drafting: Optional[str] = None
+    num_speculative_tokens: Optional[int] = None
+    draft_sampling: str = "argmax"
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    prefill: str = "auto"
+    rounds_per_step: int = 8
+    max_slots: int = 8
+    max_len: Optional[int] = None
+    max_admit_rows: Optional[int] = 8
+    implementation: str = "auto"
+    cache_dtype: Optional[str] = None
+    allow_tf32: bool = False
+    compiler_options: Optional[dict] = dataclasses.field(default=None, hash=False)
+
+
+def configure(config: Optional[EngineConfig] = None, **settings) -> EngineConfig:
+    """`config` (default: EngineConfig()) with the fields in `settings` replaced; unknown names are a TypeError."""
+    config = EngineConfig() if config is None else config
+    if not isinstance(config, EngineConfig):
+        raise TypeError(f"config must be a pjax.decode.EngineConfig, got {type(config).__name__}")
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    bad = sorted(set(settings) - fields)
+    if bad:
+        raise TypeError(f"unknown setting(s) {', '.join(bad)}: expected EngineConfig fields "
+                        f"({', '.join(sorted(fields))})")
+    return dataclasses.replace(config, **settings)
+
+
+# ------------------------------------------------------------------------------------------ the pair
+
+def make_spec(target, drafter, config: EngineConfig, *, max_new_tokens: int,
+              acceptance: Optional[Callable] = None) -> EngineSpec:
+    """Check `config`'s drafting settings and the (target, drafter) pair; returns the static EngineSpec (output
+    buffer for `max_new_tokens`). acceptance: None, or a hashable function replacing the acceptance rule of a round
+    (`EngineSpec.acceptance`)."""
+    if not isinstance(target, Target):
+        raise TypeError(f"target must be a pjax Target (load one with pjax.load_target(path)), got "
+                        f"{type(target).__name__}" + (" (a path? use pjax.load_target)" if isinstance(target, str)
+                                                        else ""))
+    c = config
+    if c.draft_sampling not in DRAFT_SAMPLING:
+        raise ValueError(f"draft_sampling={c.draft_sampling!r}: expected one of {DRAFT_SAMPLING}")
+    if c.implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation={c.implementation!r}: expected one of {IMPLEMENTATIONS}")
+    if not I.is_int(max_new_tokens) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1 (got {max_new_tokens!r})")
+    drafting, k = resolve(drafter, c.drafting, c.num_speculative_tokens)
+    aux = drafting.check_pair(target, drafter, k)
+    mask_id = 0
+    if drafting.speculative and drafter.config.mask_token_id is not None:
+        mask_id = drafter.config.mask_token_id
+    if acceptance is not None and not drafting.speculative:
+        raise ValueError("an acceptance rule needs drafting='parallel' or 'sequential'")
+    return EngineSpec(num_speculative_tokens=k, drafting=drafting, max_new_tokens=int(max_new_tokens),
+                      draft_sampling=c.draft_sampling, aux_layer_ids=aux, mask_token_id=int(mask_id),
+                      implementation=c.implementation, acceptance=acceptance)
+
+
+# ------------------------------------------------------------------------------------------ command-line flags
+
+def number_flag(kind, low=None, high=None, low_open=False, high_open=False):
+    """An argparse type: int / float within bounds (argparse names the flag on error)."""
+    def parse(text):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got "
+                                             f"{text!r}") from None
+        if kind is float and v != v:
+            raise argparse.ArgumentTypeError("NaN is not a value")
+        if low is not None and (v < low or (low_open and v == low)):
+            raise argparse.ArgumentTypeError(f"{text} must be {'>' if low_open else '>='} {low}")
+        if high is not None and (v > high or (high_open and v == high)):
+            raise argparse.ArgumentTypeError(f"{text} must be {'<' if high_open else '<='} {high}")
+        return v
+    parse.__name__ = kind.__name__
+    return parse
+
+
+_positive = number_flag(int, low=1)
+
+
+# field -> (flag, argparse keywords, help); the help's "(default ...)" is added from EngineConfig
+FLAGS: dict[str, tuple[str, dict, str]] = {
+    "drafting": ("--drafting", dict(choices=Drafting.names()),
+                 "parallel (P-EAGLE), sequential (EAGLE-3) or none (plain decoding); default: the head's kind"),
+    "num_speculative_tokens": ("--k", dict(type=_positive, metavar="K"),
+                               "draft tokens per round; default: 7 parallel (at most the head's trained depth), "
+                               "3 sequential"),
+    "draft_sampling": ("--draft-sampling", dict(choices=DRAFT_SAMPLING),
+                       "argmax drafts, or drafts sampled from the drafter's distribution"),
+    "temperature": ("--temperature", dict(type=number_flag(float, low=0.0), metavar="T"), "sampling temperature (0: "
+                    "greedy)"),
+    "top_k": ("--top-k", dict(type=number_flag(int, low=0), metavar="N"), "top-k sampling (0: off)"),
+    "top_p": ("--top-p", dict(type=number_flag(float, low=0.0, high=1.0, low_open=True), metavar="P"),
+              "nucleus sampling (1: off)"),
+    "prefill": ("--prefill", dict(choices=I.PREFILL_LAYOUTS),
+                "the target prefill's layout: prompts packed into one row, or one padded row each"),
+    "rounds_per_step": ("--rounds-per-step", dict(type=_positive, metavar="N"),
+                        "rounds per device chunk: requests join, text streams and stops apply between chunks"),
+    "max_slots": ("--max-slots", dict(type=_positive, metavar="N"),
+                  "requests decoded at once: the device batch (rounded up to a power of two)"),
+    "max_len": ("--max-len", dict(type=_positive, metavar="N"),
+                f"KV positions per request: prompt + new tokens + 2K (default {DEFAULT_MAX_LEN}, or the target's "
+                "max_position_embeddings when smaller)"),
+    "max_admit_rows": ("--max-admit-rows", dict(type=_positive, metavar="N"),
+                       "requests prefilled by one admission program at most (larger admissions run as several)"),
+    "implementation": ("--implementation", dict(choices=IMPLEMENTATIONS),
+                       "kernels: xla (no Pallas kernel), pallas (every kernel) or auto"),
+    "cache_dtype": ("--cache-dtype", dict(metavar="DTYPE"), "KV cache dtype: bfloat16, float16, float32; default: "
+                    "the model's"),
+}
+
+
+def add_flags(parser, *fields: str):
+    """Add the flags of these EngineConfig fields (`FLAGS`) to an argparse parser or group. A flag left out keeps
+    the EngineConfig default (its dest is the field name, its parsed default None)."""
+    defaults = EngineConfig()
+    for name in fields:
+        flag, kwargs, text = FLAGS[name]
+        value = getattr(defaults, name)
+        if value is not None and "default" not in text:
+            text += f" (default {value})"
+        parser.add_argument(flag, dest=name, default=None, help=text, **kwargs)
+
+
+def flag_of(field: str) -> str:
+    """The command-line flag of an EngineConfig field (for error messages)."""
+    return FLAGS[field][0]
+
+
+def config_from_flags(args, **fixed) -> EngineConfig:
+    """The EngineConfig of parsed flags (fields whose flag was not given keep their default); `fixed` fields win."""
+    given = {name: getattr(args, name) for name in FLAGS if getattr(args, name, None) is not None}
+    return EngineConfig(**{**given, **fixed})
