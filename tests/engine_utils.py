@@ -1,13 +1,12 @@
 """Shared pieces of the engine tests: tiny checkpoints of every target family (written by transformers), a random
 P-EAGLE head for a target, transformers' greedy continuations, and the numpy law of processed logits (temperature,
-top-k, top-p)."""
+top-k, top-p). torch and transformers are imported by the helpers that use them (`build`, `hf_greedy`), so the engine
+tests that do not compare against transformers never import them."""
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import torch
-import transformers as tf
 
 import pjax
 from pjax.config import LayerSpec, ModelConfig, RopeSpec
@@ -18,26 +17,26 @@ from tests.hf_utils import randomize
 V = 97
 NEW = 12
 PROMPTS = [[5, 17, 3], [9, 1, 44, 60, 2, 71, 33, 8, 90, 12, 4], [30, 31, 32, 33, 34, 35]]  # ragged
-FAMILIES = {
-    "llama": (tf.LlamaForCausalLM, tf.LlamaConfig, dict(
+FAMILIES = {  # family: (transformers model class, config class, config arguments)
+    "llama": ("LlamaForCausalLM", "LlamaConfig", dict(
         vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, rms_norm_eps=1e-5, max_position_embeddings=256, rope_theta=500000.0,
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 16})),
-    "qwen3": (tf.Qwen3ForCausalLM, tf.Qwen3Config, dict(
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(
         vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)),
-    "qwen3_moe": (tf.Qwen3MoeForCausalLM, tf.Qwen3MoeConfig, dict(
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(
         vocab_size=V, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
         norm_topk_prob=True, mlp_only_layers=[1])),
-    "gpt_oss": (tf.GptOssForCausalLM, tf.GptOssConfig, dict(
+    "gpt_oss": ("GptOssForCausalLM", "GptOssConfig", dict(
         vocab_size=V, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_local_experts=4,
         num_experts_per_tok=2, head_dim=16, num_attention_heads=4, num_key_value_heads=2, sliding_window=6,
         swiglu_limit=1.0, max_position_embeddings=256,
         rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                          "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 150000.0})),
-    "gemma4": (tf.Gemma4ForCausalLM, tf.Gemma4TextConfig, dict(
+    "gemma4": ("Gemma4ForCausalLM", "Gemma4TextConfig", dict(
         vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
         attention_k_eq_v=True, hidden_size_per_layer_input=0, final_logit_softcapping=3.0, sliding_window=6,
@@ -106,6 +105,8 @@ def processed(logits, temperature, top_k, top_p):
 
 
 def hf_greedy(model, prompts, new):
+    import torch
+
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     out = []
@@ -121,9 +122,12 @@ def hf_greedy(model, prompts, new):
 @functools.lru_cache(maxsize=None)
 def build(name, tmp_root):
     """(target, random drafter, transformers' greedy continuation of PROMPTS)."""
+    import torch
+    import transformers as tf
+
     model_cls, cfg_cls, kw = FAMILIES[name]
     torch.manual_seed(0)
-    model = randomize(model_cls(cfg_cls(**kw)).float().eval(), std=0.2)
+    model = randomize(getattr(tf, model_cls)(getattr(tf, cfg_cls)(**kw)).float().eval(), std=0.2)
     path = tmp_root / name
     model.save_pretrained(path)
     target = pjax.load_target(path, dtype=jnp.float32)

@@ -1,10 +1,12 @@
-"""Helpers to build tiny random Hugging Face checkpoints on CPU for parity tests."""
+"""Helpers to build tiny random Hugging Face checkpoints on CPU for parity tests. torch is imported by the helpers
+that use it, so a test module that only needs `rel_err` never imports it."""
 import numpy as np
-import torch
 
 
 def save_tiny(model_cls, config, path, seed=0, init_std=None):
     """Instantiate `model_cls(config)` with seeded random weights in float32, save_pretrained to path."""
+    import torch
+
     torch.manual_seed(seed)
     model = model_cls(config).float().eval()
     if init_std is not None:
@@ -17,6 +19,8 @@ def save_tiny(model_cls, config, path, seed=0, init_std=None):
 
 
 def hf_logits(model, ids):
+    import torch
+
     with torch.no_grad():
         return model(torch.as_tensor(np.asarray(ids))).logits.float().numpy()
 
@@ -29,6 +33,8 @@ def rel_err(a, b):
 def randomize(model, seed=0, std=0.1, norm_jitter=0.2, skip=()):
     """All parameters and state-dict buffers normal(0, std); norm weights 1 + normal(0, norm_jitter)
     (so a wrong norm convention shows up); names containing any of `skip` are left alone."""
+    import torch
+
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):
@@ -43,6 +49,8 @@ def randomize(model, seed=0, std=0.1, norm_jitter=0.2, skip=()):
 
 def hf_hidden_states(model, ids):
     """transformers' hidden_states tuple as numpy ([k] = residual stream entering layer k, k < L)."""
+    import torch
+
     with torch.no_grad():
         out = model(torch.as_tensor(np.asarray(ids)), output_hidden_states=True)
     return [h.float().numpy() for h in out.hidden_states], out.logits.float().numpy()

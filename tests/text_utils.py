@@ -1,12 +1,10 @@
 """Shared pieces of the text tests: a real byte-level BPE tokenizer trained by the `tokenizers` library and saved in
 the Hugging Face layout by transformers (special tokens, a chat template), a tiny Llama target saved next to it, and
-a random P-EAGLE head."""
+a random P-EAGLE head. transformers and torch are imported by the helpers that write with them."""
 import functools
 import json
 from pathlib import Path
 
-import torch
-import transformers as tf
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 import pjax
@@ -72,6 +70,8 @@ def train_tokenizer() -> Tokenizer:
 def write_tokenizer(path, *, template=CHAT_TEMPLATE, template_in_config=False):
     """The Hugging Face layout written by transformers (tokenizer.json, tokenizer_config.json, chat_template.jinja);
     template_in_config: the template as tokenizer_config.json's "chat_template" instead (the older layout)."""
+    import transformers as tf
+
     path = Path(path)
     fast = tf.PreTrainedTokenizerFast(tokenizer_object=train_tokenizer(), bos_token="<|bos|>", eos_token="<|eos|>",
                                       pad_token="<|pad|>")
@@ -90,6 +90,9 @@ def write_tokenizer(path, *, template=CHAT_TEMPLATE, template_in_config=False):
 def build(root: Path):
     """A tiny random Llama (vocabulary V, EOS ids [EOS, END] in generation_config.json) with the tokenizer in one
     directory, and a random P-EAGLE head saved in the speculators format. Returns (target_dir, head_dir)."""
+    import torch
+    import transformers as tf
+
     torch.manual_seed(0)
     cfg = tf.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,

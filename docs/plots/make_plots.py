@@ -77,7 +77,7 @@ def attention_share(text: str):
     triton = [r for r in table(text, "| B | context | T | XLA us | Pallas us") if cell(r, "context") == "16384"]
     mosaic = table(text, "| B | Llama T = 22")
     groups = {f"T = {t} (Triton)": [number(cell(r, "% of 4.34 TB/s")) for r in triton if cell(r, "T") == str(t)]
-              for t in (4, 8, 14)}
+              for t in (4, 14)}
     groups["T = 22 (Mosaic)"] = [number(cell(r, "Llama, % of 4.34 TB/s")) for r in mosaic]
     groups["GPT-OSS T = 12 (Mosaic)"] = [number(cell(r, "GPT-OSS, % of 4.34 TB/s")) for r in mosaic]
     batches = ["1", "8", "64"]
