@@ -208,14 +208,14 @@ def test_context_beyond_max_positions_warns(models):
 def test_float32_models_run_full_precision_products(models, monkeypatch):
     """float32 models compile under matmul precision "highest" unless TF32 is allowed (CPU: the setting is seen)."""
     import sys
-    G = sys.modules["pjax.decode._generate"]
+    G = sys.modules["pjax.decode.engine"]
     target, drafter = models
     seen = []
-    orig = G._compiled
-    monkeypatch.setattr(G, "_compiled", lambda *a: seen.append(a[-1]) or orig(*a))
+    orig = G.compiled
+    monkeypatch.setattr(G, "compiled", lambda *a: seen.append(a[-1]) or orig(*a))
     gen(target, drafter, PROMPTS, max_new_tokens=3)
     gen(target, drafter, PROMPTS, max_new_tokens=3, allow_tf32=True)
     bf = gen(target.astype("bf16"), drafter.astype("bf16"), PROMPTS, max_new_tokens=3)
-    per = len(seen) // 3  # programs of one generation (the target's prefill, the drafter's, the decode chunk)
+    per = len(seen) // 3  # programs of one generation (the admission, the two decode chunks)
     assert per == 3 and seen == ["highest"] * per + ["default"] * per + [None] * per, seen
     assert bf.tokens

@@ -97,8 +97,8 @@ def test_progress_bar(models, capsys):
 
 def test_a_sweep_compiles_a_handful_of_programs(models, monkeypatch):
     """Batch sizes 1-4, prompt lengths 2-14, max_new_tokens 3-8, stop lists of 0-3 ids, top-k / top-p on and off:
-    48 settings, 15 programs from an empty cache: 3 row buckets x (the decode chunk, the two prefills padded), and
-    under prefill="auto" the two prefills packed per (rows, packed row) bucket where packing saves positions (2 x 16
+    48 settings, 12 programs from an empty cache: 3 row buckets x (the two decode chunks, the admission padded), and
+    under prefill="auto" the admission packed per (rows, packed row) bucket where packing saves positions (2 x 16
     into 16, 4 x 16 into 16 and into 32); the same sweep again compiles nothing."""
     target, drafter = models
     monkeypatch.setattr(sys.modules["pjax.decode.compiled"], "_COMPILED", {})
@@ -113,7 +113,7 @@ def test_a_sweep_compiles_a_handful_of_programs(models, monkeypatch):
             gen(target, drafter, prompts, max_new_tokens=new, eos_token_id=eos, seed=i, prefill="auto",
                 **samplings[i % len(samplings)])
         return G.compile_count() - before
-    assert sweep() == 15
+    assert sweep() == 12
     assert sweep() == 0
 
 
@@ -168,3 +168,18 @@ def test_precompile_in_threads_builds_each_program_once(models, monkeypatch):
     before = G.compile_count()
     assert [pjax.generate(target, drafter, p, **settings).tokens for p in prompts] == expected
     assert G.compile_count() == before
+
+
+def test_pipelined_chunks_stop_exactly(models):
+    """Rows that hit a stop id inside a fixed-trip chunk dispatched ahead of the host emit nothing past it: the
+    pipelined engine (4 rounds a chunk) gives the outputs and stop reasons of one round per call."""
+    target, drafter = models
+    ref = gen(target, drafter, PROMPTS, max_new_tokens=40, **SAMPLED)
+    eos = [[row[12]] for row in ref.tokens]  # each row stops at its first occurrence of its 13th token
+    kw = dict(max_new_tokens=60, eos_token_id=eos, compiler_options=FAST, num_speculative_tokens=3, **SAMPLED)
+    g = Generation(target, drafter, PROMPTS, rounds_per_step=4, **kw)
+    piped = g.result()
+    assert True in g._engine._chunk_exe  # the fixed-trip chunk ran ahead of the host
+    one = gen(target, drafter, PROMPTS, rounds_per_step=1, max_new_tokens=60, eos_token_id=eos, **SAMPLED)
+    assert piped.tokens == one.tokens and piped.stats["stop_reasons"] == one.stats["stop_reasons"] == ["eos"] * 3
+    assert [t[:len(p)] for t, p in zip(ref.tokens, piped.tokens)] == piped.tokens

@@ -134,11 +134,12 @@ def test_max_slots_round_up_and_an_admission_returns_the_prefill_tokens(models):
 
 def test_a_step_after_an_admission_decodes(models):
     """Admissions alternate with chunks while requests run: a newcomer waits one step, the running request is not
-    starved by a stream of arrivals."""
+    starved by a stream of arrivals (requests short enough that no chunk is pipelined: each step waits for its own
+    work)."""
     eng = engine(models, max_slots=4, rounds_per_step=1)
-    a = eng.submit(PROMPTS[1], RequestParams(20))
+    a = eng.submit(PROMPTS[1], RequestParams(8))
     assert [(e.request_id, len(e.new_tokens)) for e in eng.step()] == [(a, 1)]  # admission
-    b = eng.submit(PROMPTS[0], RequestParams(20))
+    b = eng.submit(PROMPTS[0], RequestParams(8))
     evs = eng.step()  # a chunk: a decodes, b still queued
     assert [e.request_id for e in evs] == [a] and eng.num_waiting == 1
     assert [(e.request_id, len(e.new_tokens)) for e in eng.step()] == [(b, 1)]  # admission of b

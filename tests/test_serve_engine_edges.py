@@ -114,7 +114,7 @@ def test_requests_ending_at_their_prefill_token_free_the_slot_at_once(models):
 
 def test_a_cancelled_request_ends_when_cancelled(models):
     """The e2e time of a cancelled request (running or queued) ends at `cancel`, not after the device work of the
-    step that reports it (a slow step here: its snapshot takes 0.2 s)."""
+    step that reports it (a slow step here: reading its view takes 0.2 s)."""
     eng = engine(models, max_slots=1, rounds_per_step=1)
     t0 = time.perf_counter()
     running = eng.submit([5, 7, 3], RequestParams(30))
@@ -124,12 +124,12 @@ def test_a_cancelled_request_ends_when_cancelled(models):
     eng.cancel(running)
     eng.cancel(queued)
     t_cancel = time.perf_counter()
-    snapshot = eng._snapshot
+    read = eng._read
 
-    def slow_snapshot():
+    def slow_read(*a):
         time.sleep(0.2)
-        snapshot()
-    eng._snapshot = slow_snapshot
+        read(*a)
+    eng._read = slow_read
     evs = {e.request_id: e for e in eng.step()}  # admits `other` (a slow step)
     for rid in (running, queued):
         s = evs[rid].stats

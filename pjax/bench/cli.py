@@ -67,6 +67,7 @@ from pjax.dtypes import parse_dtype
 from pjax.decode.engine import STOP_WIDTH
 
 CHAT = ("auto", "on", "off")
+SETTINGS_FLAGS = ("cache_dtype", "implementation", "prefill", "rounds_per_step", "max_admit_rows", "draft_sampling")
 
 
 def _ints(flag: str):
@@ -105,7 +106,7 @@ def build_parser(prog: str = "python -m pjax bench") -> argparse.ArgumentParser:
     m.add_argument("--dtype", default="bf16", help="parameter / compute dtype: bf16 (default), f32, f16")
     m.add_argument("--no-finite-check", action="store_true",
                    help="accept NaN / inf weights (by default every floating tensor is checked, on device)")
-    add_flags(m, "cache_dtype", "implementation", "prefill")
+    add_flags(m, "cache_dtype", "implementation", "prefill")  # (--drafting, --k, --temperature: the sweep's own)
     d = p.add_argument_group("prompts")
     d.add_argument("--dataset", action="append", default=None, metavar="NAME_OR_FILE",
                    help=f"{', '.join(DATASET_NAMES)}, or a .jsonl file with 'prompt' or 'messages' per line; "
@@ -326,7 +327,7 @@ def run(args, argv) -> int:
 
     target = _load_target(args, shape, dtype, sets)
     heads = _heads(args, settings, target, dtype, shape)
-    config = config_from_flags(args)
+    config = config_from_flags(args, SETTINGS_FLAGS)
     meta = {"target": args.target,
             "heads": {m: (args.sequential_head if m == "sequential" and args.sequential_head else args.head)
                       for m in settings.speculative},

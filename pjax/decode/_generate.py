@@ -92,7 +92,6 @@ class Generation:
         self._keep: dict[int, int] = {}
         self._closed = False
         self._t_first: Optional[float] = None
-        self._t0: Optional[float] = None
         self._wall = 0.0
         self._compile_before = eng.compile_s
         self._bar = None
@@ -111,8 +110,6 @@ class Generation:
         pipelined runs in one device call); Ctrl-C raises GenerationInterrupted."""
         new = [[] for _ in range(self.n)]
         t = time.perf_counter()
-        if self._t0 is None:
-            self._t0 = t
         try:
             events = self._engine.step(final=final)
         except KeyboardInterrupt:

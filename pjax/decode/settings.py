@@ -14,8 +14,8 @@ from pjax.decode.state import DRAFT_SAMPLING, EngineSpec
 from pjax.kernels import IMPLEMENTATIONS
 from pjax.models.target import Target
 
-__all__ = ["DEFAULT_MAX_LEN", "FLAGS", "EngineConfig", "add_flags", "config_from_flags", "configure", "flag_of",
-           "make_spec", "number_flag"]
+__all__ = ["DEFAULT_MAX_LEN", "FLAGS", "EngineConfig", "add_flags", "config_from_flags", "configure", "make_spec",
+           "number_flag"]
 
 DEFAULT_MAX_LEN = 2048
 
@@ -167,12 +167,7 @@ def add_flags(parser, *fields: str):
         parser.add_argument(flag, dest=name, default=None, help=text, **kwargs)
 
 
-def flag_of(field: str) -> str:
-    """The command-line flag of an EngineConfig field (for error messages)."""
-    return FLAGS[field][0]
-
-
-def config_from_flags(args, **fixed) -> EngineConfig:
-    """The EngineConfig of parsed flags (fields whose flag was not given keep their default); `fixed` fields win."""
-    given = {name: getattr(args, name) for name in FLAGS if getattr(args, name, None) is not None}
+def config_from_flags(args, fields=tuple(FLAGS), **fixed) -> EngineConfig:
+    """The EngineConfig of the parsed flags of `fields` (those not given keep their default); `fixed` fields win."""
+    given = {name: getattr(args, name) for name in fields if getattr(args, name, None) is not None}
     return EngineConfig(**{**given, **fixed})
