@@ -539,3 +539,46 @@ def test_requests_that_outlive_the_shutdown_still_end_cleanly(gen, monkeypatch):
     r = out["plain"]
     assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable", r.text
     assert "Traceback" not in notices.text() and "Exception in ASGI" not in notices.text(), notices.text()
+
+
+class _OneTokenEngine:
+    """Finishes each request with one token at the next step."""
+    max_slots, num_waiting = 1, 0
+
+    def __init__(self):
+        self.queued = []
+
+    def submit(self, prompt, params):
+        self.queued.append(len(self.queued))
+        return self.queued[-1]
+
+    has_work = property(lambda self: bool(self.queued))
+    num_running = property(lambda self: len(self.queued))
+
+    def step(self):
+        events = [Event(r, [5], True, "length", {}) for r in self.queued]
+        self.queued = []
+        return events
+
+
+def test_a_failing_listener_does_not_stop_the_engine():
+    """A finished-request listener that raises (a metrics bug) is one warning: the request still gets its final
+    event and the engine serves the next one."""
+    bridge = AsyncEngine(_OneTokenEngine())
+    bridge.add_listener(lambda event, stream: event.stats["prompt_tokens"])
+    notices = Notices()
+    logging.getLogger("pjax.serve").addHandler(notices)
+
+    async def events_of_one():
+        return [e async for e in await bridge.submit([1], None)]
+
+    async def one():
+        return await asyncio.wait_for(events_of_one(), 30)
+    try:
+        for _ in range(2):
+            events = asyncio.run(one())
+            assert [(e.new_tokens, e.finished) for e in events] == [([5], True)] and bridge.alive
+    finally:
+        logging.getLogger("pjax.serve").removeHandler(notices)
+        bridge.close()
+    assert notices.lines == ["a finished-request listener failed: KeyError: 'prompt_tokens'"] * 2
