@@ -539,3 +539,79 @@ def test_requests_that_outlive_the_shutdown_still_end_cleanly(gen, monkeypatch):
     r = out["plain"]
     assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable", r.text
     assert "Traceback" not in notices.text() and "Exception in ASGI" not in notices.text(), notices.text()
+
+
+class _OneTokenEngine:
+    """Finishes each request with one token at the next step."""
+    max_slots, num_waiting = 1, 0
+
+    def __init__(self):
+        self.queued = []
+
+    def submit(self, prompt, params):
+        self.queued.append(len(self.queued))
+        return self.queued[-1]
+
+    has_work = property(lambda self: bool(self.queued))
+    num_running = property(lambda self: len(self.queued))
+
+    def step(self):
+        events = [Event(r, [5], True, "length", {}) for r in self.queued]
+        self.queued = []
+        return events
+
+
+def test_a_failing_listener_does_not_stop_the_engine():
+    """A finished-request listener that raises (a metrics bug) is one warning: the request still gets its final
+    event and the engine serves the next one."""
+    bridge = AsyncEngine(_OneTokenEngine())
+    bridge.add_listener(lambda event, stream: event.stats["prompt_tokens"])
+    notices = Notices()
+    logging.getLogger("pjax.serve").addHandler(notices)
+
+    async def events_of_one():
+        return [e async for e in await bridge.submit([1], None)]
+
+    async def one():
+        return await asyncio.wait_for(events_of_one(), 30)
+    try:
+        for _ in range(2):
+            events = asyncio.run(one())
+            assert [(e.new_tokens, e.finished) for e in events] == [([5], True)] and bridge.alive
+    finally:
+        logging.getLogger("pjax.serve").removeHandler(notices)
+        bridge.close()
+    assert notices.lines == ["a finished-request listener failed: KeyError: 'prompt_tokens'"] * 2
+
+
+def test_a_body_still_arriving_at_the_end_of_the_grace_period_gets_503(gen):
+    """A client still sending its body when the grace period ends gets a 503 then, not at its body timeout or when the
+    server stops waiting."""
+    bridge = AsyncEngine(_StuckEngine())
+    model = ServedModel(name=NAME, tokenizer=gen.tokenizer, vocab_size=V, max_len=MAX_LEN, slack=0, drafting="none",
+                        num_speculative_tokens=0)
+    server = make_server(create_app(bridge, model), grace_s=0.5, log_level="warning")
+    sock = _bind("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    thread = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.01)
+        out = {}
+
+        def slow_client():
+            out["reply"] = raw_http(url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+            out["t"] = time.monotonic()
+        t = threading.Thread(target=slow_client)
+        t.start()
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        server.should_exit = True
+        t.join(30)
+        thread.join(30)
+    finally:
+        bridge.close()
+        sock.close()
+    assert out["reply"].startswith(b"HTTP/1.1 503 ") and b"the server is shutting down" in out["reply"], out
+    assert out["t"] - t0 < 0.5 + 2 and not thread.is_alive()

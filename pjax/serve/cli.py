@@ -29,7 +29,7 @@ from pjax.decode.settings import DEFAULT_MAX_LEN, add_flags, config_from_flags
 from pjax.dtypes import parse_dtype
 from pjax.serve.limits import ServerLimits
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "main", "make_server"]
 
 SHUTDOWN_GRACE_S = 5.0  # default seconds requests in flight get to finish after Ctrl-C / SIGTERM
 ABORT_WAIT_S = 10.0  # then at most this long for the aborted requests to end (one engine step) before their handlers

@@ -474,6 +474,10 @@ def finish_reason(event, stream) -> str:
     return FINISH.get(event.stop_reason, event.stop_reason)
 
 
+def _shutting_down() -> APIError:
+    return APIError("the server is shutting down", status=503, type="service_unavailable")
+
+
 def _client(request: Request) -> str:
     c = request.client
     return f"{c.host}:{c.port}" if c else "a client"
@@ -486,6 +490,7 @@ class _API:
         self.max_chars = None if chars is None else chars * (model.max_len - model.slack - 1)
         self.pool = concurrent.futures.ThreadPoolExecutor(limits.parse_threads, thread_name_prefix="pjax-parse")
         self.draining = False
+        self.aborted = asyncio.Event()  # set when the shutdown's grace period is over
         self.metrics = Metrics(model.name, model.num_speculative_tokens if model.drafting != "none" else 0,
                                running=lambda: bridge.num_running, waiting=lambda: bridge.num_waiting)
         bridge.add_listener(lambda event, stream: self.metrics.observe(event.stats, finish_reason(event, stream)))
@@ -494,11 +499,15 @@ class _API:
         """The server stops: new requests get 503 at once; requests in flight get grace_s seconds to finish, then
         every request still running or queued is aborted (its response ends with finish_reason "abort")."""
         self.draining = True
-        asyncio.get_running_loop().call_later(grace_s, self.bridge.abort_all)
+        asyncio.get_running_loop().call_later(grace_s, self._abort)
+
+    def _abort(self):
+        self.aborted.set()  # bodies still arriving are refused
+        self.bridge.abort_all()
 
     def _unavailable(self) -> Optional[APIError]:
         if self.draining:
-            return APIError("the server is shutting down", status=503, type="service_unavailable")
+            return _shutting_down()
         if not self.bridge.alive:
             return APIError(f"the engine stopped: {self.bridge.error or 'shut down'}", status=503,
                             type="service_unavailable")
@@ -552,8 +561,18 @@ class _API:
                 if size > limit:
                     raise too_large
                 chunks.append(chunk)
+        reading = asyncio.ensure_future(asyncio.wait_for(read(), self.limits.body_timeout_s))
+        aborted = asyncio.ensure_future(self.aborted.wait())
         try:
-            await asyncio.wait_for(read(), self.limits.body_timeout_s)
+            await asyncio.wait({reading, aborted}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            aborted.cancel()
+            if not reading.done():
+                reading.cancel()
+        if not reading.done():  # the grace period ended first
+            raise _shutting_down()
+        try:
+            reading.result()
         except asyncio.TimeoutError:
             raise APIError(f"the request body did not arrive within {self.limits.body_timeout_s:g} s",
                            status=408) from None
@@ -584,6 +603,8 @@ class _API:
         except ClientDisconnect:
             _log.info("%s disconnected while sending its request", _client(request))
             return Response(status_code=499)  # nobody reads it: the connection is gone
+        except asyncio.CancelledError:  # the server's shutdown stopped waiting for this request
+            return _shutting_down().response()
         follower = OutputFollower(job, self.model.tokenizer, stream)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if job.stream:
