@@ -92,6 +92,20 @@ def test_grouped_matmul_switch_errors_and_lowering():
                   bf(1000, 2880), bf(1000, 5760), i32)
 
 
+def test_tiles_and_auto_threshold_follow_the_rows_per_group(monkeypatch):
+    """Prefill-sized problems (>= 256 rows per group) take the large tiles; "auto" on a GPU runs the kernel from 16
+    mean rows per group (below, ragged_dot measured faster)."""
+    from pjax.kernels import dispatch
+    from pjax.kernels.grouped_matmul import config
+    assert config.for_shape(32768, 32) == config.LARGE and config.for_shape(1024, 32) == config.DEFAULT
+    monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+    jax.clear_caches()
+    few, many = _case(40, 16, 16, [10, 10, 10, 10], jnp.float32), _case(64, 16, 16, [16, 16, 16, 16], jnp.float32)
+    assert pallas_kernel_names(lambda: grouped_matmul(*few)) == []
+    assert pallas_kernel_names(lambda: grouped_matmul(*many)) == ["pjax_grouped_matmul"]
+    jax.clear_caches()
+
+
 def test_moe_many_pairs_use_the_grouped_kernel():
     """Past the few-pair threshold the MoE layer sorts pairs by expert and runs the grouped kernel ("pallas"),
     equal to the reference path, gradients included."""

@@ -81,3 +81,20 @@ def test_fp8_dense_linear_is_one_expert_and_kernels_lower():
                   sd((8, 2048), jnp.bfloat16), sd((64,), jnp.int32), f8)
     odd = QuantizedWeight(jnp.zeros((1, 16, 24), jnp.uint8), jnp.zeros((1, 16, 1), jnp.uint8))  # din 48
     assert "multiples of 32" in em_pallas.unsupported_reason(jnp.ones((2, 48), jnp.bfloat16), odd)
+
+
+def test_auto_takes_the_kernel_only_where_measured_faster_and_tiles_fit():
+    """"auto" (on a GPU) runs the low-bit kernel for MXFP4 gate_up-like weights (dout > din) only; FP8 and MXFP4
+    down-like weights run the reference. Low-bit tiles: 32-wide MXFP4 groups, FP8 k tiles inside the input block,
+    fewer unrolled k tiles as the padded pairs grow (shared memory)."""
+    rs = np.random.default_rng(0)
+    assert em_pallas.measured_faster(jnp.zeros((2, 64, 32)))
+    assert em_pallas.measured_faster(mxfp4_weight(rs, 2, 64, 128))
+    assert not em_pallas.measured_faster(mxfp4_weight(rs, 2, 128, 64))
+    assert not em_pallas.measured_faster(fp8_weight(rs, 2, 128, 256, (128, 128)))
+    gate_up = jax.ShapeDtypeStruct((32, 5760, 1440), jnp.uint8)
+    w = QuantizedWeight(gate_up, jax.ShapeDtypeStruct((32, 5760, 90), jnp.uint8))
+    assert em_pallas.k_tile(2880, w) == 32 and em_pallas.k_steps(2880, w, 16) == 3  # 90 groups: 3 a step
+    assert em_pallas.k_steps(2880, w, 64) == 1 and em_pallas.k_steps(2880, jnp.zeros((1, 2, 2)), 16) == 1
+    f8 = fp8_weight(rs, 1, 384, 64, (128, 128))
+    assert em_pallas.k_tile(384, f8) == 128 and em_pallas.k_tile(96, fp8_weight(rs, 1, 96, 64, (32, 32))) == 32

@@ -28,6 +28,8 @@ from pjax.kernels.expert_matmul import reference as em_ref
 from pjax.kernels.grouped_matmul import pallas as gm_pallas
 from pjax.kernels.grouped_matmul import reference as gm_ref
 from pjax.kernels.grouped_matmul.config import DEFAULT as GM_DEFAULT
+from pjax.kernels.grouped_matmul.config import for_shape
+from pjax.kernels.expert_matmul.config import DEFAULT as EM_DEFAULT
 from pjax.kernels.quantized import QuantizedWeight
 
 ROWS: list[dict] = []
@@ -55,7 +57,7 @@ def on_gpu():
 
 
 # ------------------------------------------------------------------------------------------- grouped matmul
-def bench_grouped(label, e, din, dout, pairs, *, calls, configs=(GM_DEFAULT,), backward=False):
+def bench_grouped(label, e, din, dout, pairs, *, calls, configs=(None,), backward=False):
     rs = np.random.default_rng(pairs)
     sizes = jnp.asarray(np.bincount(rs.integers(0, e, pairs), minlength=e), jnp.int32)
     w = (jax.random.normal(jax.random.key(0), (e, din, dout), jnp.float32) * 0.05).astype(jnp.bfloat16)
@@ -68,6 +70,7 @@ def bench_grouped(label, e, din, dout, pairs, *, calls, configs=(GM_DEFAULT,), b
         f = jax.jit(lambda x_, w_, s_, cfg=cfg: gm_pallas.grouped_matmul(x_, w_, s_, config=cfg))
         err = rel_err(f(x, w, sizes), want)
         t_p = timed(f, sets, calls=calls)
+        cfg = cfg or for_shape(pairs, e)
         row = dict(op="grouped_matmul", shape=label, pairs=pairs, din=din, dout=dout, xla_us=t_x * 1e6,
                    pallas_us=t_p * 1e6, ratio=t_x / t_p, pallas_tflops=flops / t_p / 1e12, err=err,
                    cfg=dataclasses.asdict(cfg))
@@ -103,7 +106,7 @@ def packed(fmt, e, din, dout, key):
                            "fp8", (128, 128))
 
 
-def bench_lowbit(label, fmt, e, din, dout, n, k, *, calls, reps):
+def bench_lowbit(label, fmt, e, din, dout, n, k, *, calls, reps, config=EM_DEFAULT, xla=False):
     """n tokens x top-k distinct experts of w [e, din, dout] (fmt "bf16" / "mxfp4" / "fp8"); e = 1: a dense
     linear. Each copy routes to other experts (no L2 sharing)."""
     rs = np.random.default_rng(n * k + e)
@@ -118,28 +121,37 @@ def bench_lowbit(label, fmt, e, din, dout, n, k, *, calls, reps):
                            jnp.int32).reshape(-1)
     sets = [(jax.random.normal(jax.random.key(i + 1), (n, din), jnp.bfloat16), ids(i), w) for i in range(2 * reps)]
     x, idx, _ = sets[0]
-    op = lambda x_, i_, w_: em_pallas.expert_matmul(x_, i_, w_, repeat=k)
+    op = lambda x_, i_, w_: em_pallas.expert_matmul(x_, i_, w_, repeat=k, config=config)
     err = rel_err(jax.jit(op)(x, idx, w), jax.jit(lambda a, b, c: em_ref.expert_matmul(a, b, c, k))(x, idx, w))
     t = timed(op, sets, calls=calls)
+    t_ref = timed(lambda a, b, c: em_ref.expert_matmul(a, b, c, k), sets, calls=calls) if xla else float("nan")
     distinct = len(np.unique(np.asarray(idx)))
     per_expert = (w.nbytes // e) if fmt != "bf16" else din * dout * 2
     nbytes = distinct * per_expert + n * din * 2 + n * k * dout * 2
     row = dict(op="expert_matmul", fmt=fmt, shape=label, tokens=n, top_k=k, din=din, dout=dout, us=t * 1e6,
-               tbps=nbytes / t / 1e12, err=err, bn=em_pallas.tiles(n * k, din, dout)[1],
-               bk=em_pallas.k_tile(din, w))
+               xla_us=t_ref * 1e6,
+               tbps=nbytes / t / 1e12, err=err,
+               bn=min(em_pallas.tiles(n * k, din, dout, config)[1],
+                      10 ** 9 if fmt == "bf16" else config.lowbit_block_n),
+               bk=em_pallas.k_tile(din, w, config),
+               steps=em_pallas.k_steps(din, w, em_pallas.padded_rows(n * k), config),
+               config=dataclasses.asdict(config))
     ROWS.append(row)
     return row
 
 
-def lowbit_table(calls, reps, shapes):
+def lowbit_table(calls, reps, shapes, configs=(EM_DEFAULT,)):
     log("\n| shape | tokens x top-k | din x dout | bf16 us | bf16 TB/s | packed | packed us | packed TB/s | "
-        "of roofline | bf16/packed | rel err |")
-    log("|---|---|---|---|---|---|---|---|---|---|---|")
+        "of roofline | bf16/packed | packed xla us | rel err | bk x steps, bn, warps, stages |")
+    log("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for label, fmt, e, din, dout, n, k in shapes:
         b = bench_lowbit(label, "bf16", e, din, dout, n, k, calls=calls, reps=reps)
-        q = bench_lowbit(label, fmt, e, din, dout, n, k, calls=calls, reps=reps)
-        log(f"| {label} | {n} x {k} | {din}x{dout} | {b['us']:.1f} | {b['tbps']:.2f} | {fmt} | {q['us']:.1f} | "
-            f"{q['tbps']:.2f} | {q['tbps'] / ROOF[0]:.0%} | {b['us'] / q['us']:.2f} | {q['err']:.1e} |")
+        for cfg in configs:
+            q = bench_lowbit(label, fmt, e, din, dout, n, k, calls=calls, reps=reps, config=cfg, xla=True)
+            log(f"| {label} | {n} x {k} | {din}x{dout} | {b['us']:.1f} | {b['tbps']:.2f} | {fmt} | {q['us']:.1f} | "
+                f"{q['tbps']:.2f} | {q['tbps'] / ROOF[0]:.0%} | {b['us'] / q['us']:.2f} | {q['xla_us']:.1f} | "
+                f"{q['err']:.1e} | "
+                f"{q['bk']}x{q['steps']}, {q['bn']}, {cfg.warps}, {cfg.stages} |")
 
 
 ROOF = [float("nan")]
@@ -148,7 +160,7 @@ ROOF = [float("nan")]
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--only", default="roof,lowbit,grouped,tune")
+    ap.add_argument("--only", default="roof,lowbit,grouped")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     only = set(args.only.split(","))
@@ -166,11 +178,17 @@ def main():
         gpt20, gpt120, qwen = ("gpt-oss-20b", 32), ("gpt-oss-120b", 128), ("qwen3-30b-a3b", 128)
         shapes = []
         for n in (1, 8):
-            for (name, e) in (gpt20, gpt120):
-                shapes += [(name + " gate_up", "mxfp4", e, 2880, 5760, n, 4), (name + " down", "mxfp4", e, 2880, 2880, n, 4)]
-            shapes += [(qwen[0] + " gate_up", "fp8", 128, 2048, 1536, n, 8), (qwen[0] + " down", "fp8", 128, 768, 2048, n, 8),
-                       ("dense q_proj 2048x4096", "fp8", 1, 2048, 4096, n, 1)]
-        lowbit_table(calls, 8, shapes)
+            for (name, e) in (gpt20, gpt120) if "lowbit-120b" in only else (gpt20,):
+                shapes += [(name + " gate_up", "mxfp4", e, 2880, 5760, n, 4),
+                           (name + " down", "mxfp4", e, 2880, 2880, n, 4)]
+            shapes += [(qwen[0] + " gate_up", "fp8", 128, 2048, 1536, n, 8),
+                       (qwen[0] + " down", "fp8", 128, 768, 2048, n, 8), ("dense q_proj 2048x4096", "fp8", 1, 2048, 4096, n, 1)]
+        variants = [EM_DEFAULT] if "lowbit-tune" not in only else [
+            EM_DEFAULT, dataclasses.replace(EM_DEFAULT, lowbit_steps=4), dataclasses.replace(EM_DEFAULT, stages=4),
+            dataclasses.replace(EM_DEFAULT, warps=8, programs_per_sm=1)]
+        if "lowbit-fp8-8" in only:  # the FP8 rows at 8 tokens only
+            shapes = [s for s in shapes if s[1] == "fp8" and s[5] == 8]
+        lowbit_table(calls, 8, shapes, variants)
         log(f"[{time.time() - t0:.0f} s]")
     if "grouped" in only:
         log("\n| op | shape | pairs | din x dout | xla us | pallas us | xla/pallas | pallas TFLOP/s | rel err | tiles |")
@@ -179,6 +197,13 @@ def main():
             bench_grouped("gpt-oss-20b gate_up", 32, 2880, 5760, pairs, calls=calls, backward=pairs == 4096)
             bench_grouped("gpt-oss-20b down", 32, 2880, 2880, pairs, calls=calls)
         bench_grouped("qwen3-30b-a3b gate_up", 128, 2048, 1536, 8192, calls=calls)
+        log(f"[{time.time() - t0:.0f} s]")
+    if "small-tune" in only:  # between the few-pair kernel and prefill
+        cfgs = [dataclasses.replace(GM_DEFAULT, **c) for c in (
+            dict(), dict(block_m=16, block_n=64), dict(block_m=32, block_n=64),
+            dict(block_m=16, block_n=128, stages=4), dict(block_m=32, block_k=128, block_n=64, stages=4))]
+        for pairs in (256, 1024):
+            bench_grouped("gpt-oss-20b gate_up", 32, 2880, 5760, pairs, calls=calls, configs=cfgs)
         log(f"[{time.time() - t0:.0f} s]")
     if "tune" in only:
         cfgs = [dataclasses.replace(GM_DEFAULT, **c) for c in (

@@ -50,13 +50,20 @@ def is_quantized(x) -> bool:
     return isinstance(x, QuantizedWeight)
 
 
-def mxfp4_values(nibbles):
-    """FP4-E2M1 codes (int32, 0..15) -> float32 values: the code's magnitude bits placed in a float16 exponent /
-    mantissa (a float16 with exponent e and mantissa bit m is 2 ** (e - 15) * (1 + m / 2), denormal m * 2 ** -15)
-    times 2 ** 14. Exact; bit operations only (the same in a Triton kernel)."""
+MXFP4_HALF_SCALE = 2.0 ** 14  # mxfp4_halves(code) * this = the code's value
+
+
+def mxfp4_halves(nibbles):
+    """FP4-E2M1 codes (int32, 0..15) -> float16 values / 2 ** 14: the code's sign and magnitude bits placed in a
+    float16's sign, exponent and mantissa (a float16 with exponent e and mantissa bit m is 2 ** (e - 15) * (1 + m / 2),
+    denormal m * 2 ** -15). Exact; bit operations only (the same in a Triton kernel)."""
     bits = ((nibbles & 8) << 12) | ((nibbles & 7) << 9)
-    half = jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16)
-    return half.astype(jnp.float32) * 16384.0
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16)
+
+
+def mxfp4_values(nibbles):
+    """FP4-E2M1 codes (int32, 0..15) -> float32 values."""
+    return mxfp4_halves(nibbles).astype(jnp.float32) * MXFP4_HALF_SCALE
 
 
 def e8m0_values(codes):

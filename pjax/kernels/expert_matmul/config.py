@@ -19,6 +19,10 @@ class ExpertMatmulConfig:
     #                           ~30 GB/s, so the launch needs every SM busy with two of them
     warps: int = 4
     stages: int = 3  # weight tiles in flight per program
+    lowbit_block_n: int = 64  # low-bit weights: output columns per program at most (FP8 at 64 pairs x 128 columns
+    #                           overflowed the 227 KiB of shared memory)
+    lowbit_steps: int = 4  # low-bit weights: k tiles per loop iteration at most at 16 padded pairs (fewer above, see
+    #                        pallas.k_steps): FP8 at 4 x 128 ran 1.2x faster than at 16 x 128
 
 
 DEFAULT = ExpertMatmulConfig()

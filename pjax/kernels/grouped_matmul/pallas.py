@@ -23,7 +23,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pjax.kernels import dispatch
 from pjax.kernels._pallas_util import call_kwargs, dot_precision
-from pjax.kernels.grouped_matmul.config import DEFAULT, GroupedMatmulConfig
+from pjax.kernels.grouped_matmul.config import DEFAULT, GroupedMatmulConfig, for_shape
 from pjax.kernels.grouped_matmul.reference import check_inputs
 
 
@@ -115,9 +115,10 @@ def _gmm_kernel(group_ref, tile_ref, lo_ref, hi_ref, x_ref, w_ref, o_ref, *, m, 
         store(jnp.zeros((bm, bn), jnp.float32))
 
 
-def grouped_matmul(x, w, group_sizes, *, transpose_rhs: bool = False, config: GroupedMatmulConfig = DEFAULT,
+def grouped_matmul(x, w, group_sizes, *, transpose_rhs: bool = False, config: Optional[GroupedMatmulConfig] = None,
                    interpret: Optional[bool] = None):
-    """Same contract as `reference.grouped_matmul`; interpret: None = interpret mode off GPU."""
+    """Same contract as `reference.grouped_matmul`; config None: by the mean rows per group (`config.for_shape`);
+    interpret: None = interpret mode off GPU."""
     check_inputs(x, w, group_sizes, transpose_rhs)
     reason = unsupported_reason(x, w)
     if reason:
@@ -126,6 +127,7 @@ def grouped_matmul(x, w, group_sizes, *, transpose_rhs: bool = False, config: Gr
     m, k = x.shape
     g_count = w.shape[0]
     n = w.shape[1] if transpose_rhs else w.shape[2]
+    config = config or for_shape(m, g_count)
     bm, bk, bn = config.block_m, config.block_k, config.block_n
     schedule = tile_schedule(group_sizes, m, bm)
     # interpret mode: the output padded to whole tiles (masked stores are read-modify-write scatters there)
