@@ -281,3 +281,18 @@ def test_native_malformed_blocks_and_scales_are_named(quantised_moe, tmp_path):
             pjax.load_target(tmp_path, dtype=jnp.bfloat16, weights="native")
     with pytest.raises(pjax.CheckpointError, match="weights must be one of"):
         pjax.load_target(path, weights="packed")
+
+
+def test_native_copy_of_a_quantised_target_is_dequantised(quantised_moe, tmp_path, monkeypatch):
+    """`convert target` writes every weight in its dtype even where packed experts are the loading default (a GPU)."""
+    from pjax.checkpoint.cli import main as cli_main
+    from pjax.kernels import dispatch
+    from pjax.kernels.quantized import QuantizedWeight
+    _, path, _ = quantised_moe
+    monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+    assert isinstance(_experts(pjax.load_target(path, dtype=jnp.float32))[0], QuantizedWeight)
+    assert cli_main(["target", str(path), str(tmp_path / "copy"), "--dtype", "f32"]) == 0
+    copy = pjax.load_target(tmp_path / "copy", dtype=jnp.float32)
+    want = pjax.load_target(path, dtype=jnp.float32, weights="dequantized")
+    for a, b in zip(jax.tree.leaves(copy.params), jax.tree.leaves(want.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -2,8 +2,9 @@
 against `jax.lax.ragged_dot`, and the low-bit expert matmul (MXFP4 / FP8 dequantised in registers) against the bf16
 expert kernel, with bytes-moved bandwidth over the measured HBM copy bandwidth.
 
-    PYTHONPATH=. python3 examples/benchmarks/bench_moe.py            # GPU (~4 min on an H200)
-    PYTHONPATH=. python3 examples/benchmarks/bench_moe.py --smoke    # CPU: tiny shapes, interpret mode
+    cd examples/benchmarks && PYTHONPATH=../..:. python3 bench_moe.py   # GPU: roofline, low-bit, grouped (~2 min)
+    ... bench_moe.py --only tune,small-tune,lowbit-tune,lowbit-120b      # tile sweeps, GPT-OSS-120B rows
+    ... bench_moe.py --smoke                                             # CPU: tiny shapes, interpret mode
 
 Timing as bench_kernels.py (`timed`: R copies of the op on distinct inputs in one program, median device span
 over calls / R). Routing is uniform random (grouped) or distinct experts per token, each copy on other experts
@@ -155,6 +156,8 @@ def lowbit_table(calls, reps, shapes, configs=(EM_DEFAULT,)):
 
 
 ROOF = [float("nan")]
+GROUPED_HEADER = ("\n| op | shape | pairs | din x dout | xla us | pallas us | xla/pallas | pallas TFLOP/s | rel err | "
+                  "tiles |\n|---|---|---|---|---|---|---|---|---|---|")
 
 
 def main():
@@ -171,7 +174,7 @@ def main():
     log(f"HBM copy bandwidth (read + write): {ROOF[0]:.2f} TB/s")
     if args.smoke:
         lowbit_table(calls, 2, [("tiny", "mxfp4", 4, 64, 32, 1, 2), ("tiny", "fp8", 4, 128, 128, 2, 2)])
-        log("\n| op | shape | pairs | din x dout | xla us | pallas us | xla/pallas | pallas TFLOP/s | rel err | tiles |")
+        log(GROUPED_HEADER)
         bench_grouped("tiny", 4, 32, 48, 40, calls=calls, backward=True)
         return
     if "lowbit" in only:
@@ -182,7 +185,8 @@ def main():
                 shapes += [(name + " gate_up", "mxfp4", e, 2880, 5760, n, 4),
                            (name + " down", "mxfp4", e, 2880, 2880, n, 4)]
             shapes += [(qwen[0] + " gate_up", "fp8", 128, 2048, 1536, n, 8),
-                       (qwen[0] + " down", "fp8", 128, 768, 2048, n, 8), ("dense q_proj 2048x4096", "fp8", 1, 2048, 4096, n, 1)]
+                       (qwen[0] + " down", "fp8", 128, 768, 2048, n, 8),
+                       ("dense q_proj 2048x4096", "fp8", 1, 2048, 4096, n, 1)]
         variants = [EM_DEFAULT] if "lowbit-tune" not in only else [
             EM_DEFAULT, dataclasses.replace(EM_DEFAULT, lowbit_steps=4), dataclasses.replace(EM_DEFAULT, stages=4),
             dataclasses.replace(EM_DEFAULT, warps=8, programs_per_sm=1)]
@@ -191,8 +195,7 @@ def main():
         lowbit_table(calls, 8, shapes, variants)
         log(f"[{time.time() - t0:.0f} s]")
     if "grouped" in only:
-        log("\n| op | shape | pairs | din x dout | xla us | pallas us | xla/pallas | pallas TFLOP/s | rel err | tiles |")
-        log("|---|---|---|---|---|---|---|---|---|---|")
+        log(GROUPED_HEADER)
         for pairs in (256, 1024, 4096, 32768):  # c = 64: verify K = 3 (1,024 pairs), prefill 64 x 128 (32,768)
             bench_grouped("gpt-oss-20b gate_up", 32, 2880, 5760, pairs, calls=calls, backward=pairs == 4096)
             bench_grouped("gpt-oss-20b down", 32, 2880, 2880, pairs, calls=calls)

@@ -139,7 +139,8 @@ def _target_args(p):
 def run_target(args) -> int:
     dtype = args.dtype
     prepare_output(args.out_dir, force=args.force, kind="target", sources=[args.hf_dir])  # fail before loading
-    target = load_target(args.hf_dir, dtype=dtype, verify=not args.no_verify, check_finite=not args.no_finite_check)
+    target = load_target(args.hf_dir, dtype=dtype, verify=not args.no_verify, check_finite=not args.no_finite_check,
+                         weights="dequantized")  # a native copy holds every weight in `dtype`
     out = save_native_target(target, read_hf_config(args.hf_dir), args.out_dir, overwrite=args.force,
                              sources=[args.hf_dir])
     print(f"wrote {out} ({target.config.model_type}, {param_count(target.params):,} params, {dtype.name})")

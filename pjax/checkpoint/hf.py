@@ -205,9 +205,9 @@ def _qwen3_fp8_experts(src: TensorSource, base, which, e, h, i):
         if g is None:
             raise CheckpointError(f"{src.ckpt.file_of(name)}: tensor {name!r} has no {name + '_scale_inv'!r} "
                                   "while its sibling experts are FP8-quantised")
-    per_expert = len(parts)
-    data = np.stack([np.concatenate([g[0] for g in got[x:x + per_expert]]) for x in range(0, len(got), per_expert)])
-    scales = np.stack([np.concatenate([g[1] for g in got[x:x + per_expert]]) for x in range(0, len(got), per_expert)])
+    experts = [got[x:x + len(parts)] for x in range(0, len(got), len(parts))]  # [gate, up] or [down] per expert
+    data = np.stack([np.concatenate([g[0] for g in ex]) for ex in experts])  # gate rows, then up rows
+    scales = np.stack([np.concatenate([g[1] for g in ex]) for ex in experts])
     return QuantizedWeight(data, scales, "fp8", got[0][2])
 
 
