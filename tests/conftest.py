@@ -6,21 +6,19 @@ import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
-# One persistent compilation cache per test run, made by the first process (pytest-xdist's controller) and shared by
-# its workers through the environment: compiling dominates the suite, and the same tiny programs recur across modules
-# (each module drops its programs, see below) and across workers, where loading one costs a fraction of compiling it.
-# Entries are keyed on the program, the compiler options and the JAX version, so a hit is the same executable.
-_CACHE_DIR_VAR = "PJAX_TEST_COMPILATION_CACHE"
-_OWN_CACHE_DIR = _CACHE_DIR_VAR not in os.environ
+# One persistent compilation cache per test run, made by the first process (pytest-xdist's controller) and passed by
+# the environment to its workers and to the commands the tests start: compiling dominates the suite, and the same tiny
+# programs recur across modules (each module drops its programs, see below), workers and commands, where loading one
+# costs a fraction of compiling it. Entries are keyed on the program, the compiler options and the JAX version.
+_OWN_CACHE_DIR = "JAX_COMPILATION_CACHE_DIR" not in os.environ
 if _OWN_CACHE_DIR:
-    os.environ[_CACHE_DIR_VAR] = tempfile.mkdtemp(prefix="pjax-test-compilation-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="pjax-test-compilation-cache-")
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # the tests' programs compile in under a second
+    os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(8 << 30)  # a size limit turns on the lock the processes share
 
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
-jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_DIR_VAR])
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # the tests' programs compile in under a second
-jax.config.update("jax_compilation_cache_max_size", 8 << 30)  # a size limit turns on the lock the workers share
 
 # Ctrl-C tests send SIGINT to the test process and to the commands it starts. A suite started in the background of a
 # shell inherits SIGINT ignored, and ignored signals stay ignored across exec: restore the interrupt handler.
@@ -33,7 +31,7 @@ import pytest  # noqa: E402
 
 def pytest_unconfigure(config):
     if _OWN_CACHE_DIR and not hasattr(config, "workerinput"):
-        shutil.rmtree(os.environ[_CACHE_DIR_VAR], ignore_errors=True)
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture(autouse=True, scope="module")
