@@ -174,15 +174,15 @@ def test_ctrl_c_returns_the_text_so_far(gen):
     full = gen.generate(PROMPTS, max_new_tokens=NEW, k=K, ignore_eos=True)
     fine = T.TextGenerator(gen.target, gen.drafter, gen.tokenizer, compiler_options=FAST, rounds_per_step=1)
     stream = fine.stream(PROMPTS, max_new_tokens=NEW, k=K, ignore_eos=True)
-    engine = stream._gen
-    loop, calls = engine._loop, []
+    engine = stream._gen._engine
+    step, calls = engine.step, []
 
-    def flaky(*a):
+    def flaky(*a, **kw):
         calls.append(1)
         if len(calls) == 3:
             raise KeyboardInterrupt
-        return loop(*a)
-    engine._loop = flaky
+        return step(*a, **kw)
+    engine.step = flaky
     seen = ["", "", ""]
     with pytest.raises(T.TextGenerationInterrupted) as e:
         for d in stream:

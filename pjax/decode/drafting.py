@@ -87,9 +87,11 @@ class Drafting(str, enum.Enum):
         return tuple(aux)
 
 
-def resolve(drafter, drafting: Optional[str] = None, k: Optional[int] = None) -> tuple[Drafting, int]:
+def resolve(drafter, drafting: Optional[str] = None, k: Optional[int] = None,
+            k_name: str = "num_speculative_tokens") -> tuple[Drafting, int]:
     """(drafting, K): drafting None = the head's kind (`Drafting.of_head`); k None = `default_k`. K is 0 without
-    drafting. A ValueError names `drafting` / `k` for a bad value or a drafting that needs a missing head."""
+    drafting. A ValueError names `drafting` / `k` (as `k_name`) for a bad value or a drafting that needs a missing
+    head."""
     mode = Drafting.of_head(drafter) if drafting is None else Drafting.parse(drafting)
     if not mode.speculative:
         return mode, 0
@@ -98,6 +100,6 @@ def resolve(drafter, drafting: Optional[str] = None, k: Optional[int] = None) ->
     if k is None:
         return mode, mode.default_k(drafter)
     if not is_int(k) or k < 1:
-        raise ValueError(f"num_speculative_tokens must be an integer >= 1 for drafting={mode.value!r} (draft tokens "
-                         f"per round), got {k!r}")
+        raise ValueError(f"{k_name} must be an integer >= 1 (draft tokens per round, drafting={mode.value!r}), "
+                         f"got {k!r}")
     return mode, int(k)

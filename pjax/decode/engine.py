@@ -532,6 +532,14 @@ class Engine:
                 return True
         return False
 
+    def _dispatch(self, fixed: bool, final: bool):
+        """Queue one chunk of rounds on the device (fixed trip count, or ending early: every round left when
+        `final`, rows' limits ending it sooner) and its view."""
+        rounds = self.max_len if final else self.rounds_per_step
+        self._state, view = self._chunk_program(fixed)(*self._chunk_args(fixed, rounds))
+        self.chunks += 1
+        self._push(view)
+
     def step(self, *, final: bool = False) -> list[Event]:
         """One step of device work, then this step's events: one per request with new tokens or that finished
         (cancelled ones first, then by request id).
@@ -551,11 +559,12 @@ class Engine:
         self._admitted_last = bool(admitted)
         pipelined = bool(self._slots) and self._can_pipeline()
         if self._slots and (pipelined or not admitted):
-            rounds = self.max_len if final else self.rounds_per_step  # (every row's limits end it sooner)
-            self._state, view = self._chunk_program(pipelined)(*self._chunk_args(pipelined, rounds))
-            self.chunks += 1
-            self._push(view)
-        if self._views and not (pipelined and len(self._views) == 1):
+            self._dispatch(pipelined, final)
+            if pipelined and len(self._views) == 1:  # nothing older to read: run one more ahead, or wait for this one
+                pipelined = self._can_pipeline()
+                if pipelined:
+                    self._dispatch(True, final)
+        if self._views:
             self._read(-2 if pipelined else -1)
         now = time.perf_counter()
         events = [self._finished(r, row, t_end) for r, row, t_end in self._ended]

@@ -210,7 +210,7 @@ class TextGenerator:
         return [one(p, f"prompts[{i}]") for i, p in enumerate(prompts)], False
 
     def _drafting(self, drafting: Optional[str], k: Optional[int]) -> tuple[str, int]:
-        return resolve(self.drafter, drafting, k)
+        return resolve(self.drafter, drafting, k, k_name="k")
 
     # -- generation ----------------------------------------------------------------------------------------------
     def stream(self, prompts, *, max_new_tokens: Union[int, Sequence[int]], drafting: Optional[str] = None,
