@@ -201,8 +201,10 @@ class _Fields:
         v = self.body.get(name)
         if v is None:
             return default
-        if not is_real(v) or not math.isfinite(v):
+        if not is_real(v):
             raise APIError(f"{name} must be a number, got {_json_type(v)} {_show(v)}", name)
+        if not math.isfinite(v):
+            raise APIError(f"{name} must be a finite number, got {_show(v)}", name)
         if (low is not None and (v < low or (low_open and v == low))) or (high is not None and v > high):
             raise APIError(f"{name} must be a number in {_range(low, high, low_open)}, got {v}", name)
         return float(v)
