@@ -84,8 +84,12 @@ def bench(*args, out):
 def test_end_to_end(ckpt, tmp_path, capsys, monkeypatch, scheduling):
     """2 MT-Bench prompts through the chat template, drafting parallel / none, K 1 and 2, concurrency 1 and 2,
     float32 greedy, both schedulings: every speculative output equals plain decoding's; the numbers are consistent."""
+    import jax
+
     import pjax.decode.compiled as C
     monkeypatch.setattr(C, "_COMPILED", {})  # both schedulings run the same engine programs: compile them here
+    C.jitted.cache_clear()
+    jax.clear_caches()
     target_dir, head_dir, _ = ckpt
     out = tmp_path / "res"
     assert bench("--target", target_dir, "--head", head_dir, "--dataset", "mt-bench", "--num-prompts", 2,
