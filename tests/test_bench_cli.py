@@ -88,7 +88,6 @@ def test_end_to_end(ckpt, tmp_path, capsys, monkeypatch, scheduling):
 
     import pjax.decode.compiled as C
     monkeypatch.setattr(C, "_COMPILED", {})  # both schedulings run the same engine programs: compile them here
-    C.jitted.cache_clear()
     jax.clear_caches()
     target_dir, head_dir, _ = ckpt
     out = tmp_path / "res"
