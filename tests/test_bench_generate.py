@@ -21,8 +21,8 @@ def test_bench_generate_prefill_tiny(tmp_path):
         assert r["padded_positions"] == 4 * 64  # 4 rows of the 40-token prompt's bucket
         assert r["packed_positions"] == 128  # the next power of two of the total
         assert r["padded_ms"] > 0 and r["packed_ms"] > 0
-    # per layout, the target's prefill for plain decoding and for the head, the head's prefill and one decode loop
-    assert res["programs_compiled"] == {"prefill_target": 4, "chunk": 2, "prefill_drafter": 2}
+    # per drafting mode, one admission (the prefill) per layout and the engine's two chunk programs
+    assert res["programs_compiled"] == {"admit": 4, "chunk": 2, "chunk_ending": 2}
 
 
 def test_bench_generate_host_tiny(tmp_path, monkeypatch):
