@@ -44,3 +44,18 @@ def _free_compiled_programs():
     clear_compiled()
     jax.clear_caches()
     gc.collect()
+
+
+def _utf8(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failure's report as UTF-8-encodable text: a lone surrogate in an assertion message or a captured log line
+    (the server tests send them on purpose) would otherwise crash the xdist worker that sends the report."""
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.failed:
+        rep.longrepr = _utf8(str(rep.longrepr))
+    rep.sections = [(name, _utf8(text)) for name, text in rep.sections]

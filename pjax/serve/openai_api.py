@@ -230,7 +230,7 @@ def _json_type(v) -> str:
 
 
 def _show(v) -> str:
-    s = json.dumps(v, ensure_ascii=False) if not isinstance(v, float) or math.isfinite(v) else str(v)
+    s = json.dumps(v) if not isinstance(v, float) or math.isfinite(v) else str(v)  # ASCII: lone surrogates escaped
     return s if len(s) <= 60 else s[:57] + "..."
 
 
