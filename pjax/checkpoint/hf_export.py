@@ -123,7 +123,7 @@ def hf_config(cfg: ModelConfig, *, dtype: str = "bfloat16", bos_token_id: Option
         back = config_from_hf(hf)
     except ConfigError as e:
         raise CheckpointError(f"{where}: the written config does not parse back ({e})") from None
-    informational = ("max_position_embeddings", "architectures")
+    informational = ("max_position_embeddings", "architectures", "name_or_path")
     back = dataclasses.replace(back, layers=tuple(dataclasses.replace(s, rope=_used(s.rope)) for s in back.layers))
     mine = dataclasses.replace(cfg, layers=tuple(dataclasses.replace(s, rope=_used(s.rope)) for s in cfg.layers))
     differ = [f.name for f in dataclasses.fields(ModelConfig)
