@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 import pjax
-from pjax.decode import Sampling, make_spec, prefill, spec_round
+from pjax.decode import EngineConfig, Sampling, make_spec, prefill, spec_round
 from tests.engine_utils import FAST, NEW, PROMPTS, build
 from tests.kernel_jaxpr import pallas_kernel_names
 
@@ -27,8 +27,8 @@ def families(tmp_path_factory):
 def round_kernels(model, rows: int, k: int) -> set:
     """The kernels a decode round of `rows` rows with K = k runs under implementation="pallas" (traced)."""
     target, drafter, _ = model
-    spec = make_spec(target, drafter, max_new_tokens=NEW, num_speculative_tokens=k, drafting="parallel",
-                     implementation="pallas")
+    spec = make_spec(target, drafter, EngineConfig(num_speculative_tokens=k, drafting="parallel",
+                                                   implementation="pallas"), max_new_tokens=NEW)
     sampling = Sampling(jnp.ones((rows,)), jnp.zeros((rows,), jnp.int32), jnp.ones((rows,)),
                         jnp.zeros((rows,), jnp.uint32))
     state = jax.eval_shape(lambda t, d: prefill(t, d, jnp.ones((rows, 4), jnp.int32), jnp.full((rows,), 4, jnp.int32),

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pjax.config import LayerSpec, ModelConfig, MoeSpec, RopeSpec
-from pjax.decode import Sampling, make_spec, prefill, spec_round
+from pjax.decode import EngineConfig, Sampling, make_spec, prefill, spec_round
 from pjax.models import init_target
 from pjax.models.drafter import Drafter
 from pjax.models.moe import MOE_FEW_PAIRS
@@ -37,8 +37,8 @@ def models():
 
 
 def round_kernels(target, drafter, implementation):
-    spec = make_spec(target, drafter, max_new_tokens=8, num_speculative_tokens=K, drafting="parallel",
-                     implementation=implementation)
+    spec = make_spec(target, drafter, EngineConfig(num_speculative_tokens=K, drafting="parallel",
+                                                   implementation=implementation), max_new_tokens=8)
     sampling = Sampling(jnp.ones((B,)), jnp.zeros((B,), jnp.int32), jnp.ones((B,)), jnp.zeros((B,), jnp.uint32))
     state = jax.eval_shape(lambda t, d: prefill(t, d, jnp.ones((B, 5), jnp.int32), jnp.full((B,), 5, jnp.int32),
                                                 sampling, spec=spec, capacity=CAPACITY), target, drafter)
