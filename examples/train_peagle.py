@@ -214,7 +214,7 @@ class UsageError(ValueError):
 
 def main(argv=None, objective="peagle") -> int:
     """Run the job; bad input is one line `error: ...` (exit 2), Ctrl-C one line (exit 130)."""
-    from pjax.checkpoint.errors import CheckpointError
+    from pjax.checkpoint import CheckpointError, OutputError
     from pjax.command import run_command
     from pjax.config import ConfigError
     from pjax.train.checkpoint import TrainError
@@ -228,7 +228,8 @@ def main(argv=None, objective="peagle") -> int:
         summary = {k: v for k, v in report.items() if k not in ("head_history", "target_history", "history")}
         print(json.dumps(summary, indent=1, default=str))
         return 0
-    return run_command(run, user_errors=(UsageError, CheckpointError, ConfigError, DataError, TrainError, OSError),
+    return run_command(run, user_errors=(UsageError, CheckpointError, OutputError, ConfigError, DataError, TrainError,
+                                         OSError),
                        interrupted=f"interrupted{kept}")
 
 

@@ -157,7 +157,8 @@ def script():
 def no_training(monkeypatch):
     def fail(*a, **k):
         raise AssertionError("training started")
-    monkeypatch.setattr(pjax.train, "tiny_run", fail)
+    import examples.tiny_pair
+    monkeypatch.setattr(examples.tiny_pair, "tiny_run", fail)
     monkeypatch.setattr(pjax.train, "train_drafter", fail)
 
 
