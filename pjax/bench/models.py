@@ -51,15 +51,6 @@ RANDOM_SHAPES = {
         "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
         "rms_norm_eps": 1e-6, "max_position_embeddings": 40960, "rope_theta": 1000000.0,
         "tie_word_embeddings": False},
-    "gpt-oss-120b": {
-        "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
-        "num_hidden_layers": 36, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
-        "num_local_experts": 128, "num_experts_per_tok": 4, "sliding_window": 128, "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 131072, "rope_theta": 150000.0, "swiglu_limit": 7.0, "attention_bias": True,
-        "tie_word_embeddings": False,
-        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(36)],
-        "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-                         "original_max_position_embeddings": 4096}},
     "code-pair": {  # examples/code_pair/'s target at its full-build defaults (0.34 B parameters)
         "model_type": "llama", "vocab_size": 32768, "hidden_size": 1024, "intermediate_size": 2816,
         "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 4, "rms_norm_eps": 1e-5,
@@ -77,6 +68,11 @@ RANDOM_SHAPES["tiny-moe"] = {  # a CPU smoke-test MoE geometry (packed experts: 
 PACKED_SHAPES = {"gpt-oss-20b-mxfp4": ("gpt-oss-20b", "mxfp4"), "gpt-oss-120b": ("gpt-oss-120b", "mxfp4"),
                  "qwen3-30b-a3b-fp8": ("qwen3-30b-a3b", "fp8"), "tiny-moe-mxfp4": ("tiny-moe", "mxfp4")}
 FP8_BLOCK = (128, 128)
+# openai/gpt-oss-120b: gpt-oss-20b's widths with 36 layers and 128 experts
+RANDOM_SHAPES["gpt-oss-120b"] = dict(
+    RANDOM_SHAPES["gpt-oss-20b"], num_hidden_layers=36, num_local_experts=128,
+    layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(36)])
+
 # per target shape: (draft vocabulary size or None = the target's, mask token id or None = the last id)
 HEAD_VOCAB = {"llama3.1-8b": (32000, None), "gpt-oss-20b": (None, 201020), "gpt-oss-20b-mxfp4": (None, 201020),
               "gpt-oss-120b": (None, 201020), "qwen3-30b-a3b": (None, None), "qwen3-30b-a3b-fp8": (None, None)}
