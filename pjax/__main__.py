@@ -1,4 +1,4 @@
-"""`python -m pjax COMMAND ...`: generate, bench, convert (see `python -m pjax COMMAND --help`)."""
+"""`python -m pjax COMMAND ...`: generate, bench, convert, serve, check (see `python -m pjax COMMAND --help`)."""
 import sys
 
 from pjax.cli import main

@@ -4,6 +4,7 @@
     python -m pjax bench ...     throughput, latency, acceptance and exactness on datasets (`pjax.bench.cli`)
     python -m pjax convert ...   checkpoints: inspect, pjax-native copies, head export (`pjax.checkpoint.cli`)
     python -m pjax serve ...     an OpenAI-compatible HTTP server over the continuous-batching engine (`pjax.serve.cli`)
+    python -m pjax check ...     kernels, target families and a P-EAGLE head checked on this device (`pjax.check.cli`)
 
 Exit codes, every subcommand: 0 success, 1 the run failed, 2 bad usage or bad input (argparse errors, files or
 arguments that do not fit, each named in a one-line message), 130 interrupted (Ctrl-C).
@@ -19,6 +20,7 @@ COMMANDS = {
     "bench": ("pjax.bench.cli", "benchmark speculative decoding: throughput, latency, acceptance, exactness"),
     "convert": ("pjax.checkpoint.cli", "inspect / validate checkpoints, write pjax-native copies, re-export heads"),
     "serve": ("pjax.serve.cli", "serve a target (and head) over the OpenAI API: completions, chat, streaming"),
+    "check": ("pjax.check.cli", "check pjax on this device: every kernel, every target family, a P-EAGLE head"),
 }
 
 

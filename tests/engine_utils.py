@@ -1,4 +1,5 @@
-"""Shared pieces of the engine tests: tiny checkpoints of every target family (written by transformers), a random
+"""Shared pieces of the engine tests: tiny checkpoints of every target family (written by transformers, configs
+from `pjax.check.families`, which `python -m pjax check` compares against transformers), a random
 P-EAGLE head for a target, transformers' greedy continuations, and the numpy law of processed logits (temperature,
 top-k, top-p). torch and transformers are imported by the helpers that use them (`build`, `hf_greedy`), so the engine
 tests that do not compare against transformers never import them."""
@@ -11,39 +12,12 @@ import numpy as np
 import pjax
 from pjax.config import LayerSpec, ModelConfig, RopeSpec
 from pjax.models.drafter import DrafterConfig, init_drafter
-from pjax.models.families import PARSERS
-from tests.hf_utils import randomize
+from pjax.check.families import AVAILABLE, FAMILIES, VOCAB, randomize  # the tiny checkpoints of every family
 
-V = 97
+V = VOCAB
 NEW = 12
 PROMPTS = [[5, 17, 3], [9, 1, 44, 60, 2, 71, 33, 8, 90, 12, 4], [30, 31, 32, 33, 34, 35]]  # ragged
-FAMILIES = {  # family: (transformers model class, config class, config arguments)
-    "llama": ("LlamaForCausalLM", "LlamaConfig", dict(
-        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, rms_norm_eps=1e-5, max_position_embeddings=256, rope_theta=500000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 16})),
-    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(
-        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)),
-    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(
-        vocab_size=V, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
-        norm_topk_prob=True, mlp_only_layers=[1])),
-    "gpt_oss": ("GptOssForCausalLM", "GptOssConfig", dict(
-        vocab_size=V, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_local_experts=4,
-        num_experts_per_tok=2, head_dim=16, num_attention_heads=4, num_key_value_heads=2, sliding_window=6,
-        swiglu_limit=1.0, max_position_embeddings=256,
-        rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                         "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 150000.0})),
-    "gemma4": ("Gemma4ForCausalLM", "Gemma4TextConfig", dict(
-        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
-        attention_k_eq_v=True, hidden_size_per_layer_input=0, final_logit_softcapping=3.0, sliding_window=6,
-        layer_types=["sliding_attention", "full_attention"])),
-}
 K_OF = {"llama": 3, "qwen3": 1, "qwen3_moe": 7, "gpt_oss": 11, "gemma4": 11}  # gpt_oss/gemma4: K+1 > window
-AVAILABLE = [f for f in FAMILIES if f in PARSERS]
 # tiny CPU programs: compile time dominates, so skip LLVM optimisation (numerics are unchanged in kind)
 FAST = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else {}
 FAST_KEY = tuple(sorted(FAST.items()))

@@ -2,6 +2,11 @@
 that use it, so a test module that only needs `rel_err` never imports it."""
 import numpy as np
 
+from pjax.check.families import hf_logits, randomize  # shared with `python -m pjax check`
+
+__all__ = ["check_cached_extend", "hf_hidden_states", "hf_logits", "pjax_full_forward", "randomize", "rel_err",
+           "save_tiny"]
+
 
 def save_tiny(model_cls, config, path, seed=0, init_std=None):
     """Instantiate `model_cls(config)` with seeded random weights in float32, save_pretrained to path."""
@@ -18,33 +23,9 @@ def save_tiny(model_cls, config, path, seed=0, init_std=None):
     return model
 
 
-def hf_logits(model, ids):
-    import torch
-
-    with torch.no_grad():
-        return model(torch.as_tensor(np.asarray(ids))).logits.float().numpy()
-
-
 def rel_err(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
-def randomize(model, seed=0, std=0.1, norm_jitter=0.2, skip=()):
-    """All parameters and state-dict buffers normal(0, std); norm weights 1 + normal(0, norm_jitter)
-    (so a wrong norm convention shows up); names containing any of `skip` are left alone."""
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-            if any(s in name for s in skip) or not t.is_floating_point() or "inv_freq" in name:
-                continue
-            if name not in model.state_dict():
-                continue
-            noise = torch.randn(t.shape, generator=gen, dtype=torch.float32)
-            t.copy_(1 + norm_jitter * noise if "norm" in name or "layer_scalar" in name else std * noise)
-    return model
 
 
 def hf_hidden_states(model, ids):

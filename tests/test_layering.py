@@ -2,9 +2,9 @@
 convert/. Every import statement counts, also those inside functions (a lazy import is still a dependency).
 
 Layers, lowest first: _io (atomic output files) < config / _compat / dtypes / command / precision < kernels < models <
-checkpoint < decode < text, train < bench, serve < cli, the package root and convert/. A module may import its own
-layer and the layers below it. A private name (`_name`) is used only inside the package that holds it, also by the
-examples."""
+checkpoint < decode < text, train < bench, serve, check (the device self-check) < cli, the package root and convert/.
+A module may import its own layer and the layers below it. A private name (`_name`) is used only inside the package
+that holds it, also by the examples."""
 import ast
 from pathlib import Path
 
@@ -19,7 +19,7 @@ LAYERS = [
     ("pjax.checkpoint",),
     ("pjax.decode",),
     ("pjax.text", "pjax.train"),
-    ("pjax.bench", "pjax.serve"),
+    ("pjax.bench", "pjax.serve", "pjax.check"),
     ("pjax.cli", "pjax.__main__", "pjax", "convert"),
 ]
 

@@ -25,7 +25,7 @@ from tests.kernel_jaxpr import equations
 def dot_operand_dtypes(jaxpr) -> list[tuple[str, str]]:
     """(lhs, rhs) dtype names of every dot_general in a closed jaxpr, sub-jaxprs (scan, remat, custom VJP) included,
     except the attention reference's (pjax.kernels: on a GPU, training attention runs the flash kernel or cuDNN,
-    whose precision gpu_check measures)."""
+    whose precision `python -m pjax check` measures)."""
     return [tuple(str(v.aval.dtype) for v in eqn.invars[:2]) for eqn, _ in equations(jaxpr.jaxpr)
             if eqn.primitive.name == "dot_general"
             and "pjax/kernels/" not in str(source_info_util.summarize(eqn.source_info))]
