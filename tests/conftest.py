@@ -29,6 +29,26 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 import pytest  # noqa: E402
 
 
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true", default=os.environ.get("PJAX_FULL_TESTS") == "1",
+                     help="also run the tests marked `full` (the whole parameter sweeps and the slowest end-to-end "
+                          "runs; `bash .ci/run --full`, or PJAX_FULL_TESTS=1)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "full: a test (or a sweep's case) that runs with --full only: each behaviour it "
+                                       "checks is also checked by a cheaper test or case of the default run")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--full"):
+        return
+    full = [item for item in items if item.get_closest_marker("full")]
+    if full:
+        config.hook.pytest_deselected(items=full)
+        items[:] = [item for item in items if not item.get_closest_marker("full")]
+
+
 def pytest_unconfigure(config):
     if _OWN_CACHE_DIR and not hasattr(config, "workerinput"):
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
