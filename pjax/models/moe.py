@@ -16,7 +16,7 @@ __all__ = ["MOE_FEW_PAIRS", "MoE"]
 
 # Token-expert pairs up to this count, and up to twice the expert count, use `expert_matmul` (each selected expert read
 # once); more (prefill, training) sort the pairs by expert for the grouped matmul (work grows with the pairs). Where the
-# crossover lies was measured per layer shape (docs/performance.md, "Which path a MoE layer takes").
+# crossover lies was measured per layer shape (docs/performance.md, "Expert matmul" and "Grouped matmul").
 MOE_FEW_PAIRS = 128
 
 
