@@ -3,6 +3,7 @@ chain's (chain_acc), against a numpy reference written from the definition: on a
 train steps of a tiny model (single pass and partitioned), whose per-element correctness is recomputed with
 `row_loss_terms`; held-out evaluation (`eval_step`, `evaluate_drafter`) reports the train step's metrics."""
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -39,10 +40,16 @@ def reference(anchor, depth, weight, correct, s, k):
     return cc, ct, ch
 
 
+@functools.partial(jax.jit, static_argnums=(4, 5), compiler_options=FAST)  # one program per shape, not per op
+def _grid_metrics(anchor, depth, weight, correct, s, k):
+    grids = anchor_grid(correct.astype(bool), weight.astype(jnp.float32), anchor.astype(jnp.int32),
+                        depth.astype(jnp.int32), s, k)
+    return grids, chain_metrics(*grids)
+
+
 def grid_metrics(anchor, depth, weight, correct, s, k):
-    grids = anchor_grid(jnp.asarray(correct, bool), jnp.asarray(weight, jnp.float32), jnp.asarray(anchor, jnp.int32),
-                        jnp.asarray(depth, jnp.int32), s, k)
-    return grids, [np.asarray(x) for x in chain_metrics(*grids)]
+    grids, metrics = _grid_metrics(*(jnp.asarray(x) for x in (anchor, depth, weight, correct)), s, k)
+    return grids, [np.asarray(x) for x in metrics]
 
 
 def test_hand_built_layout():
@@ -74,7 +81,7 @@ def test_hand_built_layout():
     half = np.arange(len(a)) % 2 == 0
     g1, _ = grid_metrics(a[half], d[half], w[half], c[half], s, k)
     g2, _ = grid_metrics(a[~half], d[~half], w[~half], c[~half], s, k)
-    for g, r in zip(chain_metrics(g1[0] + g2[0], g1[1] + g2[1]), want):
+    for g, r in zip(jax.jit(chain_metrics, compiler_options=FAST)(g1[0] + g2[0], g1[1] + g2[1]), want):
         np.testing.assert_array_equal(np.asarray(g), r)
 
 
@@ -87,7 +94,8 @@ def test_random_layouts_batched():
     for a, d, w, c in rows:  # depth 0 everywhere, as in a COD layout
         a[:s], d[:s] = np.arange(s), 0
     grids = [grid_metrics(*r, s, k)[0] for r in rows]
-    got = chain_metrics(jnp.stack([g[0] for g in grids]), jnp.stack([g[1] for g in grids]))
+    got = jax.jit(chain_metrics, compiler_options=FAST)(jnp.stack([g[0] for g in grids]),
+                                                        jnp.stack([g[1] for g in grids]))
     want = np.sum([reference(*r, s, k) for r in rows], axis=0)
     assert want[1][k - 1] > 0
     for g, r in zip(got, want):
@@ -114,7 +122,7 @@ def test_train_step_chain_metrics(setup):
     key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)  # the step's COD key
     rows = jax.jit(lambda b: prepare_rows(target, shell, b, cfg, key), compiler_options=FAST)(batch)
 
-    @jax.jit
+    @functools.partial(jax.jit, compiler_options=FAST)
     def terms(params, row, layout):
         _, correct, weight = row_loss_terms(
             with_params(drafter, params), target, row["input_ids"], row["hidden_states"],
