@@ -15,7 +15,8 @@ SHAPES = {"embed_tokens": {"embedding": (40, 16)}, "fc": {"kernel": (48, 16)},
           "layers": {"0": {"q": {"kernel": (16, 24)}, "norm": {"scale": (16,)}, "up": {"kernel": (16, 32)}}},
           "mask_hidden": (1, 48)}
 STEPS = 4
-FAST = {"xla_backend_optimization_level": 0}  # CPU: much faster compiles of these tiny programs
+FAST = {"xla_backend_optimization_level": 0,  # CPU: much faster compiles of these tiny programs
+        "xla_allow_excess_precision": False}  # keep every bf16 rounding, as op by op (and torch)
 
 
 def _torch_reference(params, grads, cfg: OptimConfig, muon_names):
