@@ -36,7 +36,11 @@ def tree_rel(a, b):
 
 @pytest.fixture(scope="module")
 def setup():
-    return byte_training_setup(S, B, draft_vocab_size=200, num_depths=4, max_anchors=None)
+    """One TrainConfig for every test here (24 steps at lr 3e-3, the learning test's), so that the train step of each
+    optimizer compiles once for the resume, learning and data-parallel tests."""
+    target, drafter, stream, cfg = byte_training_setup(S, B, draft_vocab_size=200, num_depths=4, max_anchors=None)
+    return target, drafter, stream, dataclasses.replace(cfg, total_steps=24,
+                                                        optim=dataclasses.replace(cfg.optim, lr=3e-3))
 
 
 def test_partitioned_grads_equal_single_pass(setup):
@@ -85,7 +89,7 @@ def test_resume_is_exact(setup, tmp_path, optimizer):
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_optimizers_learn(setup, optimizer):
     target, drafter, stream, cfg = setup
-    cfg = dataclasses.replace(cfg, total_steps=24, optim=dataclasses.replace(cfg.optim, lr=3e-3, optimizer=optimizer))
+    cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, optimizer=optimizer))
     run = train_drafter(target, drafter, stream, cfg, steps=24, log_every=4, progress=False, compiler_options=FAST)
     first, last = run.history[0], run.history[-1]
     assert last["loss"] < 0.9 * first["loss"]
@@ -144,10 +148,11 @@ def test_data_parallel_matches_single_device(setup):
     assert big and all(x.addressable_shards[0].data.size * 4 == x.size for x in big)
     args = (jax.device_put(init_train_state(drafter, cfg), rep), jax.device_put(shell, rep), sharded,
             shard_batch(batch, mesh))
-    compiled_target = many.lower(*args).compile().input_shardings[0][2]  # the step keeps the split placement
+    compiled = many.lower(*args).compile()
+    compiled_target = compiled.input_shardings[0][2]  # the step keeps the split placement
     assert [s.spec for s in jax.tree.leaves(compiled_target.params)] == [
         x.sharding.spec for x in jax.tree.leaves(sharded.params)]
-    s4t, m4t = many(*args)
+    s4t, m4t = compiled(*args)  # (calling `many` would compile the program a second time)
     assert rel(m4t["loss"], m1["loss"]) <= 1e-5
     np.testing.assert_array_equal(m1["total"], m4t["total"])
     assert tree_rel(s4t.params, s1.params) <= 1e-5

@@ -53,6 +53,7 @@ def test_target_lm_step_memory_is_linear_in_row_length(target):
     assert dense_large / dense_small > 10, (dense_small, dense_large)
 
 
+@pytest.mark.full  # test_head_step_stores_one_layer_input_per_draft_layer checks the same step at 4x the row (2 heads)
 def test_drafter_step_memory_is_linear_in_row_length(target):
     """The whole P-EAGLE train step: online target features, COD sampling, drafter forward / backward, AdamW."""
     dcfg = drafter_config_for_target(target.config, num_layers=1, draft_vocab_size=200, mask_token_id=511,
