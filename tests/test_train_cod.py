@@ -107,6 +107,7 @@ def test_mask_builder_matches_speculators(window):
     doc_s[34:] = -1
     torch.manual_seed(0)
     a, d = generate_cod_sample_indices(40, torch.tensor(lm_s)[None], num_depths=4)
+    a, d = torch.cat([a, torch.tensor([-1])]), torch.cat([d, torch.tensor([1])])  # an element anchored before the row
     mod = create_peagle_mask_mod(a, d, torch.tensor(doc_s), window)
     ref = create_mask(mod, None, None, len(a), len(a), device="cpu")[0, 0].numpy()
     ours = np.asarray(cod_dense_mask(layout_from_arrays(a.numpy(), d.numpy()), doc_s, window))
