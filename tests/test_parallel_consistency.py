@@ -4,6 +4,8 @@ COD prediction (`draft_logits`, anchor = the bonus token's position - 1, depths 
 sequence, and the training path (`cod_hidden` over a `cod_sample` layout, online target features, the EAGLE shift)
 gives the dense `draft_logits` values. Deep drafts that train well therefore draft the same way (the check behind the
 study of why a first pair's deep drafts were rarely accepted: they were under-trained, not mis-drafted)."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +22,7 @@ from pjax.train.replay import replay_rounds, teacher_forced_drafts
 from examples.tiny_pair import tiny_run
 
 K = 4
+FAST = {"xla_backend_optimization_level": 0}  # CPU: much faster compiles of these tiny programs
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +49,8 @@ def engine_programs(target, dr, rows: int, max_new_tokens: int):
                      max_new_tokens=max_new_tokens)
     samp = Sampling(jnp.zeros(rows), jnp.zeros(rows, jnp.int32), jnp.ones(rows), jnp.zeros(rows, jnp.uint32),
                     jnp.full((rows, 1), -1, jnp.int32))
-    fast = {"xla_backend_optimization_level": 0}
-    pre = jax.jit(prefill, static_argnames=("spec", "capacity"), compiler_options=fast)
-    step = jax.jit(spec_round, static_argnames=("spec",), compiler_options=fast)
+    pre = jax.jit(prefill, static_argnames=("spec", "capacity"), compiler_options=FAST)
+    step = jax.jit(spec_round, static_argnames=("spec",), compiler_options=FAST)
     return samp, pre, step, spec
 
 
@@ -117,7 +119,7 @@ def test_training_path_matches_dense_draft_logits(run):
     docid = np.asarray([0] * 60 + [1] * 68)
     aux_ids = check_pair(target.config, dr.config)
 
-    @jax.jit
+    @functools.partial(jax.jit, compiler_options=FAST)
     def training_path(target, dr, toks, docid):  # one program (op by op, these take minutes to compile on a CPU)
         aux, final = target_features(target, toks, docid[None], aux_ids)
         sh = eagle_shift(toks[0], jnp.ones((128,), jnp.int32), docid, aux[0], final[0])
