@@ -15,7 +15,7 @@ from pjax.train.loop import train_drafter
 from pjax.train.optim import split_params, trainable_mask
 from pjax.train.state import init_train_state
 from pjax.train.target_features import target_features
-from pjax.train.step import loss_and_grads, make_mesh, make_train_step, shard_batch, shard_target
+from pjax.train.step import loss_and_grads, make_mesh, make_train_step, replicate, shard_batch, shard_target
 from tests.train_utils import byte_training_setup
 
 S, B = 64, 4
@@ -99,7 +99,6 @@ def test_offline_features_step_equals_online(setup):
     """A train step on offline features (each document's target features computed alone, packed by
     `FeatureStream`) equals the step that computes them online from the packed raw row; wrong widths fail early."""
     target, drafter, stream, cfg = setup
-    cfg1 = dataclasses.replace(cfg, batch_rows=1)
     docs = [dataclasses.replace(d, tokens=d.tokens[:n], loss_mask=d.loss_mask[:n])
             for d, n in zip(stream.docs, (20, 20, 20))]  # 60 raw tokens: one packed row of S = 64
     online = stack_rows(pack_documents(docs, S))
@@ -111,17 +110,22 @@ def test_offline_features_step_equals_online(setup):
         smps.append(dict(input_ids=d.tokens, loss_mask=d.loss_mask, hidden_states=np.asarray(aux[0]),
                          verifier_last_hidden_states=np.asarray(final[0])))
     offline = FeatureStream(smps, S, 1, shuffle=False).batch(0)
-    shell = Drafter(drafter.config, drafter.graphdef, None, drafter.d2t)
-    step = make_train_step(cfg1, donate=False, compiler_options=FAST)
-    state = init_train_state(drafter, cfg1)
-    s_on, m_on = step(state, shell, target, shard_batch(online, None))
-    s_off, m_off = step(state, shell, target, shard_batch(offline, None))
+    mesh1 = make_mesh(jax.devices()[:1])
+    step = make_train_step(cfg, mesh1, compiler_options=FAST)  # train_drafter's (the resume test compiled it online)
+    shell, target = (replicate(x, mesh1) for x in (Drafter(drafter.config, drafter.graphdef, None, drafter.d2t),
+                                                   target))
+
+    def run(row):  # the row in each of the B rows of a batch
+        return step(replicate(init_train_state(drafter, cfg), mesh1), shell, target,
+                    shard_batch({k: np.repeat(v, B, axis=0) for k, v in row.items()}, mesh1))
+
+    s_on, m_on = run(online)
+    s_off, m_off = run(offline)
     assert rel(m_off["loss"], m_on["loss"]) <= 1e-5
     np.testing.assert_array_equal(m_on["total"], m_off["total"])
     assert tree_rel(s_off.params, s_on.params) <= 1e-5
-    wrong = dict(offline, hidden_states=offline["hidden_states"][..., :-1])
     with pytest.raises(ValueError, match="hidden_states must be"):
-        step(state, shell, target, shard_batch(wrong, None))
+        run(dict(offline, hidden_states=offline["hidden_states"][..., :-1]))
 
 
 def test_data_parallel_matches_single_device(setup):
@@ -131,7 +135,8 @@ def test_data_parallel_matches_single_device(setup):
     shell = Drafter(drafter.config, drafter.graphdef, None, drafter.d2t)
     mesh1 = make_mesh(jax.devices()[:1])
     one = make_train_step(cfg, mesh1, compiler_options=FAST)  # compiled already by the resume test
-    s1, m1 = one(init_train_state(drafter, cfg), shell, target, shard_batch(batch, mesh1))
+    s1, m1 = one(replicate(init_train_state(drafter, cfg), mesh1), replicate(shell, mesh1), replicate(target, mesh1),
+                 shard_batch(batch, mesh1))  # placed as train_drafter places them: the same program
     mesh = make_mesh(jax.devices()[:4])
     many = make_train_step(cfg, mesh, compiler_options=FAST)
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
