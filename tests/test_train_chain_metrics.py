@@ -14,7 +14,7 @@ from pjax.models.drafter import Drafter
 from pjax.train.loop import evaluate_drafter, summarize
 from pjax.train.losses import anchor_grid, chain_metrics, row_loss_terms, with_params
 from pjax.train.state import init_train_state
-from pjax.train.step import eval_step, make_train_step, prepare_rows, shard_batch
+from pjax.train.step import eval_step, make_mesh, make_train_step, prepare_rows, replicate, shard_batch
 from tests.train_utils import byte_training_setup
 
 FAST = {"xla_backend_optimization_level": 0}
@@ -163,10 +163,12 @@ def test_eval_step_reports_the_train_steps_metrics(setup, objective):
     state = init_train_state(drafter, cfg)
     batches = [shard_batch(stream.batch(i), None) for i in range(2)]
     step = make_train_step(cfg, donate=False, compiler_options=FAST)
-    ev = jax.jit(lambda st, b: eval_step(st, shell, target, b, cfg), compiler_options=FAST)
+    mesh1 = make_mesh(jax.devices()[:1])
+    ev = jax.jit(functools.partial(eval_step, cfg=cfg), compiler_options=FAST)  # placed as evaluate_drafter runs it:
+    placed = [replicate(x, mesh1) for x in (state, shell, target)]  # the same program, compiled once
     trained = [jax.device_get(step(state, shell, target, b)[1]) for b in batches]
-    for b, t in zip(batches, trained):
-        e = jax.device_get(ev(state, b))
+    for i, t in enumerate(trained):
+        e = jax.device_get(ev(*placed, shard_batch(stream.batch(i), mesh1)))
         np.testing.assert_allclose(e["loss"], t["loss"], rtol=1e-6)
         keys = [k for k in t if k not in ("loss", "lr", "grad_norm")]
         assert {"correct", "total", "cond_correct", "cond_total", "tokens"} <= set(keys) <= set(e)
