@@ -54,7 +54,7 @@ def test_token_nll_chunks_equal_whole_vocabulary(models):
 
     w = jnp.asarray(rng.normal(size=37), jnp.float32)
 
-    @functools.partial(jax.jit, compiler_options=FAST)  # one program (op by op, the gradients compile a program per operation)
+    @functools.partial(jax.jit, compiler_options=FAST)  # one program (op by op: a program per operation)
     def both(h, params):
         return (jax.value_and_grad(lambda *x: jnp.sum(chunked(*x) * w), argnums=(0, 1))(h, params),
                 jax.value_and_grad(lambda *x: jnp.sum(whole(*x) * w), argnums=(0, 1))(h, params),
@@ -85,7 +85,7 @@ def test_vocab_terms_chunks_equal_whole_vocabulary(models, loss_type):
     def chunked(normed, params):
         return vocab_terms(with_params(drafter, params), target, normed, vl, ref, loss_type=loss_type, loss_chunk=6)
 
-    @functools.partial(jax.jit, compiler_options=FAST)  # one program (op by op, the gradients compile a program per operation)
+    @functools.partial(jax.jit, compiler_options=FAST)  # one program (op by op: a program per operation)
     def both(normed, params):
         return (chunked(normed, params), whole(normed, params),
                 jax.grad(lambda *x: jnp.sum(chunked(*x)[0] * wt), argnums=(0, 1))(normed, params),
