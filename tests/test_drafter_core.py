@@ -18,6 +18,7 @@ from tests.hf_utils import rel_err
 
 V, H, HT, A, VD, K = 48, 32, 24, 3, 30, 4
 MASK_ID = 3
+FAST = {"xla_backend_optimization_level": 0}  # CPU: much faster compiles of these tiny programs
 
 
 def config(**kw):
@@ -45,7 +46,7 @@ def test_inference_layout_equals_training_layout(drafter):
     hs = rng.normal(size=(2, s, A * HT)).astype(np.float32)
     comb = np.asarray(pjax.models.combine(drafter, hs))
     mfeat = np.asarray(pjax.models.mask_feature(drafter))
-    fwd = jax.jit(pjax.models.drafter_forward)
+    fwd = jax.jit(pjax.models.drafter_forward, compiler_options=FAST)
     cache = pjax.models.init_drafter_cache(drafter, 2, 32, jnp.float32)
 
     prefix = np.array([5, 8])  # ragged prefill, then (accepted n, bonus) per round and row
@@ -95,7 +96,8 @@ def test_draft_logits_ignores_padding_slots(drafter):
     doc = np.zeros((1, s), np.int32)
     lm = np.zeros(s, np.int32)
     lm[[1, 2, 3, 4]] = 1  # few loss positions (the depth blocks are mostly padding), one chain at anchor 0
-    lay = cod_sample(jax.random.key(0), lm, CodConfig(num_depths=K, max_anchors=None))
+    lay = jax.jit(cod_sample, static_argnums=2, compiler_options=FAST)(  # op by op: ~100 programs
+        jax.random.key(0), lm, CodConfig(num_depths=K, max_anchors=None))
     ok = np.asarray(lay.valid)
     a, d = np.asarray(lay.anchor_pos), np.asarray(lay.depth)
     assert not ok.all() and ((a == 0) & (d > 0) & ok).any()  # without `valid`, the logits differ by ~2

@@ -193,6 +193,7 @@ def test_config_read(case):
         assert case["drafter"].d2t is None
 
 
+@pytest.mark.full  # test_train_cod.py::test_mask_builder_matches_speculators checks these masks (anchor -1 too)
 def test_cod_mask_matches_speculators():
     anchor, depth = cod_layout(3, ((-1, 1),))
     doc = torch.tensor(DOC2)

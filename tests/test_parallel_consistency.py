@@ -4,6 +4,8 @@ COD prediction (`draft_logits`, anchor = the bonus token's position - 1, depths 
 sequence, and the training path (`cod_hidden` over a `cod_sample` layout, online target features, the EAGLE shift)
 gives the dense `draft_logits` values. Deep drafts that train well therefore draft the same way (the check behind the
 study of why a first pair's deep drafts were rarely accepted: they were under-trained, not mis-drafted)."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,12 +22,25 @@ from pjax.train.replay import replay_rounds, teacher_forced_drafts
 from examples.tiny_pair import tiny_run
 
 K = 4
+FAST = {"xla_backend_optimization_level": 0}  # CPU: much faster compiles of these tiny programs
 
 
 @pytest.fixture(scope="module")
 def run():
-    return tiny_run(target_steps=150, head_steps=120, batch_rows=4, seq_len=128, num_depths=K, log_every=40,
+    return tiny_run(target_steps=150, head_steps=120, batch_rows=4, seq_len=128, num_depths=K, log_every=10,
                     max_files=6)
+
+
+def test_tiny_pair_learns(run):
+    """The tiny end-to-end run behind these checks learns: the target LM's loss falls, then the P-EAGLE head's loss
+    falls and its accuracy rises at every depth."""
+    assert run.target_history[-1][1] < 0.75 * run.target_history[0][1]
+    first, last = run.head_history[0], run.head_history[-1]
+    assert last["loss"] < 0.5 * first["loss"]
+    assert last["acc_all"] > first["acc_all"] + 0.1
+    for d in range(K):
+        assert last["acc"][d] > first["acc"][d]
+    assert last["tokens_per_s"] > 0
 
 
 def engine_programs(target, dr, rows: int, max_new_tokens: int):
@@ -34,9 +49,8 @@ def engine_programs(target, dr, rows: int, max_new_tokens: int):
                      max_new_tokens=max_new_tokens)
     samp = Sampling(jnp.zeros(rows), jnp.zeros(rows, jnp.int32), jnp.ones(rows), jnp.zeros(rows, jnp.uint32),
                     jnp.full((rows, 1), -1, jnp.int32))
-    fast = {"xla_backend_optimization_level": 0}
-    pre = jax.jit(prefill, static_argnames=("spec", "capacity"), compiler_options=fast)
-    step = jax.jit(spec_round, static_argnames=("spec",), compiler_options=fast)
+    pre = jax.jit(prefill, static_argnames=("spec", "capacity"), compiler_options=FAST)
+    step = jax.jit(spec_round, static_argnames=("spec",), compiler_options=FAST)
     return samp, pre, step, spec
 
 
@@ -103,15 +117,22 @@ def test_training_path_matches_dense_draft_logits(run):
     target, dr = run.target, run.drafter
     seq = np.concatenate([run.docs[0].tokens[:60], run.docs[1].tokens[:68]])
     docid = np.asarray([0] * 60 + [1] * 68)
-    toks = jnp.asarray(seq, jnp.int32)[None]
-    aux, final = target_features(target, toks, jnp.asarray(docid)[None], check_pair(target.config, dr.config))
-    sh = eagle_shift(toks[0], jnp.ones((128,), jnp.int32), jnp.asarray(docid), aux[0], final[0])
-    lay = cod_sample(jax.random.key(0), sh["loss_mask"], CodConfig(num_depths=K, max_anchors=None), sh["document_ids"])
-    normed = cod_hidden(dr, sh["input_ids"], sh["hidden_states"], sh["document_ids"], lay, num_depths=K)
-    got = np.asarray(dr.module.logits(normed))
+    aux_ids = check_pair(target.config, dr.config)
+
+    @functools.partial(jax.jit, compiler_options=FAST)
+    def training_path(target, dr, toks, docid):  # one program (op by op, these take minutes to compile on a CPU)
+        aux, final = target_features(target, toks, docid[None], aux_ids)
+        sh = eagle_shift(toks[0], jnp.ones((128,), jnp.int32), docid, aux[0], final[0])
+        lay = cod_sample(jax.random.key(0), sh["loss_mask"], CodConfig(num_depths=K, max_anchors=None),
+                         sh["document_ids"])
+        normed = cod_hidden(dr, sh["input_ids"], sh["hidden_states"], sh["document_ids"], lay, num_depths=K)
+        return sh, lay, dr.module.logits(normed)
+
+    sh, lay, got = jax.device_get(training_path(target, dr, jnp.asarray(seq, jnp.int32)[None],
+                                                jnp.asarray(docid, jnp.int32)))
     v = np.asarray(lay.valid)
     want = np.asarray(draft_logits(dr, sh["hidden_states"][None], sh["input_ids"][None], sh["document_ids"][None],
                                    np.asarray(lay.anchor_pos), np.asarray(lay.depth), valid=v))[v]
     ok = (np.asarray(sh["document_ids"])[np.asarray(lay.anchor_pos)[v]] != -1)
     assert int((np.asarray(lay.depth)[v][ok] >= 2).sum()) > 10
-    np.testing.assert_allclose(got[v][ok], want[ok], atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(got)[v][ok], want[ok], atol=1e-4, rtol=1e-4)

@@ -3,6 +3,7 @@ chain's (chain_acc), against a numpy reference written from the definition: on a
 train steps of a tiny model (single pass and partitioned), whose per-element correctness is recomputed with
 `row_loss_terms`; held-out evaluation (`eval_step`, `evaluate_drafter`) reports the train step's metrics."""
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,7 @@ from pjax.models.drafter import Drafter
 from pjax.train.loop import evaluate_drafter, summarize
 from pjax.train.losses import anchor_grid, chain_metrics, row_loss_terms, with_params
 from pjax.train.state import init_train_state
-from pjax.train.step import eval_step, make_train_step, prepare_rows, shard_batch
+from pjax.train.step import eval_step, make_mesh, make_train_step, prepare_rows, replicate, shard_batch
 from tests.train_utils import byte_training_setup
 
 FAST = {"xla_backend_optimization_level": 0}
@@ -39,10 +40,16 @@ def reference(anchor, depth, weight, correct, s, k):
     return cc, ct, ch
 
 
+@functools.partial(jax.jit, static_argnums=(4, 5), compiler_options=FAST)  # one program per shape, not per op
+def _grid_metrics(anchor, depth, weight, correct, s, k):
+    grids = anchor_grid(correct.astype(bool), weight.astype(jnp.float32), anchor.astype(jnp.int32),
+                        depth.astype(jnp.int32), s, k)
+    return grids, chain_metrics(*grids)
+
+
 def grid_metrics(anchor, depth, weight, correct, s, k):
-    grids = anchor_grid(jnp.asarray(correct, bool), jnp.asarray(weight, jnp.float32), jnp.asarray(anchor, jnp.int32),
-                        jnp.asarray(depth, jnp.int32), s, k)
-    return grids, [np.asarray(x) for x in chain_metrics(*grids)]
+    grids, metrics = _grid_metrics(*(jnp.asarray(x) for x in (anchor, depth, weight, correct)), s, k)
+    return grids, [np.asarray(x) for x in metrics]
 
 
 def test_hand_built_layout():
@@ -74,7 +81,7 @@ def test_hand_built_layout():
     half = np.arange(len(a)) % 2 == 0
     g1, _ = grid_metrics(a[half], d[half], w[half], c[half], s, k)
     g2, _ = grid_metrics(a[~half], d[~half], w[~half], c[~half], s, k)
-    for g, r in zip(chain_metrics(g1[0] + g2[0], g1[1] + g2[1]), want):
+    for g, r in zip(jax.jit(chain_metrics, compiler_options=FAST)(g1[0] + g2[0], g1[1] + g2[1]), want):
         np.testing.assert_array_equal(np.asarray(g), r)
 
 
@@ -87,7 +94,8 @@ def test_random_layouts_batched():
     for a, d, w, c in rows:  # depth 0 everywhere, as in a COD layout
         a[:s], d[:s] = np.arange(s), 0
     grids = [grid_metrics(*r, s, k)[0] for r in rows]
-    got = chain_metrics(jnp.stack([g[0] for g in grids]), jnp.stack([g[1] for g in grids]))
+    got = jax.jit(chain_metrics, compiler_options=FAST)(jnp.stack([g[0] for g in grids]),
+                                                        jnp.stack([g[1] for g in grids]))
     want = np.sum([reference(*r, s, k) for r in rows], axis=0)
     assert want[1][k - 1] > 0
     for g, r in zip(got, want):
@@ -114,7 +122,7 @@ def test_train_step_chain_metrics(setup):
     key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)  # the step's COD key
     rows = jax.jit(lambda b: prepare_rows(target, shell, b, cfg, key), compiler_options=FAST)(batch)
 
-    @jax.jit
+    @functools.partial(jax.jit, compiler_options=FAST)
     def terms(params, row, layout):
         _, correct, weight = row_loss_terms(
             with_params(drafter, params), target, row["input_ids"], row["hidden_states"],
@@ -155,10 +163,12 @@ def test_eval_step_reports_the_train_steps_metrics(setup, objective):
     state = init_train_state(drafter, cfg)
     batches = [shard_batch(stream.batch(i), None) for i in range(2)]
     step = make_train_step(cfg, donate=False, compiler_options=FAST)
-    ev = jax.jit(lambda st, b: eval_step(st, shell, target, b, cfg), compiler_options=FAST)
+    mesh1 = make_mesh(jax.devices()[:1])
+    ev = jax.jit(functools.partial(eval_step, cfg=cfg), compiler_options=FAST)  # placed as evaluate_drafter runs it:
+    placed = [replicate(x, mesh1) for x in (state, shell, target)]  # the same program, compiled once
     trained = [jax.device_get(step(state, shell, target, b)[1]) for b in batches]
-    for b, t in zip(batches, trained):
-        e = jax.device_get(ev(state, b))
+    for i, t in enumerate(trained):
+        e = jax.device_get(ev(*placed, shard_batch(stream.batch(i), mesh1)))
         np.testing.assert_allclose(e["loss"], t["loss"], rtol=1e-6)
         keys = [k for k in t if k not in ("loss", "lr", "grad_norm")]
         assert {"correct", "total", "cond_correct", "cond_total", "tokens"} <= set(keys) <= set(e)

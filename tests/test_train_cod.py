@@ -19,7 +19,8 @@ from speculators.models.peagle.data import generate_cod_sample_indices  # noqa: 
 from tests.dense_attention import dense_attention  # noqa: E402
 
 S = 512
-jit_sample = jax.jit(cod_sample, static_argnums=2)
+FAST = {"xla_backend_optimization_level": 0}  # CPU: much faster compiles of these small programs
+jit_sample = jax.jit(cod_sample, static_argnums=2, compiler_options=FAST)
 
 
 def row(seed=0):
@@ -35,7 +36,7 @@ def row(seed=0):
 def test_cod_statistics_match_speculators(max_anchors):
     lm, doc = row()
     cfg = CodConfig(num_depths=6, max_anchors=max_anchors, same_document=False)
-    sample = jax.jit(lambda k: cod_sample(k, lm, cfg, doc))
+    sample = jax.jit(lambda k: cod_sample(k, lm, cfg, doc), compiler_options=FAST)
     ours, theirs = [], []
     for i in range(12):
         lay = jax.device_get(sample(jax.random.key(i)))
@@ -84,7 +85,7 @@ def test_partition_owns_every_element_once():
     lm, doc = lm[:n], doc[:n]
     cfg = CodConfig(num_depths=5, max_anchors=None)
     lay = jit_sample(jax.random.key(3), lm, cfg, doc)
-    segs = jax.jit(lambda x: partition_layout(x, n, 4, cod_capacities(n, cfg)))(lay)
+    segs = jax.jit(lambda x: partition_layout(x, n, 4, cod_capacities(n, cfg)), compiler_options=FAST)(lay)
     owned = []
     for sg in segs:
         a, d, ok, own = (np.asarray(x) for x in (sg.layout.anchor_pos, sg.layout.depth, sg.layout.valid, sg.owned))
@@ -94,7 +95,8 @@ def test_partition_owns_every_element_once():
     full = {(int(x), int(y)) for x, y, v in zip(np.asarray(lay.anchor_pos), np.asarray(lay.depth),
                                                  np.asarray(lay.valid)) if v}
     assert len(owned) == len(set(owned)) and set(owned) == full
-    seg = np.asarray(element_segment(jnp.asarray([0, 127, 128, 511, 127]), jnp.asarray([0, 0, 0, 0, 1]), 512, 4))
+    seg = np.asarray(jax.jit(element_segment, static_argnums=(2, 3), compiler_options=FAST)(
+        jnp.asarray([0, 127, 128, 511, 127]), jnp.asarray([0, 0, 0, 0, 1]), 512, 4))
     np.testing.assert_array_equal(seg, [0, 0, 1, 3, 1])
 
 
@@ -105,6 +107,7 @@ def test_mask_builder_matches_speculators(window):
     doc_s[34:] = -1
     torch.manual_seed(0)
     a, d = generate_cod_sample_indices(40, torch.tensor(lm_s)[None], num_depths=4)
+    a, d = torch.cat([a, torch.tensor([-1])]), torch.cat([d, torch.tensor([1])])  # an element anchored before the row
     mod = create_peagle_mask_mod(a, d, torch.tensor(doc_s), window)
     ref = create_mask(mod, None, None, len(a), len(a), device="cpu")[0, 0].numpy()
     ours = np.asarray(cod_dense_mask(layout_from_arrays(a.numpy(), d.numpy()), doc_s, window))
@@ -140,11 +143,13 @@ def test_cod_attention_equals_dense(window, chunk, implementation):
         return attention(q, k[:, :n0], v[:, :n0], mask, chain_k=k, chain_v=v, scale=0.35, window=window,
                          implementation=implementation, config=SMALL)
 
-    want = dense_attention(q, k, v, dense[None], 0.35)
-    got = jax.jit(ours)(q, k, v)
+    def with_grads(fn):  # one program: the values and the gradients of sum(fn * w)
+        return jax.jit(lambda *a: (fn(*a), jax.grad(lambda *a: jnp.sum(fn(*a) * w), argnums=(0, 1, 2))(*a)),
+                       compiler_options=FAST)
+
+    want, wants = with_grads(lambda q, k, v: dense_attention(q, k, v, dense[None], 0.35))(q, k, v)
+    got, grads = with_grads(ours)(q, k, v)
     np.testing.assert_allclose(np.asarray(got)[0][live], np.asarray(want)[0][live], rtol=1e-5, atol=1e-5)
-    grads = jax.jit(jax.grad(lambda *a: jnp.sum(ours(*a) * w), argnums=(0, 1, 2)))(q, k, v)
-    wants = jax.grad(lambda *a: jnp.sum(dense_attention(*a, dense[None], 0.35) * w), argnums=(0, 1, 2))(q, k, v)
     for g, gw in zip(grads, wants):
         np.testing.assert_allclose(np.asarray(g), np.asarray(gw), rtol=1e-4, atol=1e-5)
 
@@ -154,6 +159,7 @@ def test_chain_index_holds_repeated_elements():
     invalid ones never, depth 0 (the context's own anchor) never."""
     lay = layout_from_arrays(np.array([0, 1, 2, 2, 2, 2, 1]), np.array([0, 0, 0, 1, 2, 2, 1]),
                              np.array([1, 1, 1, 1, 1, 1, 0], bool))
-    idx, found = (np.asarray(x) for x in chain_index(lay, 3, 3))
+    index = jax.jit(chain_index, static_argnums=(1, 2), compiler_options=FAST)
+    idx, found = (np.asarray(x) for x in index(lay, 3, 3))
     chains = [sorted(int(j) for j, f in zip(idx[i], found[i]) if f) for i in range(7)]
     assert chains == [[], [], [], [3], [3, 4, 5], [3, 4, 5], []]

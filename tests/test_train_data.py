@@ -21,6 +21,8 @@ from pjax.train.target_features import target_features  # noqa: E402
 from speculators.models.eagle3.data import shift_batch  # noqa: E402
 from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution  # noqa: E402
 
+FAST = {"xla_backend_optimization_level": 0}  # CPU: much faster compiles of these small programs
+
 
 def samples(lengths, a=6, h=2, seed=0):
     rng = np.random.default_rng(seed)
@@ -170,13 +172,14 @@ def test_online_features_match_per_document_forward():
     rng = np.random.default_rng(0)
     toks = rng.integers(0, 64, (2, 40)).astype(np.int32)
     doc = np.array([[0] * 10 + [1] * 25 + [-1] * 5, [0] * 40])
-    aux, fin = jax.jit(lambda t, x, d: target_features(t, x, d, (1, 2, 4), chunk=7))(t, toks, doc)
+    aux, fin = jax.jit(lambda t, x, d: target_features(t, x, d, (1, 2, 4), chunk=7), compiler_options=FAST)(
+        t, toks, doc)
     spans = [(0, 0, 10), (0, 10, 35), (1, 0, 40)]
     alone = np.zeros((3, 40), np.int32)  # each document alone from position 0 (causal: tail padding is inert)
     for i, (b, s, e) in enumerate(spans):
         alone[i, :e - s] = toks[b, s:e]
     out = jax.jit(lambda t, x: forward(t, x, jnp.broadcast_to(jnp.arange(40), (3, 40)), aux_layer_ids=(1, 2, 4),
-                                       return_final=True))(t, alone)
+                                       return_final=True), compiler_options=FAST)(t, alone)
     for i, (b, s, e) in enumerate(spans):
         for ours, ref in ((aux[b, s:e], out.aux[i, :e - s]), (fin[b, s:e], out.final[i, :e - s])):
             err = np.linalg.norm(np.asarray(ours) - np.asarray(ref)) / np.linalg.norm(np.asarray(ref))

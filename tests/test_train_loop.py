@@ -15,7 +15,7 @@ from pjax.train.loop import train_drafter
 from pjax.train.optim import split_params, trainable_mask
 from pjax.train.state import init_train_state
 from pjax.train.target_features import target_features
-from pjax.train.step import loss_and_grads, make_mesh, make_train_step, shard_batch, shard_target
+from pjax.train.step import loss_and_grads, make_mesh, make_train_step, replicate, shard_batch, shard_target
 from tests.train_utils import byte_training_setup
 
 S, B = 64, 4
@@ -36,7 +36,11 @@ def tree_rel(a, b):
 
 @pytest.fixture(scope="module")
 def setup():
-    return byte_training_setup(S, B, draft_vocab_size=200, num_depths=4, max_anchors=None)
+    """One TrainConfig for every test here (24 steps at lr 3e-3, the learning test's), so that the train step of each
+    optimizer compiles once for the resume, learning and data-parallel tests."""
+    target, drafter, stream, cfg = byte_training_setup(S, B, draft_vocab_size=200, num_depths=4, max_anchors=None)
+    return target, drafter, stream, dataclasses.replace(cfg, total_steps=24,
+                                                        optim=dataclasses.replace(cfg.optim, lr=3e-3))
 
 
 def test_partitioned_grads_equal_single_pass(setup):
@@ -85,7 +89,7 @@ def test_resume_is_exact(setup, tmp_path, optimizer):
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_optimizers_learn(setup, optimizer):
     target, drafter, stream, cfg = setup
-    cfg = dataclasses.replace(cfg, total_steps=24, optim=dataclasses.replace(cfg.optim, lr=3e-3, optimizer=optimizer))
+    cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, optimizer=optimizer))
     run = train_drafter(target, drafter, stream, cfg, steps=24, log_every=4, progress=False, compiler_options=FAST)
     first, last = run.history[0], run.history[-1]
     assert last["loss"] < 0.9 * first["loss"]
@@ -95,28 +99,33 @@ def test_offline_features_step_equals_online(setup):
     """A train step on offline features (each document's target features computed alone, packed by
     `FeatureStream`) equals the step that computes them online from the packed raw row; wrong widths fail early."""
     target, drafter, stream, cfg = setup
-    cfg1 = dataclasses.replace(cfg, batch_rows=1)
     docs = [dataclasses.replace(d, tokens=d.tokens[:n], loss_mask=d.loss_mask[:n])
-            for d, n in zip(stream.docs, (20, 25, 15))]  # 60 raw tokens: one packed row of S = 64
+            for d, n in zip(stream.docs, (20, 20, 20))]  # 60 raw tokens: one packed row of S = 64
     online = stack_rows(pack_documents(docs, S))
     aux_ids = check_pair(target.config, drafter.config)
+    features = jax.jit(target_features, static_argnums=3, compiler_options=FAST)  # one program for the 3 documents
     smps = []
     for d in docs:
-        aux, final = target_features(target, d.tokens[None], np.zeros((1, len(d.tokens)), np.int32), aux_ids)
+        aux, final = features(target, d.tokens[None], np.zeros((1, len(d.tokens)), np.int32), aux_ids)
         smps.append(dict(input_ids=d.tokens, loss_mask=d.loss_mask, hidden_states=np.asarray(aux[0]),
                          verifier_last_hidden_states=np.asarray(final[0])))
     offline = FeatureStream(smps, S, 1, shuffle=False).batch(0)
-    shell = Drafter(drafter.config, drafter.graphdef, None, drafter.d2t)
-    step = make_train_step(cfg1, donate=False, compiler_options=FAST)
-    state = init_train_state(drafter, cfg1)
-    s_on, m_on = step(state, shell, target, shard_batch(online, None))
-    s_off, m_off = step(state, shell, target, shard_batch(offline, None))
+    mesh1 = make_mesh(jax.devices()[:1])
+    step = make_train_step(cfg, mesh1, compiler_options=FAST)  # train_drafter's (the resume test compiled it online)
+    shell, target = (replicate(x, mesh1) for x in (Drafter(drafter.config, drafter.graphdef, None, drafter.d2t),
+                                                   target))
+
+    def run(row):  # the row in each of the B rows of a batch
+        return step(replicate(init_train_state(drafter, cfg), mesh1), shell, target,
+                    shard_batch({k: np.repeat(v, B, axis=0) for k, v in row.items()}, mesh1))
+
+    s_on, m_on = run(online)
+    s_off, m_off = run(offline)
     assert rel(m_off["loss"], m_on["loss"]) <= 1e-5
     np.testing.assert_array_equal(m_on["total"], m_off["total"])
     assert tree_rel(s_off.params, s_on.params) <= 1e-5
-    wrong = dict(offline, hidden_states=offline["hidden_states"][..., :-1])
     with pytest.raises(ValueError, match="hidden_states must be"):
-        step(state, shell, target, shard_batch(wrong, None))
+        run(dict(offline, hidden_states=offline["hidden_states"][..., :-1]))
 
 
 def test_data_parallel_matches_single_device(setup):
@@ -126,7 +135,8 @@ def test_data_parallel_matches_single_device(setup):
     shell = Drafter(drafter.config, drafter.graphdef, None, drafter.d2t)
     mesh1 = make_mesh(jax.devices()[:1])
     one = make_train_step(cfg, mesh1, compiler_options=FAST)  # compiled already by the resume test
-    s1, m1 = one(init_train_state(drafter, cfg), shell, target, shard_batch(batch, mesh1))
+    s1, m1 = one(replicate(init_train_state(drafter, cfg), mesh1), replicate(shell, mesh1), replicate(target, mesh1),
+                 shard_batch(batch, mesh1))  # placed as train_drafter places them: the same program
     mesh = make_mesh(jax.devices()[:4])
     many = make_train_step(cfg, mesh, compiler_options=FAST)
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -143,10 +153,11 @@ def test_data_parallel_matches_single_device(setup):
     assert big and all(x.addressable_shards[0].data.size * 4 == x.size for x in big)
     args = (jax.device_put(init_train_state(drafter, cfg), rep), jax.device_put(shell, rep), sharded,
             shard_batch(batch, mesh))
-    compiled_target = many.lower(*args).compile().input_shardings[0][2]  # the step keeps the split placement
+    compiled = many.lower(*args).compile()
+    compiled_target = compiled.input_shardings[0][2]  # the step keeps the split placement
     assert [s.spec for s in jax.tree.leaves(compiled_target.params)] == [
         x.sharding.spec for x in jax.tree.leaves(sharded.params)]
-    s4t, m4t = many(*args)
+    s4t, m4t = compiled(*args)  # (calling `many` would compile the program a second time)
     assert rel(m4t["loss"], m1["loss"]) <= 1e-5
     np.testing.assert_array_equal(m1["total"], m4t["total"])
     assert tree_rel(s4t.params, s1.params) <= 1e-5
@@ -154,6 +165,7 @@ def test_data_parallel_matches_single_device(setup):
         train_drafter(target, drafter, stream, cfg, steps=1, progress=False, split_target=True)
 
 
+@pytest.mark.full  # test_parallel_consistency.py::test_tiny_pair_learns checks a longer run of the same pair
 def test_tiny_end_to_end_learns():
     from examples.tiny_pair import tiny_run
     run = tiny_run(target_steps=100, head_steps=80, batch_rows=4, seq_len=128, log_every=10, max_files=6)

@@ -1,5 +1,7 @@
 """pjax.train.optim's Muon against the reference: speculators' `--optimizer muon` = torch.optim.Muon (match_rms_adamw)
 on its 2-D weights and torch.optim.AdamW on the rest, after global-norm clipping, several steps in float32."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +15,8 @@ SHAPES = {"embed_tokens": {"embedding": (40, 16)}, "fc": {"kernel": (48, 16)},
           "layers": {"0": {"q": {"kernel": (16, 24)}, "norm": {"scale": (16,)}, "up": {"kernel": (16, 32)}}},
           "mask_hidden": (1, 48)}
 STEPS = 4
+FAST = {"xla_backend_optimization_level": 0,  # CPU: much faster compiles of these tiny programs
+        "xla_allow_excess_precision": False}  # keep every bf16 rounding, as op by op (and torch)
 
 
 def _torch_reference(params, grads, cfg: OptimConfig, muon_names):
@@ -43,12 +47,13 @@ def test_muon_mask_follows_speculators():
 
 def test_newton_schulz_orthogonalises():
     g = np.random.default_rng(0).normal(size=(24, 64)).astype(np.float32)
+    ns = jax.jit(newton_schulz, compiler_options=FAST)  # as the train step runs it (op by op: ~50 programs)
     for x in (g, g.T):
-        s = np.linalg.svd(np.asarray(newton_schulz(jnp.asarray(x)), np.float32), compute_uv=False)
+        s = np.linalg.svd(np.asarray(ns(jnp.asarray(x)), np.float32), compute_uv=False)
         assert 0.5 < s.min() and s.max() < 1.5  # U S' V^T with S' near 1 (the quintic's design)
     ref = np.asarray(torch.optim._muon._zeropower_via_newtonschulz(torch.tensor(g), (3.4445, -4.7750, 2.0315), 5,
                                                                      1e-7).float())
-    got = np.asarray(newton_schulz(jnp.asarray(g)), np.float32)
+    got = np.asarray(ns(jnp.asarray(g)), np.float32)
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-3  # the same bf16 roundings
 
 
@@ -65,9 +70,14 @@ def test_muon_matches_torch(muon_lr):
     tx = make_optimizer(cfg, STEPS)
     p = jax.tree.unflatten(tree, [jnp.asarray(x) for x in params])
     state = tx.init(p)
+
+    @functools.partial(jax.jit, compiler_options=FAST)  # one program (op by op, the update compiles ~100 programs)
+    def step(g, state, p):
+        upd, state = tx.update(g, state, p)
+        return optax.apply_updates(p, upd), state
+
     for g in grads:
-        upd, state = tx.update(jax.tree.unflatten(tree, [jnp.asarray(x) for x in g]), state, p)
-        p = optax.apply_updates(p, upd)
+        p, state = step(jax.tree.unflatten(tree, [jnp.asarray(x) for x in g]), state, p)
     got = dict(zip(paths, [np.asarray(x) for x in jax.tree.leaves(p)]))
 
     mask = dict(zip(paths, jax.tree.leaves(muon_mask(jax.tree.unflatten(tree, params)))))

@@ -3,6 +3,8 @@ the forward and backward takes bfloat16 operands (tensor cores at bf16 rate), in
 P-EAGLE and EAGLE-3 head steps; the gradients reach the float32 masters as float32. Casting only the params would
 leave the NNX layers computing in float32 (their compute dtype is part of the module definition): the check fails
 on that."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -46,7 +48,7 @@ def test_target_lm_step_runs_bf16_matmuls_over_f32_masters(target):
     assert dots and all(d == ("bfloat16", "bfloat16") for d in dots), sorted(set(dots))
     scatters = scatter_add_dtypes(jaxpr)  # the embedding's gradient: frequent tokens repeat (test_take_rows_...)
     assert scatters and set(scatters) == {"float32"}, scatters
-    grads = fn(target.params)[1]
+    grads = jax.jit(fn, compiler_options={"xla_backend_optimization_level": 0})(target.params)[1]  # op by op: minutes
     assert {str(g.dtype) for g in jax.tree.leaves(grads)} == {"float32"}
 
 
@@ -76,14 +78,19 @@ def test_take_rows_sums_repeated_rows_in_float32():
     # a bf16 sum stalls at 256 when adding ones (256 + 1 rounds back to 256): what x[idx]'s gradient does
     x = jnp.zeros((3, 4), jnp.bfloat16)
     idx = jnp.zeros((1027,), jnp.int32).at[:3].set(jnp.array([1, 2, 2]))
-    plain = jax.grad(lambda x: x[idx].astype(jnp.float32).sum())(x)
-    ours = jax.grad(lambda x: take_rows(x, idx).astype(jnp.float32).sum())(x)
+
+    @functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})  # one program, not one per op
+    def run(x, idx, y, oob_idx):
+        plain = jax.grad(lambda x: x[idx].astype(jnp.float32).sum())(x)
+        ours = jax.grad(lambda x: take_rows(x, idx).astype(jnp.float32).sum())(x)
+        oob_grad = jax.grad(lambda y: jnp.nansum(take_rows(y, oob_idx)))(y)
+        return plain, ours, take_rows(x, idx), x[idx], take_rows(y, oob_idx), oob_grad
+
+    plain, ours, taken, indexed, oob, g = run(x, idx, jnp.ones((3, 2)), jnp.array([0, 3]))
     assert float(plain[0, 0]) == 256.0  # the defect take_rows exists for
     assert ours.dtype == jnp.bfloat16 and ours[:, 0].tolist() == [1024.0, 1.0, 2.0]
-    assert jnp.array_equal(take_rows(x, idx), x[idx])
-    oob = take_rows(jnp.ones((3, 2)), jnp.array([0, 3]))  # jnp.take: out of range reads NaN, gets no gradient
-    assert jnp.isnan(oob[1]).all() and not jnp.isnan(oob[0]).any()
-    g = jax.grad(lambda x: jnp.nansum(take_rows(x, jnp.array([0, 3]))))(jnp.ones((3, 2)))
+    assert jnp.array_equal(taken, indexed)
+    assert jnp.isnan(oob[1]).all() and not jnp.isnan(oob[0]).any()  # jnp.take: out of range reads NaN, no gradient
     assert g.tolist() == [[1.0, 1.0], [0.0, 0.0], [0.0, 0.0]]
 
 

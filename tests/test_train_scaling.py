@@ -1,6 +1,8 @@
 """Training that scales, on CPU: losses over the vocabulary in token chunks equal the whole-vocabulary losses (values
 and gradients), per-layer rematerialisation changes nothing, bf16 compute keeps float32 masters, and rows that are
 one document each take the causal-rows mask (cuDNN's layout on a GPU) with the same result as document masks."""
+import functools
+
 import numpy as np
 import pytest
 
@@ -51,10 +53,15 @@ def test_token_nll_chunks_equal_whole_vocabulary(models):
         return token_nll(Target(target.config, target.graphdef, params).module, h, y, chunk=8)
 
     w = jnp.asarray(rng.normal(size=37), jnp.float32)
-    a, ga = jax.value_and_grad(lambda *x: jnp.sum(chunked(*x) * w), argnums=(0, 1))(h, target.params)
-    b, gb = jax.value_and_grad(lambda *x: jnp.sum(whole(*x) * w), argnums=(0, 1))(h, target.params)
-    np.testing.assert_allclose(np.asarray(chunked(h, target.params)), np.asarray(whole(h, target.params)),
-                               rtol=1e-5, atol=1e-5)
+
+    @functools.partial(jax.jit, compiler_options=FAST)  # one program (op by op: a program per operation)
+    def both(h, params):
+        return (jax.value_and_grad(lambda *x: jnp.sum(chunked(*x) * w), argnums=(0, 1))(h, params),
+                jax.value_and_grad(lambda *x: jnp.sum(whole(*x) * w), argnums=(0, 1))(h, params),
+                chunked(h, params), whole(h, params))
+
+    (a, ga), (b, gb), nll_chunked, nll_whole = both(h, target.params)
+    np.testing.assert_allclose(np.asarray(nll_chunked), np.asarray(nll_whole), rtol=1e-5, atol=1e-5)
     assert abs(float(a) - float(b)) <= 1e-5 * abs(float(b)) and tree_rel(ga, gb) <= 1e-5
 
 
@@ -78,11 +85,15 @@ def test_vocab_terms_chunks_equal_whole_vocabulary(models, loss_type):
     def chunked(normed, params):
         return vocab_terms(with_params(drafter, params), target, normed, vl, ref, loss_type=loss_type, loss_chunk=6)
 
-    (la, ca), (lb, cb) = chunked(normed, drafter.params), whole(normed, drafter.params)
+    @functools.partial(jax.jit, compiler_options=FAST)  # one program (op by op: a program per operation)
+    def both(normed, params):
+        return (chunked(normed, params), whole(normed, params),
+                jax.grad(lambda *x: jnp.sum(chunked(*x)[0] * wt), argnums=(0, 1))(normed, params),
+                jax.grad(lambda *x: jnp.sum(whole(*x)[0] * wt), argnums=(0, 1))(normed, params))
+
+    (la, ca), (lb, cb), ga, gb = both(normed, drafter.params)
     np.testing.assert_allclose(np.asarray(la), np.asarray(lb), rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(ca), np.asarray(cb))
-    ga = jax.grad(lambda *x: jnp.sum(chunked(*x)[0] * wt), argnums=(0, 1))(normed, drafter.params)
-    gb = jax.grad(lambda *x: jnp.sum(whole(*x)[0] * wt), argnums=(0, 1))(normed, drafter.params)
     assert tree_rel(ga, gb) <= 1e-5
 
 
