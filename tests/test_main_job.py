@@ -9,10 +9,12 @@ repeats one byte, where any head reaches the maximum (5.0), so the target is tra
 """
 
 import pjax
+from tests.engine_utils import fast_default_compiles
 from tests.example_utils import load_example
 
 
-def test_main_job_short(tmp_path):
+def test_main_job_short(tmp_path, monkeypatch):
+    fast_default_compiles(monkeypatch)  # the acceptance check's decoding programs: compiled fast, run the same
     mod = load_example("train_peagle.py")
     out = tmp_path / "head"
     report = mod.tiny_job(["--target-steps", "120", "--steps", "60", "--no-progress", "--out", str(out)])
