@@ -80,7 +80,10 @@ def bench(*args, out):
     return main(["bench", *map(str, args), "--out", str(out), "--no-progress"])
 
 
-@pytest.mark.parametrize("scheduling", ["continuous", "static"])
+# the default run keeps continuous scheduling; static batches equal continuous batching request by request in
+# test_bench_engine's test_continuous_equals_static_per_request, and are the scheduling of
+# test_a_stopped_run_keeps_its_finished_configurations
+@pytest.mark.parametrize("scheduling", ["continuous", pytest.param("static", marks=pytest.mark.full)])
 def test_end_to_end(ckpt, tmp_path, capsys, monkeypatch, scheduling):
     """2 MT-Bench prompts through the chat template, drafting parallel / none, K 1 and 2, concurrency 1 and 2,
     float32 greedy, both schedulings: every speculative output equals plain decoding's; the numbers are consistent."""
