@@ -530,19 +530,18 @@ def _warm_up_then_bursts(engine, bridge, url, longest, bursts):
 
 def test_full_warm_up_compiles_what_traffic_needs_small(gen):
     """After the command's full warm-up no request compiles: prompts of every length bucket, admitted alone and
-    several at once, on a server of 2 slots and 64 positions (few programs to warm up)."""
-    max_len = 64
-    engine = Engine(gen.target, gen.drafter, EngineConfig(max_slots=2, max_len=max_len, num_speculative_tokens=K,
-                                                          drafting="parallel", rounds_per_step=2,
-                                                          compiler_options=FAST))
+    several at once (padded and packed), on a server of 2 slots and 32 positions without drafting (few programs)."""
+    max_len = 32
+    engine = Engine(gen.target, None, EngineConfig(max_slots=2, max_len=max_len, drafting="none", rounds_per_step=2,
+                                                   compiler_options=FAST))
     bridge = AsyncEngine(engine)
-    model = ServedModel(name=NAME, tokenizer=gen.tokenizer, vocab_size=V, max_len=max_len, slack=2 * K,
-                        drafting="parallel", num_speculative_tokens=K)
+    model = ServedModel(name=NAME, tokenizer=gen.tokenizer, vocab_size=V, max_len=max_len, slack=engine.slack,
+                        drafting="none", num_speculative_tokens=0)
     server = LiveServer(create_app(bridge, model))
     try:
-        longest = max_len - 2 * K - 2  # the longest prompt with room for 2 new tokens
-        assert _warm_up_then_bursts(engine, bridge, server.url, max_len - 2 * K - 1,  # the command's bound
-                                    ([1], [longest], [3, 40], [17, 9], [longest, 30], [16, 33]))
+        longest = max_len - engine.slack - 2  # the longest prompt with room for 2 new tokens
+        assert _warm_up_then_bursts(engine, bridge, server.url, max_len - engine.slack - 1,  # the command's bound
+                                    ([1], [longest], [3, 20], [9, 5], [longest, 12], [17, 9]))
     finally:
         server.close()
         bridge.close()
