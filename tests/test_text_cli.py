@@ -88,7 +88,7 @@ def test_file_in_batches_streamed(dirs, gen, tmp_path, capsys, monkeypatch):
     prompts = ["The quick brown fox", "def add(a, b):", "Name three prime numbers:"]
     f = tmp_path / "prompts.jsonl"
     f.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
-    fast_cli(monkeypatch)
+    fast_cli(monkeypatch, rounds_per_step=1)
     rc, out, err = _main(capsys, "--target", target, "--head", head, "--file", f, "--max-new-tokens", NEW, "--k", 3,
                          "--dtype", "float32", "--batch-size", 2, "--stream")
     assert rc == 0, err
