@@ -80,10 +80,15 @@ def bench(*args, out):
     return main(["bench", *map(str, args), "--out", str(out), "--no-progress"])
 
 
-@pytest.mark.parametrize("scheduling", ["continuous", "static"])
-def test_end_to_end(ckpt, tmp_path, capsys, monkeypatch, scheduling):
-    """2 MT-Bench prompts through the chat template, drafting parallel / none, K 1 and 2, concurrency 1 and 2,
-    float32 greedy, both schedulings: every speculative output equals plain decoding's; the numbers are consistent."""
+# the default run keeps continuous scheduling at concurrency 2; static batches (which equal continuous batching request
+# by request in test_bench_engine's test_continuous_equals_static_per_request, and are the scheduling of
+# test_a_stopped_run_keeps_its_finished_configurations, at concurrency 1 and 2) and concurrency 1 run with --full
+@pytest.mark.parametrize("scheduling, concurrency", [("continuous", (2,)),
+                                                     pytest.param("continuous", (1, 2), marks=pytest.mark.full),
+                                                     pytest.param("static", (1, 2), marks=pytest.mark.full)])
+def test_end_to_end(ckpt, tmp_path, capsys, monkeypatch, scheduling, concurrency):
+    """2 MT-Bench prompts through the chat template, drafting parallel / none, K 1 and 2, the concurrencies, float32
+    greedy, both schedulings: every speculative output equals plain decoding's; the numbers are consistent."""
     import jax
 
     import pjax.decode.compiled as C
@@ -92,7 +97,8 @@ def test_end_to_end(ckpt, tmp_path, capsys, monkeypatch, scheduling):
     target_dir, head_dir, _ = ckpt
     out = tmp_path / "res"
     assert bench("--target", target_dir, "--head", head_dir, "--dataset", "mt-bench", "--num-prompts", 2,
-                 "--drafting", "parallel,none", "--k", "1,2", "--concurrency", "1,2", "--max-new-tokens", NEW,
+                 "--drafting", "parallel,none", "--k", "1,2", "--concurrency", ",".join(map(str, concurrency)),
+                 "--max-new-tokens", NEW,
                  "--ignore-eos", "--dtype", "f32", "--scheduling", scheduling, "--rounds-per-step", 2, out=out) == 0
     assert "wrote" in capsys.readouterr().out
     names = sorted(p.name for p in out.iterdir())
@@ -102,8 +108,7 @@ def test_end_to_end(ckpt, tmp_path, capsys, monkeypatch, scheduling):
     assert json.loads((out / OUTPUT_MARKER).read_text())["kind"] == "bench"
     rows = json.loads((out / "bench.json").read_text())
     assert [(r["drafting"], r["k"], r["concurrency"]) for r in rows] == [
-        ("none", 0, 1), ("parallel", 1, 1), ("parallel", 2, 1), ("none", 0, 2), ("parallel", 1, 2),
-        ("parallel", 2, 2)]
+        (d, k, c) for c in concurrency for d, k in (("none", 0), ("parallel", 1), ("parallel", 2))]
     for r in rows:
         assert r["dataset"] == "mt-bench" and r["num_prompts"] == 2 and r["temperature"] == 0.0
         assert r["draft_sampling"] == "argmax"  # the default (vLLM's); matters at temperature > 0 only
@@ -133,14 +138,14 @@ def test_end_to_end(ckpt, tmp_path, capsys, monkeypatch, scheduling):
     assert first and all(v["programs"] >= 1 and v["seconds"] > 0 for v in first.values())  # may be cached)
     assert "admit" in rows[1]["compile_by_program"]  # parallel K = 1: its own admission (prefill with the drafter)
     reqs = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
-    assert len(reqs) == 12 and {q["prompt_id"] for q in reqs} == {"81", "91"}
+    assert len(reqs) == 2 * len(rows) and {q["prompt_id"] for q in reqs} == {"81", "91"}
     for q in reqs:
         assert q["output_tokens"] == NEW and q["prompt_tokens"] > 10
         assert q["output_tokens"] <= 1 + q["rounds"] + q["num_accepted_tokens"]  # prefill token + per round
         assert q["ttft_ms"] <= q["e2el_ms"]
     md = (out / "bench.md").read_text()
     assert "## mt-bench" in md and "| drafting | K | concurrency |" in md and "vs best sequential" in md
-    assert "| none | - | 1 | 2 |" in md and "| 2/2 |" in md and "ref" in md
+    assert f"| none | - | {concurrency[0]} | 2 |" in md and "| 2/2 |" in md and "ref" in md
     assert ("static batches" if scheduling == "static" else "continuous batching") in md
     assert ("![mt-bench-k-sweep.png](mt-bench-k-sweep.png)" if plots_available() else "Plots skipped") in md
     assert "acceptance length by category" in md

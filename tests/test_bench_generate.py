@@ -3,7 +3,15 @@ prefill comparison (padded vs packed) runs both layouts for each drafting mode a
 computed."""
 import json
 
+import pytest
+
+from tests.engine_utils import fast_default_compiles
 from tests.example_utils import load_example
+
+
+@pytest.fixture(autouse=True)
+def _fast(monkeypatch):
+    fast_default_compiles(monkeypatch)  # the script takes no compiler options
 
 
 def test_bench_generate_prefill_tiny(tmp_path):

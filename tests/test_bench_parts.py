@@ -18,6 +18,7 @@ from pjax.bench.metrics import by_category, summarize
 from pjax.bench.models import RANDOM_SHAPES, random_head, random_target
 from pjax.bench.report import markdown
 from pjax.models import abstract_target, config_from_hf
+from tests.engine_utils import FAST
 
 
 # ------------------------------------------------------------------------------------------------ datasets
@@ -306,7 +307,7 @@ def test_random_packed_targets():
     assert isinstance(gate_up, QuantizedWeight) and 0.015 < float(jnp.std(dequantize(gate_up))) < 0.03
     head = random_head(target, "2", parallel=True, dtype=jnp.float32)
     run = lambda drafting: pjax.generate(target, head, [[1, 2, 3], [4, 5]], max_new_tokens=6, drafting=drafting,
-                                         num_speculative_tokens=3).tokens
+                                         num_speculative_tokens=3, compiler_options=FAST).tokens
     assert run("parallel") == run("none")
 
 

@@ -458,36 +458,37 @@ def run_serve(*args, **kw):
                             stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT, **kw)
 
 
-def test_help_and_bad_input():
+def test_help_and_bad_input(capsys):
+    """--help from the command; bad input (checked in-process: the command's main) is exit 2 with one line."""
     r = subprocess.run([sys.executable, "-m", "pjax", "serve", "--help"], capture_output=True, text=True, cwd=ROOT,
                        timeout=120)
     assert r.returncode == 0 and "--served-model-name" in r.stdout and "--max-slots" in r.stdout
-    p = run_serve("--target", ROOT / "no-such-dir")
-    out, err = p.communicate(timeout=120)
-    assert p.returncode == 2 and err.strip().splitlines() == [
+
+    def serve(*args):
+        code = cli.main(list(map(str, args)))
+        return code, capsys.readouterr().err.strip().splitlines()
+    assert serve("--target", ROOT / "no-such-dir") == (2, [
         f"error: --target: {ROOT / 'no-such-dir'}: no such directory (expected a Hugging Face model directory with "
-        "tokenizer.json and tokenizer_config.json)"]
+        "tokenizer.json and tokenizer_config.json)"])
     with _bind("127.0.0.1", 0) as taken:  # the port is checked before anything loads
         taken.listen()
         port = taken.getsockname()[1]
-        p = run_serve("--target", ROOT / "no-such-dir", "--port", port)
-        out, err = p.communicate(timeout=120)
-    assert p.returncode == 2 and err.strip().splitlines() == [
-        f"error: --host 127.0.0.1 --port {port}: cannot listen there (Address already in use)"]
-    p = run_serve("--target", ROOT, "--k", 3)
-    out, err = p.communicate(timeout=120)
-    assert p.returncode == 2 and err.strip().splitlines() == ["error: --k needs drafting: give --head DIR (and not "
-                                                              "--drafting none)"]
+        assert serve("--target", ROOT / "no-such-dir", "--port", port) == (2, [
+            f"error: --host 127.0.0.1 --port {port}: cannot listen there (Address already in use)"])
+    assert serve("--target", ROOT, "--k", 3) == (2, ["error: --k needs drafting: give --head DIR (and not "
+                                                     "--drafting none)"])
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 0)])
+# the default run keeps SIGINT (exit 130); the command's SIGTERM (exit 0) is also checked by test_serve_robust's
+# shutdown under load
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), pytest.param(signal.SIGTERM, 0, marks=pytest.mark.full)])
 def test_command_serves_then_stops(dirs, gen, sig, code):
     """The command loads, compiles, logs its URL, answers a chat request (text equal to pjax.text's), and exits
     cleanly on SIGINT (130) / SIGTERM (0)."""
     target, head = dirs
     p = run_serve("--target", target, "--head", head, "--k", K, "--dtype", "float32", "--max-len", MAX_LEN,
                   "--max-slots", 2, "--max-admit-rows", 1, "--port", 0, "--served-model-name", NAME,
-                  "--warmup", "minimal")
+                  "--warmup", "minimal", "--rounds-per-step", 1)  # test_serve_robust's command: programs cached
     try:
         lines = []
         for line in p.stderr:
@@ -510,23 +511,50 @@ def test_command_serves_then_stops(dirs, gen, sig, code):
                                                                        "pjax serve: stopped (SIGTERM)")
 
 
+def _warm_up_then_bursts(engine, bridge, url, longest, bursts):
+    """_warm_up "full" for prompts of up to `longest` tokens, then the bursts of concurrent requests (prompt lengths)
+    through the server at `url`: True when no request compiled."""
+    # the engine thread sleeps while nothing runs, so this thread may use the engine meanwhile
+    assert bridge.num_running == bridge.num_waiting == 0 and not engine.has_work
+    assert _warm_up(engine, "full", longest) >= 0.0
+    before = engine.compile_s
+
+    async def burst(lengths):
+        aclient = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        return await asyncio.gather(*(aclient.completions.create(model=NAME, prompt=list(range(5, 5 + n)),
+                                                                 max_tokens=2, temperature=0) for n in lengths))
+    for lengths in bursts:
+        asyncio.run(burst(lengths))
+    return engine.compile_s == before
+
+
+def test_full_warm_up_compiles_what_traffic_needs_small(gen):
+    """After the command's full warm-up no request compiles: prompts of every length bucket, admitted alone and
+    several at once (padded and packed), on a server of 2 slots and 32 positions without drafting (few programs)."""
+    max_len = 32
+    engine = Engine(gen.target, None, EngineConfig(max_slots=2, max_len=max_len, drafting="none", rounds_per_step=2,
+                                                   compiler_options=FAST))
+    bridge = AsyncEngine(engine)
+    model = ServedModel(name=NAME, tokenizer=gen.tokenizer, vocab_size=V, max_len=max_len, slack=engine.slack,
+                        drafting="none", num_speculative_tokens=0)
+    server = LiveServer(create_app(bridge, model))
+    try:
+        longest = max_len - engine.slack - 2  # the longest prompt with room for 2 new tokens
+        assert _warm_up_then_bursts(engine, bridge, server.url, max_len - engine.slack - 1,  # the command's bound
+                                    ([1], [longest], [3, 20], [9, 5], [longest, 12], [17, 9]))
+    finally:
+        server.close()
+        bridge.close()
+
+
+@pytest.mark.full  # test_full_warm_up_compiles_what_traffic_needs_small checks the same on a smaller server
 def test_full_warm_up_compiles_what_traffic_needs(served, client):
     """After the command's full warm-up no request compiles: prompts of every length bucket, admitted alone and
     several at once (the concurrent clients of another test may have compiled some programs already: the point is
     that none is left)."""
     _, engine, bridge, _ = served
-    # the engine thread sleeps while nothing runs, so this thread may use the engine meanwhile
-    assert bridge.num_running == bridge.num_waiting == 0 and not engine.has_work
-    assert _warm_up(engine, "full", MAX_LEN - 2 * K - 1) >= 0.0
-    before = engine.compile_s
-
-    async def burst(lengths):
-        aclient = openai.AsyncOpenAI(base_url=client.base_url, api_key="none", max_retries=0, timeout=120)
-        return await asyncio.gather(*(aclient.completions.create(model=NAME, prompt=list(range(5, 5 + n)),
-                                                                 max_tokens=2, temperature=0) for n in lengths))
-    for lengths in ([1], [MAX_LEN - 2 * K - 2], [3, 40], [17, 100, 9, 64], [200, 30, 31]):
-        asyncio.run(burst(lengths))
-    assert engine.compile_s == before
+    assert _warm_up_then_bursts(engine, bridge, served[0], MAX_LEN - 2 * K - 1,
+                                ([1], [MAX_LEN - 2 * K - 2], [3, 40], [17, 100, 9, 64], [200, 30, 31]))
 
 
 # ------------------------------------------------------------------------------------------ handler cancellation

@@ -37,8 +37,9 @@ def _random_request(rng: random.Random, drafting: str):
     return prompt, params
 
 
-@pytest.mark.parametrize("seed, drafting, slots", [(0, "parallel", 2), (1, "parallel", 4), (2, "sequential", 2),
-                                                   (3, "none", 2)])
+# the default run keeps one case per drafting mode, and both slot counts
+@pytest.mark.parametrize("seed, drafting, slots", [pytest.param(0, "parallel", 2, marks=pytest.mark.full),
+                                                   (1, "parallel", 4), (2, "sequential", 2), (3, "none", 2)])
 def test_random_arrivals_and_cancellations_equal_generate(models, seed, drafting, slots):
     """Requests arrive 0-3 at a time between steps and a random live one is cancelled now and then (queued or
     running, with or without keep, sometimes twice): every request finishes once; an uncancelled one equals
@@ -142,7 +143,9 @@ def test_a_cancelled_request_ends_when_cancelled(models):
     assert evs[other].new_tokens and not evs[other].finished
 
 
-@pytest.mark.parametrize("drafting", ["none", "parallel", "sequential"])
+# the default run keeps parallel (both caches written in place: the bound of "none" with a drafter's cache added) and
+# sequential (the drafter's cache built for the admitted rows, then scattered)
+@pytest.mark.parametrize("drafting", [pytest.param("none", marks=pytest.mark.full), "parallel", "sequential"])
 def test_an_admission_writes_the_caches_in_place(models, drafting):
     """An admission of every slot allocates no second KV cache: its temporary memory grows with the slots' KV
     capacity by the zeros that clear one cache array's rows (here 1/4 of the target's cache) and, with sequential

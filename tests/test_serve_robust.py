@@ -180,7 +180,7 @@ def _fuzz(url, path, body):
         assert_json_error(r)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, database=None)
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, database=None)
 @given(body=_bodies(COMPLETION_FIELDS), chat=st.booleans(), chat_body=_bodies(CHAT_FIELDS))
 def test_fuzzed_request_bodies_are_answered_or_4xx_json_errors(served, body, chat, chat_body):
     """Bodies drawn from the request schema's fields with values of every JSON type (lone surrogates, deep nesting,

@@ -1,5 +1,5 @@
-"""`python -m pjax generate` end to end (subprocesses) for --prompt, --chat (streaming, a stop string) and --file, the
-text equal to pjax.text's; bad usage and bad input exit 2 with one line naming the flag or file; Ctrl-C exits 130
+"""`python -m pjax generate` end to end (a subprocess) for --prompt, and in-process for --chat (streaming, a stop
+string) and --file, the text equal to pjax.text's; bad usage and bad input exit 2 with one line naming the flag or file; Ctrl-C exits 130
 after printing the text so far."""
 import functools
 import json
@@ -49,30 +49,37 @@ def test_prompt(dirs, gen):
     assert STATS.search(r.stderr) and f"{len(want.token_ids)} tokens" in r.stderr
 
 
-def test_chat_streamed_with_a_stop_string(dirs, gen):
+def fast_cli(monkeypatch, **kw):
+    """The command in-process (`_main`), its generator compiled with FAST: the programs of `gen`'s same calls."""
+    monkeypatch.setattr(cli, "TextGenerator", functools.partial(T.TextGenerator, compiler_options=FAST, **kw))
+
+
+def test_chat_streamed_with_a_stop_string(dirs, gen, capsys, monkeypatch):
     target, _ = dirs
     free = gen.generate("Name three prime numbers.", chat=True, max_new_tokens=NEW, drafting="none")
     at = next(i for i in range(len(free.text) // 2, len(free.text) - 1) if "\ufffd" not in free.text[i:i + 2])
     stop = free.text[at:at + 2]
     want = gen.generate("Name three prime numbers.", chat=True, max_new_tokens=NEW, drafting="none", stop=[stop])
     assert want.finish_reason == "stop"
-    r = run_cli("--target", target, "--chat", "Name three prime numbers.", "--max-new-tokens", NEW, "--dtype",
-                "float32", "--stop", stop, "--stream")
-    assert r.returncode == 0, r.stderr
-    assert r.stdout == want.text + "\n" and "finish: stop" in r.stderr
+    fast_cli(monkeypatch)
+    rc, out, err = _main(capsys, "--target", target, "--chat", "Name three prime numbers.", "--max-new-tokens", NEW,
+                         "--dtype", "float32", "--stop", stop, "--stream")
+    assert rc == 0, err
+    assert out == want.text + "\n" and "finish: stop" in err
 
 
-def test_file(dirs, gen, tmp_path):
+def test_file(dirs, gen, tmp_path, capsys, monkeypatch):
     target, _ = dirs
     rows = [{"prompt": "The quick brown fox", "id": 1}, {"messages": CHAT}, {"prompt": "def add(a, b):"}]
     f = tmp_path / "prompts.jsonl"
     f.write_text("\n".join([json.dumps(rows[0]), "", json.dumps(rows[1]), json.dumps(rows[2])]) + "\n")
-    r = run_cli("--target", target, "--file", f, "--max-new-tokens", NEW, "--dtype", "float32")
-    assert r.returncode == 0, r.stderr
+    fast_cli(monkeypatch)
+    rc, out, err = _main(capsys, "--target", target, "--file", f, "--max-new-tokens", NEW, "--dtype", "float32")
+    assert rc == 0, err
     want = gen.generate(["The quick brown fox", CHAT, "def add(a, b):"], max_new_tokens=NEW, drafting="none")
-    assert r.stdout == "".join(f"=== prompt {i} ===\n{o.text}\n" for i, o in enumerate(want, 1))
-    assert [int(m) for m in re.findall(r"^\[prompt (\d)\] ", r.stderr, re.M)] == [1, 2, 3]
-    assert len(STATS.findall(r.stderr)) == 3 and "total: 3 prompts" in r.stderr
+    assert out == "".join(f"=== prompt {i} ===\n{o.text}\n" for i, o in enumerate(want, 1))
+    assert [int(m) for m in re.findall(r"^\[prompt (\d)\] ", err, re.M)] == [1, 2, 3]
+    assert len(STATS.findall(err)) == 3 and "total: 3 prompts" in err
 
 
 def test_file_in_batches_streamed(dirs, gen, tmp_path, capsys, monkeypatch):
@@ -81,8 +88,7 @@ def test_file_in_batches_streamed(dirs, gen, tmp_path, capsys, monkeypatch):
     prompts = ["The quick brown fox", "def add(a, b):", "Name three prime numbers:"]
     f = tmp_path / "prompts.jsonl"
     f.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
-    monkeypatch.setattr(cli, "TextGenerator", functools.partial(T.TextGenerator, compiler_options=FAST,
-                                                                rounds_per_step=1))
+    fast_cli(monkeypatch, rounds_per_step=1)
     rc, out, err = _main(capsys, "--target", target, "--head", head, "--file", f, "--max-new-tokens", NEW, "--k", 3,
                          "--dtype", "float32", "--batch-size", 2, "--stream")
     assert rc == 0, err
