@@ -47,8 +47,12 @@ def batches(family):
     return [PROMPTS[i:i + n] for i in range(0, len(PROMPTS), n)]
 
 
-@pytest.mark.parametrize("k", [1, 7, 11])
-@pytest.mark.parametrize("drafting", ["parallel", "sequential"])
+# the default run keeps the K edges: parallel K = 1 (no mask slot) and sequential K = 11 (the largest); the other K
+# and modes run with --full (tests/test_engine_greedy.py's default cases also cover parallel K = 3, 7, 11 and
+# sequential K = 1, 11 on other families)
+@pytest.mark.parametrize("drafting,k", [
+    pytest.param(d, k, marks=() if (d, k) in {("parallel", 1), ("sequential", 11)} else pytest.mark.full)
+    for d in ("parallel", "sequential") for k in (1, 7, 11)])
 def test_greedy_every_k(families, k, drafting):
     ref = families["llama"][2]
     res = generate(families["llama"], PROMPTS, num_speculative_tokens=k, drafting=drafting)
@@ -65,7 +69,9 @@ def test_greedy_with_pallas_kernels(families, family):
     assert round_kernels(families[family], BATCH[family], 3) == set(KERNELS) - dense
 
 
-@pytest.mark.parametrize("family", list(BATCH))
+# the default run keeps the dense family (the sampled accept / draft-input kernels); the MoE family, whose expert matmul
+# test_greedy_with_pallas_kernels checks, runs with --full
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.full if f == "qwen3_moe" else ()) for f in BATCH])
 def test_sampling_with_pallas_kernels_equals_xla(families, family):
     kw = dict(num_speculative_tokens=3, temperature=[1.0, 0.7, 1.3], top_k=[0, 5, 0], top_p=[1.0, 1.0, 0.9],
               seed=[3, 4, 5])

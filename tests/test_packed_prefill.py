@@ -50,7 +50,7 @@ def aux_ids(target):
     return (0, 1, target.config.num_layers)  # embeddings, after layer 0, the final pre-norm state
 
 
-@functools.partial(jax.jit, static_argnames=("packed_len", "aux"))
+@functools.partial(jax.jit, static_argnames=("packed_len", "aux"), compiler_options=FAST)
 def forward_both_layouts(target, prompts, lengths, *, packed_len, aux):
     """The target's forward over the prompts padded ([B, Lp]) and packed (one row of packed_len): (logits, aux,
     cache) of each, the packed ones unpacked to [B, Lp, ...] (zeros past each prompt's length)."""
@@ -72,7 +72,8 @@ def sampling(b):
     return Sampling(jnp.zeros(b), jnp.zeros(b, jnp.int32), jnp.ones(b), jnp.zeros(b, jnp.uint32))
 
 
-_prefill = jax.jit(prefill_target, static_argnames=("spec", "capacity", "cache_dtype", "packed_len"))
+_prefill = jax.jit(prefill_target, static_argnames=("spec", "capacity", "cache_dtype", "packed_len"),
+                   compiler_options=FAST)
 
 
 def run_prefill(target, prompts, packed_len, aux, implementation="auto"):
@@ -222,18 +223,21 @@ def test_packed_programs_are_bucketed(pair):
     assert out.tokens == gen(pair, second, prefill="padded").tokens
 
 
-_full_prefill = jax.jit(pjax.decode.prefill, static_argnames=("spec", "capacity", "cache_dtype", "packed_len"))
+_full_prefill = jax.jit(pjax.decode.prefill, static_argnames=("spec", "capacity", "cache_dtype", "packed_len"),
+                        compiler_options=FAST)
 
 
-@pytest.mark.parametrize("drafting,implementation", [("parallel", "auto"), ("sequential", "auto"),
-                                                     ("parallel", "pallas")])
-def test_packed_drafter_prefill_equals_padded(drafting, implementation):
+# the default run keeps each drafting mode and each implementation once (sequential with XLA's attention, parallel with
+# the flash kernel); parallel with XLA's runs with --full
+@pytest.mark.parametrize("drafting,implementation", [pytest.param("parallel", "auto", marks=pytest.mark.full),
+                                                     ("sequential", "auto"), ("parallel", "pallas")])
+def test_packed_drafter_prefill_equals_padded(pair, drafting, implementation):
     """With a packed target prefill the drafter's prefill slots (each prompt's L + K - 1, or L for sequential
     drafting) are packed too: the same first drafts, draft probabilities and drafter KV cache (every row, every
     position) as the padded [B, Lp + mask slots] pass, for a 2-layer head (its fused first layer and a decoder
     layer), float32; under "pallas" the packed attention is the flash kernel's (interpret mode off a GPU)."""
     from pjax.decode.settings import EngineConfig, make_spec
-    target, _ = tiny_pair(97)
+    target, _ = pair
     drafter = make_drafter(target, num_layers=2)
     spec = make_spec(target, drafter, EngineConfig(num_speculative_tokens=3, drafting=drafting, draft_sampling="sample",
                                                    implementation=implementation), max_new_tokens=8)
