@@ -26,7 +26,7 @@ def models():
 def test_chunked_equals_one_call_and_one_round_per_call(models, drafting):
     target, drafter = models
     kw = dict(max_new_tokens=20, drafting=drafting, num_speculative_tokens=3, **SAMPLED)
-    one = gen(target, drafter, PROMPTS, rounds_per_step=64, **kw)  # every round in one device call
+    one = gen(target, drafter, PROMPTS, **kw)  # every round in one device call: no request outlives a chunk of 8
     many = gen(target, drafter, PROMPTS, rounds_per_step=1, **kw)  # one round per device call
     assert many.tokens == one.tokens
     assert many.stats["rounds"] == one.stats["rounds"]
@@ -172,12 +172,12 @@ def test_precompile_in_threads_builds_each_program_once(models, monkeypatch):
 
 def test_pipelined_chunks_stop_exactly(models):
     """Rows that hit a stop id inside a fixed-trip chunk dispatched ahead of the host emit nothing past it: the
-    pipelined engine (4 rounds a chunk) gives the outputs and stop reasons of one round per call."""
+    pipelined engine (8 rounds a chunk, the default) gives the outputs and stop reasons of one round per call."""
     target, drafter = models
     ref = gen(target, drafter, PROMPTS, max_new_tokens=40, **SAMPLED)
     eos = [[row[12]] for row in ref.tokens]  # each row stops at its first occurrence of its 13th token
     kw = dict(max_new_tokens=40, eos_token_id=eos, compiler_options=FAST, num_speculative_tokens=3, **SAMPLED)
-    g = Generation(target, drafter, PROMPTS, rounds_per_step=4, **kw)
+    g = Generation(target, drafter, PROMPTS, rounds_per_step=8, **kw)
     piped = g.result()
     assert True in g._engine._chunk_exe  # the fixed-trip chunk ran ahead of the host
     one = gen(target, drafter, PROMPTS, rounds_per_step=1, max_new_tokens=40, eos_token_id=eos, **SAMPLED)
