@@ -22,6 +22,27 @@ def models():
     return tiny_pair(V, H)
 
 
+def test_a_k_sweep_compiles_one_admission_and_one_chunk_per_setting(models, monkeypatch):
+    """Across K and drafting modes each setting compiles its admission (the prefill of the batch) and its decode chunk
+    once, and the speculative settings' greedy output equals plain decoding's. (The module's first test: its programs
+    are new; the next test reuses the sequential and plain ones.)"""
+    target, drafter = models
+    G = sys.modules["pjax.decode.engine"]
+    built = []
+    orig = G.compiled
+
+    def record(name, *a):
+        exe, seconds = orig(name, *a)
+        if seconds:
+            built.append(name)
+        return exe, seconds
+    monkeypatch.setattr(G, "compiled", record)
+    outs = [gen(target, drafter, PROMPTS, max_new_tokens=20, drafting=d, num_speculative_tokens=k).tokens
+            for d, k in [("parallel", 1), ("sequential", 3), ("none", 3)]]
+    assert built.count("admit") == 3 and built.count("chunk") == 3, built
+    assert outs[0] == outs[1] == outs[2]
+
+
 @pytest.mark.parametrize("drafting", ["parallel", "sequential", "none"])
 def test_chunked_equals_one_call_and_one_round_per_call(models, drafting):
     target, drafter = models
@@ -115,27 +136,6 @@ def test_a_sweep_compiles_a_handful_of_programs(models, monkeypatch):
         return G.compile_count() - before
     assert sweep() == 8
     assert sweep() == 0
-
-
-def test_a_k_sweep_compiles_one_admission_and_one_chunk_per_setting(models, monkeypatch):
-    """Across K and drafting modes each setting compiles its admission (the prefill of the batch) and its decode chunk
-    once, and the speculative settings' greedy output equals plain decoding's."""
-    target, drafter = models
-    G = sys.modules["pjax.decode.engine"]
-    built = []
-    orig = G.compiled
-
-    def record(name, *a):
-        exe, seconds = orig(name, *a)
-        if seconds:
-            built.append(name)
-        return exe, seconds
-    monkeypatch.setattr(G, "compiled", record)
-    prompts = [[7, 8, 9, 10, 11, 12, 13], [1, 2]]
-    outs = [gen(target, None if d == "none" else drafter, prompts, max_new_tokens=6, drafting=d,
-                num_speculative_tokens=k).tokens for d, k in [("parallel", 1), ("sequential", 4), ("none", 3)]]
-    assert built.count("admit") == 3 and built.count("chunk") == 3, built
-    assert outs[0] == outs[1] == outs[2]
 
 
 def test_precompile_in_threads_builds_each_program_once(models, monkeypatch):

@@ -112,6 +112,16 @@ def test_packed_forward_equals_padded_at_every_position(family):
             assert not np.asarray(y)[valid.shape[0]:].any() and not np.asarray(y)[:, LP:].any()
 
 
+# `prefill_target`'s packing around the forward: the default run keeps a dense family and GPT-OSS's sinks and sliding
+# windows (the family-specific forward is test_packed_forward_equals_padded_at_every_position's, on every family, and
+# test_packed_prefill_with_the_flash_kernel compares this prefill again on GPT-OSS); the others run with --full
+PREFILL_FAMILIES = ("llama", "gpt_oss")
+prefill_family = pytest.mark.parametrize("family", [
+    pytest.param(name, marks=() if name in PREFILL_FAMILIES else pytest.mark.full) for name in AVAILABLE],
+    indirect=True)
+
+
+@prefill_family
 def test_packed_prefill_target_equals_padded(family):
     name, (target, _, _) = family
     aux = aux_ids(target)
@@ -127,7 +137,8 @@ def test_packed_prefill_target_equals_padded(family):
     assert not np.asarray(p[1])[~valid].any()
 
 
-@pytest.mark.parametrize("name", ["gpt_oss", "gemma4"])
+# the default run keeps GPT-OSS (sinks and sliding windows merged in); Gemma 4 runs with --full
+@pytest.mark.parametrize("name", ["gpt_oss", pytest.param("gemma4", marks=pytest.mark.full)])
 def test_packed_prefill_with_the_flash_kernel(tmp_root, name):
     """implementation="pallas" (a GPU's "auto"): the packed prefill's attention runs the Pallas flash kernel (interpret
     mode here) under the document mask, with the sliding window and GPT-OSS's sinks merged in; it equals the padded
@@ -150,6 +161,7 @@ def test_packed_prefill_with_the_flash_kernel(tmp_root, name):
     np.testing.assert_allclose(np.asarray(aux_p)[valid], np.asarray(aux_a)[valid], rtol=1e-5, atol=1e-5)
 
 
+@prefill_family
 def test_a_prompt_does_not_see_the_others(family):
     """Prompt 0 replaced (other tokens, another length, so every later prompt moves in the packed row): the other
     prompts' first tokens, KV cache rows and aux features stay what they were; prompt 0's change."""
@@ -191,12 +203,16 @@ def test_the_layout_follows_prefill(pair):
     stats = {m: gen(pair, ragged, prefill=m).stats for m in ("auto", "packed", "padded")}
     assert [stats[m]["prefill"] for m in stats] == ["packed", "packed", "padded"]
     assert [stats[m]["prefill_tokens"] for m in stats] == [16, 16, 64]
-    one = gen(pair, [RAGGED[1]]).stats
-    assert (one["prefill"], one["prefill_tokens"]) == ("padded", 16)
-    assert gen(pair, [RAGGED[1]], prefill="packed").stats["prefill"] == "packed"
     for bad in ("pack", None, 1):
         with pytest.raises(ValueError, match=r"prefill=.*expected one of \('auto', 'packed', 'padded'\)"):
             gen(pair, ragged, prefill=bad)
+
+
+@pytest.mark.full  # one row's programs: test_packed_length_rule checks the rule for one row, the test above its use
+def test_one_prompt_is_padded_unless_packing_is_asked_for(pair):
+    one = gen(pair, [RAGGED[1]]).stats
+    assert (one["prefill"], one["prefill_tokens"]) == ("padded", 16)
+    assert gen(pair, [RAGGED[1]], prefill="packed").stats["prefill"] == "packed"
 
 
 def test_packed_programs_are_bucketed(pair):
