@@ -45,6 +45,9 @@ L = len(PROMPT)
 GROUPS = {"T=1": (1.0, 0, 1.0), "T=2": (2.0, 0, 1.0), "T=1 top_k=2": (1.0, 2, 1.0),
           "T=1.5 top_k=2 top_p=0.9": (1.5, 2, 0.9)}
 MODES = [("parallel", "sample"), ("sequential", "sample"), ("parallel", "argmax"), ("sequential", "argmax")]
+# the acceptance-rate tests run every mode but sequential argmax drafts by default (each drafting mode with sampled
+# drafts, argmax drafts once); --full adds it
+RATE_MODES = [pytest.param(m, marks=pytest.mark.full if m == ("sequential", "argmax") else ()) for m in MODES]
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +208,7 @@ def test_draft_probabilities_are_the_heads_processed_law(models, logits, mode):
 
 
 @pytest.mark.parametrize("group", list(GROUPS))
-@pytest.mark.parametrize("mode", MODES, ids=lambda m: "-".join(m))
+@pytest.mark.parametrize("mode", RATE_MODES, ids=lambda m: "-".join(m))
 def test_first_draft_acceptance_is_speculative_samplings(models, logits, mode, group):
     t0, _, verdicts = run(models, mode)
     gi = list(GROUPS).index(group)
@@ -214,7 +217,7 @@ def test_first_draft_acceptance_is_speculative_samplings(models, logits, mode, g
     assert abs(emp - exp) <= half, f"draft 1 accepted at {emp:.4f}, expected {exp:.4f} +- {half:.4f} (N={N})"
 
 
-@pytest.mark.parametrize("mode", MODES, ids=lambda m: "-".join(m))
+@pytest.mark.parametrize("mode", RATE_MODES, ids=lambda m: "-".join(m))
 def test_second_draft_acceptance_given_the_first(models, logits, mode):
     t0, x2, verdicts = run(models, mode)
     hits, expected = second_expected(logits, mode, t0, x2, verdicts)

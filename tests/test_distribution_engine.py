@@ -87,7 +87,12 @@ def run(models, case):
     return _RUNS[case]
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# the default run keeps one case per drafting mode (parallel: argmax drafts; sequential: sampled drafts, top-k; none:
+# top-k and top-p); the parallel case with sampled drafts from a smaller draft vocabulary under top-p runs with --full
+FULL_CASES = {"parallel_sampled_drafts_small_vocab_top_p"}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.full if c in FULL_CASES else ()) for c in CASES])
 def test_first_two_tokens_follow_target_law(models, case):
     target, _ = models
     kw = CASES[case]

@@ -17,17 +17,22 @@ def tmp_root(tmp_path_factory):
     return tmp_path_factory.mktemp("engine_greedy")
 
 
-@pytest.fixture(scope="module", params=AVAILABLE)
-def family(request, tmp_root):
-    return request.param, build(request.param, tmp_root)
-
-
 # the packed prefill with P-EAGLE (its drafter prefill reads the unpacked target features); tests/test_packed_prefill.py
 # checks the packed target prefill itself against the padded one for every family
-@pytest.mark.parametrize("drafting,prefill", [("parallel", "packed"), ("parallel", "padded"),
-                                              ("sequential", "padded"), ("none", "padded")])
-def test_greedy_equals_transformers(family, drafting, prefill):
-    name, (target, drafter, ref) = family
+LAYOUTS = [("parallel", "packed"), ("parallel", "padded"), ("sequential", "padded"), ("none", "padded")]
+# the default run keeps every family once, each drafting mode and each prefill layout (parallel with both, K = 3, 7
+# and 11 across families, sequential at K = 1 and 11, a sliding window family with each drafting mode); the
+# cross-product runs with --full
+DEFAULT = {("llama", "parallel", "packed"), ("qwen3", "sequential", "padded"), ("qwen3_moe", "parallel", "padded"),
+           ("gpt_oss", "parallel", "packed"), ("gemma4", "sequential", "padded"), ("qwen3", "none", "padded")}
+
+
+@pytest.mark.parametrize("name,drafting,prefill", [
+    pytest.param(name, drafting, prefill, id=f"{name}-{drafting}-{prefill}",
+                 marks=() if (name, drafting, prefill) in DEFAULT else pytest.mark.full)
+    for name in AVAILABLE for drafting, prefill in LAYOUTS])
+def test_greedy_equals_transformers(tmp_root, name, drafting, prefill):
+    target, drafter, ref = build(name, tmp_root)
     k = K_OF[name]
     res = pjax.generate(target, drafter, PROMPTS, max_new_tokens=NEW, num_speculative_tokens=k, drafting=drafting,
                         compiler_options=FAST, prefill=prefill)

@@ -175,7 +175,9 @@ def test_verifier_mismatch_is_reported(models):
     assert any("LlamaForCausalLM" in w for w in res.stats["warnings"])
 
 
-@pytest.mark.parametrize("layers", [4, 7])  # the shallow fallback, and the vLLM default where it fits
+# the shallow fallback, and the vLLM default where it fits (the latter with --full: tests/test_pairing.py's
+# test_one_head_four_ways runs the engine on a 7-layer target with the default ids)
+@pytest.mark.parametrize("layers", [4, pytest.param(7, marks=pytest.mark.full)])
 def test_default_aux_ids_fit_shallow_targets(layers):
     """A head without aux ids on a target of 3..7 layers: distinct default ids, said in a warning and the stats."""
     target = tiny_target(layers=layers)

@@ -22,11 +22,33 @@ def models():
     return tiny_pair(V, H)
 
 
+def test_a_k_sweep_compiles_one_admission_and_one_chunk_per_setting(models, monkeypatch):
+    """Across K and drafting modes each setting compiles its admission (the prefill of the batch) and its decode chunk
+    once, and the speculative settings' greedy output equals plain decoding's. (The module's first test: its programs
+    are new; the next test reuses the sequential and plain ones.)"""
+    target, drafter = models
+    G = sys.modules["pjax.decode.engine"]
+    built = []
+    orig = G.compiled
+
+    def record(name, *a):
+        exe, seconds = orig(name, *a)
+        if seconds:
+            built.append(name)
+        return exe, seconds
+    monkeypatch.setattr(G, "compiled", record)
+    outs = [gen(target, drafter, PROMPTS, max_new_tokens=20, drafting=d, num_speculative_tokens=k).tokens
+            for d, k in [("parallel", 1), ("sequential", 3), ("none", 3)]]
+    assert built.count("admit") == 3 and built.count("chunk") == 3, built
+    assert outs[0] == outs[1] == outs[2]
+
+
 @pytest.mark.parametrize("drafting", ["parallel", "sequential", "none"])
 def test_chunked_equals_one_call_and_one_round_per_call(models, drafting):
     target, drafter = models
     kw = dict(max_new_tokens=20, drafting=drafting, num_speculative_tokens=3, **SAMPLED)
-    one = gen(target, drafter, PROMPTS, rounds_per_step=64, **kw)  # every round in one device call
+    # every round in one device call: no request outlives a chunk (8 rounds, the default, when each emits K + 1 tokens)
+    one = gen(target, drafter, PROMPTS, rounds_per_step=64 if drafting == "none" else 8, **kw)
     many = gen(target, drafter, PROMPTS, rounds_per_step=1, **kw)  # one round per device call
     assert many.tokens == one.tokens
     assert many.stats["rounds"] == one.stats["rounds"]
@@ -96,46 +118,25 @@ def test_progress_bar(models, capsys):
 
 
 def test_a_sweep_compiles_a_handful_of_programs(models, monkeypatch):
-    """Batch sizes 1-4, prompt lengths 2-14, max_new_tokens 3-8, stop lists of 0-3 ids, top-k / top-p on and off:
-    48 settings, 12 programs from an empty cache: 3 row buckets x (the two decode chunks, the admission padded), and
-    under prefill="auto" the admission packed per (rows, packed row) bucket where packing saves positions (2 x 16
-    into 16, 4 x 16 into 16 and into 32); the same sweep again compiles nothing."""
+    """Batch sizes 1, 3, 4, prompt lengths 2-14, max_new_tokens 3-8, stop lists of 0-3 ids, top-k / top-p on and off:
+    18 settings, 8 programs from an empty cache: 2 row buckets x (the two decode chunks, the admission padded), and
+    under prefill="auto" the admission packed per (rows, packed row) bucket where packing saves positions (4 x 16
+    into 16 and into 32); the same sweep again compiles nothing."""
     target, drafter = models
     monkeypatch.setattr(sys.modules["pjax.decode.compiled"], "_COMPILED", {})
     G = sys.modules["pjax.decode._generate"]
-    settings = list(itertools.product([1, 2, 3, 4], [2, 9, 14], [3, 8], [None, [7, 8, 9]]))
+    settings = list(itertools.product([1, 3, 4], [2, 9, 14], [3, 8]))
     samplings = [dict(), dict(temperature=1.0, top_k=4), dict(temperature=0.7, top_p=0.8)]
 
     def sweep():
         before = G.compile_count()
-        for i, (b, length, new, eos) in enumerate(settings):
+        for i, (b, length, new) in enumerate(settings):
             prompts = [[(j * 7 + t) % V for t in range(length - j % 2)] for j in range(b)]
-            gen(target, drafter, prompts, max_new_tokens=new, eos_token_id=eos, seed=i, prefill="auto",
-                **samplings[i % len(samplings)])
+            gen(target, drafter, prompts, max_new_tokens=new, eos_token_id=[None, [7, 8, 9]][i // 2 % 2], seed=i,
+                prefill="auto", **samplings[i % len(samplings)])
         return G.compile_count() - before
-    assert sweep() == 12
+    assert sweep() == 8
     assert sweep() == 0
-
-
-def test_a_k_sweep_compiles_one_admission_and_one_chunk_per_setting(models, monkeypatch):
-    """Across K and drafting modes each setting compiles its admission (the prefill of the batch) and its decode chunk
-    once, and every setting's greedy output equals plain decoding's."""
-    target, drafter = models
-    G = sys.modules["pjax.decode.engine"]
-    built = []
-    orig = G.compiled
-
-    def record(name, *a):
-        exe, seconds = orig(name, *a)
-        if seconds:
-            built.append(name)
-        return exe, seconds
-    monkeypatch.setattr(G, "compiled", record)
-    prompts = [[7, 8, 9, 10, 11, 12, 13], [1, 2]]
-    outs = [gen(target, drafter, prompts, max_new_tokens=6, drafting=d, num_speculative_tokens=k).tokens
-            for d, k in [("parallel", 2), ("parallel", 5), ("sequential", 4)]]
-    assert built.count("admit") == 3 and built.count("chunk") == 3, built
-    assert outs[0] == outs[1] == outs[2] == gen(target, None, prompts, max_new_tokens=6, drafting="none").tokens
 
 
 def test_precompile_in_threads_builds_each_program_once(models, monkeypatch):
@@ -147,7 +148,7 @@ def test_precompile_in_threads_builds_each_program_once(models, monkeypatch):
     C = sys.modules["pjax.decode.compiled"]
     G = sys.modules["pjax.decode._generate"]
     settings = dict(max_new_tokens=5, prefill="padded", num_speculative_tokens=3, compiler_options=FAST)
-    prompts = [[list(range(3, 3 + n))] * 2 for n in (2, 20)] * 3  # two prompt buckets, six settings
+    prompts = [[list(range(3, 3 + n))] for n in (2, 20)] * 3  # two prompt buckets, six settings (one row: the sweep's)
     expected = [gen(target, drafter, p, **settings).tokens for p in prompts]
     monkeypatch.setattr(C, "_COMPILED", {})
     built = []
@@ -157,7 +158,7 @@ def test_precompile_in_threads_builds_each_program_once(models, monkeypatch):
         built.append(name)
         return orig_jitted(name, *a)
     monkeypatch.setattr(C, "jitted", counting)
-    config = pjax.decode.EngineConfig(max_slots=2, max_len=64, prefill="padded", num_speculative_tokens=3,
+    config = pjax.decode.EngineConfig(max_slots=1, max_len=64, prefill="padded", num_speculative_tokens=3,
                                       compiler_options=FAST)
     engines = [pjax.decode.Engine(target, drafter, config) for _ in prompts]
     with ThreadPoolExecutor(6) as pool:
@@ -172,14 +173,14 @@ def test_precompile_in_threads_builds_each_program_once(models, monkeypatch):
 
 def test_pipelined_chunks_stop_exactly(models):
     """Rows that hit a stop id inside a fixed-trip chunk dispatched ahead of the host emit nothing past it: the
-    pipelined engine (4 rounds a chunk) gives the outputs and stop reasons of one round per call."""
+    pipelined engine (8 rounds a chunk, the default) gives the outputs and stop reasons of one round per call."""
     target, drafter = models
     ref = gen(target, drafter, PROMPTS, max_new_tokens=40, **SAMPLED)
     eos = [[row[12]] for row in ref.tokens]  # each row stops at its first occurrence of its 13th token
-    kw = dict(max_new_tokens=60, eos_token_id=eos, compiler_options=FAST, num_speculative_tokens=3, **SAMPLED)
-    g = Generation(target, drafter, PROMPTS, rounds_per_step=4, **kw)
+    kw = dict(max_new_tokens=40, eos_token_id=eos, compiler_options=FAST, num_speculative_tokens=3, **SAMPLED)
+    g = Generation(target, drafter, PROMPTS, rounds_per_step=8, **kw)
     piped = g.result()
     assert True in g._engine._chunk_exe  # the fixed-trip chunk ran ahead of the host
-    one = gen(target, drafter, PROMPTS, rounds_per_step=1, max_new_tokens=60, eos_token_id=eos, **SAMPLED)
+    one = gen(target, drafter, PROMPTS, rounds_per_step=1, max_new_tokens=40, eos_token_id=eos, **SAMPLED)
     assert piped.tokens == one.tokens and piped.stats["stop_reasons"] == one.stats["stop_reasons"] == ["eos"] * 3
     assert [t[:len(p)] for t, p in zip(ref.tokens, piped.tokens)] == piped.tokens

@@ -50,7 +50,7 @@ def aux_ids(target):
     return (0, 1, target.config.num_layers)  # embeddings, after layer 0, the final pre-norm state
 
 
-@functools.partial(jax.jit, static_argnames=("packed_len", "aux"))
+@functools.partial(jax.jit, static_argnames=("packed_len", "aux"), compiler_options=FAST)
 def forward_both_layouts(target, prompts, lengths, *, packed_len, aux):
     """The target's forward over the prompts padded ([B, Lp]) and packed (one row of packed_len): (logits, aux,
     cache) of each, the packed ones unpacked to [B, Lp, ...] (zeros past each prompt's length)."""
@@ -72,7 +72,8 @@ def sampling(b):
     return Sampling(jnp.zeros(b), jnp.zeros(b, jnp.int32), jnp.ones(b), jnp.zeros(b, jnp.uint32))
 
 
-_prefill = jax.jit(prefill_target, static_argnames=("spec", "capacity", "cache_dtype", "packed_len"))
+_prefill = jax.jit(prefill_target, static_argnames=("spec", "capacity", "cache_dtype", "packed_len"),
+                   compiler_options=FAST)
 
 
 def run_prefill(target, prompts, packed_len, aux, implementation="auto"):
@@ -111,6 +112,16 @@ def test_packed_forward_equals_padded_at_every_position(family):
             assert not np.asarray(y)[valid.shape[0]:].any() and not np.asarray(y)[:, LP:].any()
 
 
+# `prefill_target`'s packing around the forward: the default run keeps a dense family and GPT-OSS's sinks and sliding
+# windows (the family-specific forward is test_packed_forward_equals_padded_at_every_position's, on every family, and
+# test_packed_prefill_with_the_flash_kernel compares this prefill again on GPT-OSS); the others run with --full
+PREFILL_FAMILIES = ("llama", "gpt_oss")
+prefill_family = pytest.mark.parametrize("family", [
+    pytest.param(name, marks=() if name in PREFILL_FAMILIES else pytest.mark.full) for name in AVAILABLE],
+    indirect=True)
+
+
+@prefill_family
 def test_packed_prefill_target_equals_padded(family):
     name, (target, _, _) = family
     aux = aux_ids(target)
@@ -126,7 +137,8 @@ def test_packed_prefill_target_equals_padded(family):
     assert not np.asarray(p[1])[~valid].any()
 
 
-@pytest.mark.parametrize("name", ["gpt_oss", "gemma4"])
+# the default run keeps GPT-OSS (sinks and sliding windows merged in); Gemma 4 runs with --full
+@pytest.mark.parametrize("name", ["gpt_oss", pytest.param("gemma4", marks=pytest.mark.full)])
 def test_packed_prefill_with_the_flash_kernel(tmp_root, name):
     """implementation="pallas" (a GPU's "auto"): the packed prefill's attention runs the Pallas flash kernel (interpret
     mode here) under the document mask, with the sliding window and GPT-OSS's sinks merged in; it equals the padded
@@ -149,6 +161,7 @@ def test_packed_prefill_with_the_flash_kernel(tmp_root, name):
     np.testing.assert_allclose(np.asarray(aux_p)[valid], np.asarray(aux_a)[valid], rtol=1e-5, atol=1e-5)
 
 
+@prefill_family
 def test_a_prompt_does_not_see_the_others(family):
     """Prompt 0 replaced (other tokens, another length, so every later prompt moves in the packed row): the other
     prompts' first tokens, KV cache rows and aux features stay what they were; prompt 0's change."""
@@ -190,12 +203,16 @@ def test_the_layout_follows_prefill(pair):
     stats = {m: gen(pair, ragged, prefill=m).stats for m in ("auto", "packed", "padded")}
     assert [stats[m]["prefill"] for m in stats] == ["packed", "packed", "padded"]
     assert [stats[m]["prefill_tokens"] for m in stats] == [16, 16, 64]
-    one = gen(pair, [RAGGED[1]]).stats
-    assert (one["prefill"], one["prefill_tokens"]) == ("padded", 16)
-    assert gen(pair, [RAGGED[1]], prefill="packed").stats["prefill"] == "packed"
     for bad in ("pack", None, 1):
         with pytest.raises(ValueError, match=r"prefill=.*expected one of \('auto', 'packed', 'padded'\)"):
             gen(pair, ragged, prefill=bad)
+
+
+@pytest.mark.full  # one row's programs: test_packed_length_rule checks the rule for one row, the test above its use
+def test_one_prompt_is_padded_unless_packing_is_asked_for(pair):
+    one = gen(pair, [RAGGED[1]]).stats
+    assert (one["prefill"], one["prefill_tokens"]) == ("padded", 16)
+    assert gen(pair, [RAGGED[1]], prefill="packed").stats["prefill"] == "packed"
 
 
 def test_packed_programs_are_bucketed(pair):
@@ -222,18 +239,21 @@ def test_packed_programs_are_bucketed(pair):
     assert out.tokens == gen(pair, second, prefill="padded").tokens
 
 
-_full_prefill = jax.jit(pjax.decode.prefill, static_argnames=("spec", "capacity", "cache_dtype", "packed_len"))
+_full_prefill = jax.jit(pjax.decode.prefill, static_argnames=("spec", "capacity", "cache_dtype", "packed_len"),
+                        compiler_options=FAST)
 
 
-@pytest.mark.parametrize("drafting,implementation", [("parallel", "auto"), ("sequential", "auto"),
-                                                     ("parallel", "pallas")])
-def test_packed_drafter_prefill_equals_padded(drafting, implementation):
+# the default run keeps each drafting mode and each implementation once (sequential with XLA's attention, parallel with
+# the flash kernel); parallel with XLA's runs with --full
+@pytest.mark.parametrize("drafting,implementation", [pytest.param("parallel", "auto", marks=pytest.mark.full),
+                                                     ("sequential", "auto"), ("parallel", "pallas")])
+def test_packed_drafter_prefill_equals_padded(pair, drafting, implementation):
     """With a packed target prefill the drafter's prefill slots (each prompt's L + K - 1, or L for sequential
     drafting) are packed too: the same first drafts, draft probabilities and drafter KV cache (every row, every
     position) as the padded [B, Lp + mask slots] pass, for a 2-layer head (its fused first layer and a decoder
     layer), float32; under "pallas" the packed attention is the flash kernel's (interpret mode off a GPU)."""
     from pjax.decode.settings import EngineConfig, make_spec
-    target, _ = tiny_pair(97)
+    target, _ = pair
     drafter = make_drafter(target, num_layers=2)
     spec = make_spec(target, drafter, EngineConfig(num_speculative_tokens=3, drafting=drafting, draft_sampling="sample",
                                                    implementation=implementation), max_new_tokens=8)
