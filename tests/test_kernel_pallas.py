@@ -6,6 +6,7 @@ Small shapes with small tiles so that the vocabulary / KV loops, the tails (voca
 tile) and the split merges are all exercised while interpret mode stays fast.
 """
 import dataclasses
+import functools
 import re
 
 import jax
@@ -213,6 +214,7 @@ def test_target_cached_forward_with_attention_kernel():
     tokens = jax.random.randint(jax.random.key(1), (2, 4), 0, 64)
     pos = jnp.array([[3, 4, 5, 6], [9, 10, 11, 12]], jnp.int32)
 
+    @functools.partial(jax.jit, static_argnums=0)  # one program each (eager, every op compiles on its own)
     def run(impl):
         cache = init_cache(cfg, 2, 16, jnp.float32)
         prefix = jnp.broadcast_to(jnp.arange(9, dtype=jnp.int32), (2, 9))
