@@ -27,6 +27,7 @@ import examples.code_pair as cp
 import pjax
 from examples.code_pair.corpus import function_prompts, read_texts
 from pjax.train import draft_logits
+from tests.engine_utils import fast_default_compiles
 from tests.example_utils import load_example
 from tests.hf_utils import rel_err
 
@@ -38,6 +39,14 @@ from tests.hf_utils import rel_err
 RECIPE = dataclasses.replace(cp.TINY, max_files=40, target_tokens=24 * 4 * 256, target_warmup=10, head_steps=4,
                              head_data="regenerated", regen_prompt_tokens=160, check_new_tokens=16)
 LOG: list[str] = []  # the full tiny build's log lines
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fast_decoding():
+    """The recipe's decoding (regenerated head data, the check) compiles as the tests' own decoding does."""
+    with pytest.MonkeyPatch.context() as mp:
+        fast_default_compiles(mp)
+        yield
 
 
 @pytest.fixture(scope="module")
