@@ -1,7 +1,11 @@
 """examples/code_pair (`python -m examples.code_pair --tiny`) end to end on CPU: the pair it exports loads in transformers (target, same float32
 logits) and speculators (heads, same logits); greedy speculative decoding through pjax.generate equals plain
 decoding; a re-run does nothing; a training stage stopped mid-way and resumed gives the same weights bit for bit;
-changed settings are refused without --force."""
+changed settings are refused without --force.
+
+The mechanism tests run on RECIPE, the tiny recipe with fewer files, target steps and head steps (a pair that
+decodes but has learned little); the full tiny build, whose heads learn and whose target writes readable text, runs
+with --full (head learning is also checked in the default run by tests/test_train_loop.py)."""
 import dataclasses
 import json
 import shutil
@@ -23,17 +27,38 @@ import examples.code_pair as cp
 import pjax
 from examples.code_pair.corpus import function_prompts, read_texts
 from pjax.train import draft_logits
+from tests.engine_utils import fast_default_compiles
 from tests.example_utils import load_example
 from tests.hf_utils import rel_err
 
 
 
 
-LOG: list[str] = []  # the tiny build's log lines
+# cp.TINY's whole path with a quarter of its files, 24 target steps and 4 head steps, the heads trained on the
+# target's continuations (the full recipe's head data; the tiny build's corpus rows run with --full)
+RECIPE = dataclasses.replace(cp.TINY, max_files=40, target_tokens=24 * 4 * 256, target_warmup=10, head_steps=4,
+                             head_data="regenerated", regen_prompt_tokens=160, check_new_tokens=16)
+LOG: list[str] = []  # the full tiny build's log lines
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fast_decoding():
+    """The recipe's decoding (regenerated head data, the check) compiles as the tests' own decoding does."""
+    with pytest.MonkeyPatch.context() as mp:
+        fast_default_compiles(mp)
+        yield
 
 
 @pytest.fixture(scope="module")
 def build_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("small") / "build"
+    result = cp.build(out, RECIPE, progress=False, log=lambda s: None)
+    assert result == {s: "built" for s in cp.STAGES}
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_build_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny") / "build"
     result = cp.build(out, cp.TINY, progress=False, log=LOG.append)
     assert result == {s: "built" for s in cp.STAGES}
@@ -47,20 +72,20 @@ def test_outputs(build_dir):
     assert held and trained and not held & trained
     assert manifest["held_out"]["fraction_of_files"] >= 0.02 and len(manifest["sha256"]) == 64
     prompts = [json.loads(line) for line in (build_dir / "pair" / "prompts.jsonl").open()]
-    assert len(prompts) >= cp.TINY.min_prompts
+    assert len(prompts) >= RECIPE.min_prompts
     assert all(p["source"] in held and p["prompt"].endswith("\n") and p["reference"].strip() for p in prompts)
     pair = json.loads((build_dir / "pair" / "pair.json").read_text())
-    assert pair["heads"]["peagle"]["steps"] == pair["heads"]["eagle3"]["steps"] == cp.TINY.head_steps
+    assert pair["heads"]["peagle"]["steps"] == pair["heads"]["eagle3"]["steps"] == RECIPE.head_steps
     assert pair["heads"]["peagle"]["tokens"] == pair["heads"]["eagle3"]["tokens"]
-    assert pair["target"]["tokens"] >= cp.TINY.target_tokens
+    assert pair["target"]["tokens"] >= RECIPE.target_tokens
     for head in ("peagle", "eagle3"):  # held-out and teacher-forced-on-the-check accuracy beside decoding's
         assert len(pair["heads"][head]["held_out"]["cond_acc"]) == len(pair["heads"][head]["final"]["acc"])
     check = json.loads((build_dir / "check" / "stage.json").read_text())["summary"]
-    assert len(check["peagle"]["teacher_forced"]["chain_acc"]) == cp.TINY.peagle_depths
-    assert len(check["eagle3"]["teacher_forced"]["cond_acc"]) == cp.TINY.eagle3_ttt_steps
+    assert len(check["peagle"]["teacher_forced"]["chain_acc"]) == RECIPE.peagle_depths
+    assert len(check["eagle3"]["teacher_forced"]["cond_acc"]) == RECIPE.eagle3_ttt_steps
     replay = check["peagle"]["replay"]  # decoding replayed from teacher forcing, beside every anchor's accuracy
     assert replay["rounds"] > 0 and replay["anchors"] >= replay["rounds"]
-    assert len(replay["acceptance_rates"]) == len(replay["every_anchor_chain"]) == cp.TINY.peagle_depths
+    assert len(replay["acceptance_rates"]) == len(replay["every_anchor_chain"]) == RECIPE.peagle_depths
 
 
 def test_target_matches_transformers(build_dir):
@@ -133,19 +158,20 @@ def test_speculative_equals_plain(build_dir):
         assert 1.0 <= check[head]["mean_acceptance_length"] <= check[head]["k"] + 1
 
 
-def test_tiny_pair_shows_a_working_head_and_readable_text(build_dir):
+@pytest.mark.full
+def test_tiny_pair_shows_a_working_head_and_readable_text(tiny_build_dir):
     """The tiny pair is a demo that shows something: both heads learned (held-out depth-0 accuracy, decoding
     acceptance well above one token per round, no warning in the log), and the target continues a prompt with text
     a person can read, not only whitespace."""
-    pair = json.loads((build_dir / "pair" / "pair.json").read_text())
-    check = json.loads((build_dir / "check" / "stage.json").read_text())["summary"]
+    pair = json.loads((tiny_build_dir / "pair" / "pair.json").read_text())
+    check = json.loads((tiny_build_dir / "check" / "stage.json").read_text())["summary"]
     for head in ("peagle", "eagle3"):
         assert pair["heads"][head]["learned"] and pair["heads"][head]["held_out"]["acc"][0] >= 0.15, head
         assert check[head]["mean_acceptance_length"] >= 1.3, check[head]
     assert not [line for line in LOG if "has not learned" in line]
-    tok = cp.load_tokenizer(cp.Build(build_dir, cp.TINY))
-    prompt = json.loads((build_dir / "pair" / "prompts.jsonl").open().readline())["prompt"]
-    target = pjax.load_target(build_dir / "pair" / "target", dtype=jnp.float32)
+    tok = cp.load_tokenizer(cp.Build(tiny_build_dir, cp.TINY))
+    prompt = json.loads((tiny_build_dir / "pair" / "prompts.jsonl").open().readline())["prompt"]
+    target = pjax.load_target(tiny_build_dir / "pair" / "target", dtype=jnp.float32)
     out = pjax.generate(target, None, [tok.encode(prompt).ids], max_new_tokens=32, drafting="none")
     text = tok.decode(out.tokens[0])
     assert sum(c.isalpha() for c in text) >= 10, repr(text)
@@ -162,7 +188,7 @@ def test_recipe_warns_when_a_head_does_not_learn():
 
 def test_rerun_does_nothing(build_dir):
     before = {s: (build_dir / s / "stage.json").stat().st_mtime_ns for s in cp.STAGES}
-    assert cp.build(build_dir, cp.TINY, progress=False, log=lambda s: None) == {s: "done" for s in cp.STAGES}
+    assert cp.build(build_dir, RECIPE, progress=False, log=lambda s: None) == {s: "done" for s in cp.STAGES}
     assert before == {s: (build_dir / s / "stage.json").stat().st_mtime_ns for s in cp.STAGES}
 
 
@@ -170,7 +196,7 @@ def test_stage_locks(build_dir):
     """Different stages of one build may run at once (the two heads, each on its own GPU); a stage being built, or
     one a running stage reads, is refused to another process."""
     def run(stage):
-        return cp.build(build_dir, cp.TINY, stages=(stage,), progress=False, log=lambda s: None)
+        return cp.build(build_dir, RECIPE, stages=(stage,), progress=False, log=lambda s: None)
 
     with cp.locked(build_dir, "eagle3"):
         assert run("peagle") == {"peagle": "done"}
@@ -204,12 +230,12 @@ def test_stopped_training_resumes_exactly(build_dir, tmp_path, stage):
     upstream = cp.inputs(stage)
     out = tmp_path / "build"
     _copy_stages(build_dir, out, upstream)
-    steps = cp.TINY.target_tokens // (cp.TINY.target_batch_rows * cp.TINY.target_seq_len)
+    steps = RECIPE.target_tokens // (RECIPE.target_batch_rows * RECIPE.target_seq_len)
     stop = max(1, min(50, steps // 20))  # a log boundary: the resumed run's logged means cover the same steps
     with pytest.raises(cp.Incomplete, match="checkpoint saved"):
-        cp.build(out, cp.TINY, stages=(stage,), progress=False, log=lambda s: None, should_stop=StopAfter(stop))
+        cp.build(out, RECIPE, stages=(stage,), progress=False, log=lambda s: None, should_stop=StopAfter(stop))
     assert (out / stage / "ckpt").is_dir() and not (out / stage / "stage.json").exists()
-    assert cp.build(out, cp.TINY, stages=(stage,), progress=False, log=lambda s: None) == {stage: "built"}
+    assert cp.build(out, RECIPE, stages=(stage,), progress=False, log=lambda s: None) == {stage: "built"}
     if stage == "target":
         a, b = (pjax.load_target(d / "target" / "model", dtype=jnp.float32) for d in (out, build_dir))
     else:
@@ -224,7 +250,7 @@ def test_stopped_training_resumes_exactly(build_dir, tmp_path, stage):
 def test_target_minutes_fixes_the_steps_after_the_warmup(build_dir, tmp_path):
     out = tmp_path / "build"
     _copy_stages(build_dir, out, cp.inputs("target"))
-    recipe = dataclasses.replace(cp.TINY, target_minutes=1e-4)  # far less than the full token budget takes
+    recipe = dataclasses.replace(RECIPE, target_minutes=1e-4)  # far less than the full token budget takes
     cp.build(out, recipe, stages=("target",), progress=False, log=lambda s: None)
     plan = json.loads((out / "target" / "plan.json").read_text())
     summary = json.loads((out / "target" / "stage.json").read_text())["summary"]
@@ -232,12 +258,9 @@ def test_target_minutes_fixes_the_steps_after_the_warmup(build_dir, tmp_path):
     assert summary["history"][-1]["step"] == plan["steps"]
 
 
-def test_regenerated_head_data(build_dir, tmp_path):
-    out = tmp_path / "build"
-    _copy_stages(build_dir, out, cp.inputs("regen"))
-    recipe = dataclasses.replace(cp.TINY, head_data="regenerated", head_steps=4, regen_prompt_tokens=160)
-    assert cp.build(out, recipe, stages=("regen", "peagle"), progress=False, log=lambda s: None) == {
-        "regen": "built", "peagle": "built"}
+def test_regenerated_head_data(build_dir):
+    out, recipe = build_dir, RECIPE
+    assert recipe.head_data == "regenerated"
     summary = json.loads((out / "regen" / "stage.json").read_text())["summary"]
     assert summary["prompts"] == recipe.regen_prompts and 0 < summary["new_tokens"] <= recipe.regen_prompts * recipe.regen_new_tokens
     b = cp.Build(out, recipe)
@@ -271,19 +294,19 @@ def test_regenerated_head_data(build_dir, tmp_path):
 
 def test_changed_settings_are_refused(build_dir, tmp_path):
     with pytest.raises(cp.RecipeError, match=r"eagle3_ttt_steps: 3 -> 2.*--force"):
-        cp.build(build_dir, dataclasses.replace(cp.TINY, eagle3_ttt_steps=2), stages=("eagle3",), progress=False)
+        cp.build(build_dir, dataclasses.replace(RECIPE, eagle3_ttt_steps=2), stages=("eagle3",), progress=False)
     with pytest.raises(cp.RecipeError, match="needs corpus, tokenizer, tokens, target, regen first"):
-        cp.build(tmp_path / "empty", cp.TINY, stages=("peagle",), progress=False)
+        cp.build(tmp_path / "empty", RECIPE, stages=("peagle",), progress=False)
     for bad, flag in ((dict(head_optimizer="sgd"), "--head-optimizer 'sgd'"), (dict(head_data="web"), "--head-data"),
                       (dict(regen_function_fraction=1.5), "--regen-function-fraction 1.5")):
         with pytest.raises(cp.RecipeError, match=flag):  # before any stage runs: nothing is created
-            cp.build(tmp_path / "bad", dataclasses.replace(cp.TINY, **bad), progress=False)
+            cp.build(tmp_path / "bad", dataclasses.replace(RECIPE, **bad), progress=False)
         assert not (tmp_path / "bad").exists()
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("x")
     with pytest.raises(pjax.checkpoint.OutputError, match="not a pjax output"):
-        cp.build(mine, cp.TINY, progress=False)
+        cp.build(mine, RECIPE, progress=False)
 
 
 def test_flags():

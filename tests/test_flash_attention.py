@@ -41,18 +41,22 @@ def inputs(b, t, nh, nkv, hd, seed=0):
 def assert_dense(ours, got, q, k, v, sk, allowed, live, w):
     """`got` = ours(q, k, v, sk) equals the dense softmax under `allowed` (scale 0.3) on the `live` rows, and so do
     the gradients of sum(ours * w) with respect to q, k, v (and the sinks when given)."""
-    want = dense_attention(q, k, v, allowed, 0.3, sk)
+    want = jax.jit(lambda *a: dense_attention(*a[:3], allowed, 0.3, a[3]))(q, k, v, sk)
     np.testing.assert_allclose(np.asarray(got)[live], np.asarray(want)[live], rtol=1e-5, atol=1e-5)
     argnums = (0, 1, 2, 3) if sk is not None else (0, 1, 2)
     grads = jax.jit(jax.grad(lambda *a: jnp.sum(ours(*a) * w), argnums=argnums))(q, k, v, sk)
-    wants = jax.grad(lambda *a: jnp.sum(dense_attention(*a[:3], allowed, 0.3, a[3]) * w), argnums=argnums)(
-        q, k, v, sk)
+    wants = jax.jit(jax.grad(lambda *a: jnp.sum(dense_attention(*a[:3], allowed, 0.3, a[3]) * w),
+                             argnums=argnums))(q, k, v, sk)
     for g, gw in zip(grads, wants):
         np.testing.assert_allclose(np.asarray(g), np.asarray(gw), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("implementation", ["xla", "pallas"])
-@pytest.mark.parametrize("window,sinks,shared", [(None, False, False), (5, True, False), (7, False, True)])
+# The default run keeps each implementation, and each of window + sinks / a shared mask / neither, once (window and sinks
+# through both); --full runs every implementation on every mask.
+@pytest.mark.parametrize("implementation,window,sinks,shared", [
+    pytest.param("xla", None, False, False, marks=pytest.mark.full), ("pallas", None, False, False),
+    ("xla", 5, True, False), ("pallas", 5, True, False),
+    ("xla", 7, False, True), pytest.param("pallas", 7, False, True, marks=pytest.mark.full)])
 def test_document_attention_equals_dense(implementation, window, sinks, shared):
     """Packed documents (one row with three documents and padding, one with two), GQA 4/2, T = 40 (not a tile
     multiple), the reference in chunks of 7 queries; gradients through q, k, v and the sinks."""
@@ -73,7 +77,9 @@ def test_document_attention_equals_dense(implementation, window, sinks, shared):
     assert_dense(ours, got, q, k, v, sk, allowed, live, w)
 
 
-@pytest.mark.parametrize("window,sinks", [(None, False), (5, True)])
+# The default run keeps the case where a short band shows (no window); window + sinks on the reference: also
+# test_document_attention_equals_dense[xla-5-True-False]
+@pytest.mark.parametrize("window,sinks", [(None, False), pytest.param(5, True, marks=pytest.mark.full)])
 def test_a_span_bands_the_reference(window, sinks):
     """document_mask(span=12) (no document longer): the reference scores each chunk of 7 queries against the 18 keys
     it can see (a dynamic slice of the keys), and equals the dense softmax, forward and gradients. Documents of 12
@@ -113,9 +119,9 @@ def test_kernel_log_sum_exp_and_its_gradient():
     np.testing.assert_allclose(np.asarray(lse)[live], np.asarray(lse_dense(q, k))[live], rtol=1e-5, atol=1e-5)
     assert (np.asarray(lse)[~live] == -1e30).all() and (np.asarray(o)[~live] == 0).all()
     wl = jnp.asarray(rng.normal(size=lse.shape) * live[..., None], jnp.float32)
-    g = jax.grad(lambda q, k: jnp.sum(flash_attention(q, k, v, lo, hi, scale=0.3, config=SMALL)[1] * wl),
-                 argnums=(0, 1))(q, k)
-    gw = jax.grad(lambda q, k: jnp.sum(lse_dense(q, k) * wl), argnums=(0, 1))(q, k)
+    g = jax.jit(jax.grad(lambda q, k: jnp.sum(flash_attention(q, k, v, lo, hi, scale=0.3, config=SMALL)[1] * wl),
+                         argnums=(0, 1)))(q, k)
+    gw = jax.jit(jax.grad(lambda q, k: jnp.sum(lse_dense(q, k) * wl), argnums=(0, 1)))(q, k)
     for a, b in zip(g, gw):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 

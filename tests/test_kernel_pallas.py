@@ -6,6 +6,7 @@ Small shapes with small tiles so that the vocabulary / KV loops, the tails (voca
 tile) and the split merges are all exercised while interpret mode stays fast.
 """
 import dataclasses
+import functools
 import re
 
 import jax
@@ -33,7 +34,8 @@ def _eq(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-@pytest.mark.parametrize("b,k", [(1, 1), (5, 3), (19, 7), (3, 11)])
+# The default run keeps one draft, a K past the batch and a batch past K; --full adds (5, 3).
+@pytest.mark.parametrize("b,k", [(1, 1), pytest.param(5, 3, marks=pytest.mark.full), (19, 7), (3, 11)])
 def test_metadata_kernel_equals_reference(b, k):
     rs = np.random.default_rng(b * k)
     args = (jnp.asarray(rs.integers(0, k + 1, b), jnp.int32), jnp.asarray(rs.integers(0, 5000, (b, k + 1)), jnp.int32),
@@ -60,10 +62,11 @@ def _accept_case(seed, b, k, v, dtype, with_q, trunc):
     return logits, jnp.asarray(drafts), q, kw
 
 
+# The default run keeps each dtype, with and without draft probabilities and truncation; --full adds (3, 7, 257).
 @pytest.mark.parametrize("b,k,v,dtype,with_q,trunc", [
     (8, 1, 300, jnp.float32, False, False),
     (6, 3, 1000, jnp.bfloat16, False, True),
-    (3, 7, 257, jnp.bfloat16, True, False),
+    pytest.param(3, 7, 257, jnp.bfloat16, True, False, marks=pytest.mark.full),
     (2, 11, 130, jnp.float32, True, True),
 ])
 def test_acceptance_kernel_equals_reference(b, k, v, dtype, with_q, trunc):
@@ -127,7 +130,9 @@ def test_kernels_lower_to_triton_for_cuda():
         jax.ShapeDtypeStruct((2,), jnp.int32), jax.ShapeDtypeStruct((32,), jnp.float32))
 
 
-@pytest.mark.parametrize("p,din,dout,e,dtype", [(1, 32, 48, 4, jnp.float32), (8, 64, 96, 16, jnp.float32),
+# The default run keeps P = 1, each dtype, the repeated rows and the accumulator cap; --full adds (8, 64, 96, 16).
+@pytest.mark.parametrize("p,din,dout,e,dtype", [(1, 32, 48, 4, jnp.float32),
+                                                pytest.param(8, 64, 96, 16, jnp.float32, marks=pytest.mark.full),
                                                 (24, 128, 80, 5, jnp.bfloat16), (64, 48, 2880 // 36, 128, jnp.float32),
                                                 (40, 2880 // 45, 64, 3, jnp.bfloat16),
                                                 (100, 32, 256, 40, jnp.float32)])
@@ -213,6 +218,7 @@ def test_target_cached_forward_with_attention_kernel():
     tokens = jax.random.randint(jax.random.key(1), (2, 4), 0, 64)
     pos = jnp.array([[3, 4, 5, 6], [9, 10, 11, 12]], jnp.int32)
 
+    @functools.partial(jax.jit, static_argnums=0)  # one program each (eager, every op compiles on its own)
     def run(impl):
         cache = init_cache(cfg, 2, 16, jnp.float32)
         prefix = jnp.broadcast_to(jnp.arange(9, dtype=jnp.int32), (2, 9))

@@ -44,8 +44,8 @@ def test_aux_hidden_states_match_transformers(pair):
     with torch.no_grad():
         hs = model(torch.as_tensor(ids), output_hidden_states=True).hidden_states
     layer_ids = (0, 2, 4)
-    out = forward(target, jnp.asarray(ids, jnp.int32), jnp.arange(12)[None], aux_layer_ids=layer_ids,
-                  return_final=True)
+    out = jax.jit(forward, static_argnames=("aux_layer_ids", "return_final"))(  # one program (eager: an op each)
+        target, jnp.asarray(ids, jnp.int32), jnp.arange(12)[None], aux_layer_ids=layer_ids, return_final=True)
     ref = np.concatenate([hs[k].numpy() for k in layer_ids], axis=-1)
     assert rel_err(out.aux, ref) <= 1e-5
     # hidden_states[L] is post-norm in HF; our final pre-norm state normalised must match it
