@@ -81,7 +81,7 @@ class Generation:
         c = dataclasses.replace(c, max_slots=n, max_len=max(max_len, 2), max_admit_rows=None)
         self._engine = eng = Engine(target, drafter, c, acceptance=acceptance)
         self.n, self.spec, self._lengths = n, eng.spec, lengths
-        eng.precompile_admissions([lengths])
+        eng.precompile_admissions([lengths], max_new_tokens=most)
         self._layout = I.prefill_buckets(lengths, eng.max_len, eng.prefill)
         self._ids = [eng.submit(r, RequestParams(int(m), float(t), int(a), float(p), int(s),
                                                  tuple(int(x) for x in e if x >= 0)), stop_at_capacity=True)

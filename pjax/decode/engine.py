@@ -338,10 +338,13 @@ class Engine:
                 keys += [(b, lp, packed_len) for packed_len in self._packed_options(b, lp)]
         return self._precompile(keys, warm)
 
-    def precompile_admissions(self, admissions: Iterable[Sequence[int]], *, warm: bool = False) -> float:
+    def precompile_admissions(self, admissions: Iterable[Sequence[int]], *, warm: bool = False,
+                              max_new_tokens: Optional[int] = None) -> float:
         """`precompile` for given admissions, each the prompt lengths of its requests (in queue order): the chunk
-        program and exactly the admission programs these admissions run, one per group of max_admit_rows
-        (`precompile` builds every program of their buckets)."""
+        programs and exactly the admission programs these admissions run, one per group of max_admit_rows
+        (`precompile` builds every program of their buckets). max_new_tokens: the most tokens any of these requests
+        may emit, if known: requests too short to outlive a chunk never run the fixed-trip chunk, which is then not
+        built (it would still compile on first use)."""
         keys = []
         for lengths in admissions:
             if not 1 <= len(lengths) <= self.max_slots or not all(1 <= n <= self.max_len for n in lengths):
@@ -350,19 +353,21 @@ class Engine:
             a = self.max_admit_rows
             keys += [I.prefill_buckets(lengths[i:i + a], self.max_len, self.prefill)
                      for i in range(0, len(lengths), a)]
-        return self._precompile(keys, warm)
+        fixed = max_new_tokens is None or max_new_tokens > self.rounds_per_step * (self.spec.k + 1)
+        return self._precompile(keys, warm, fixed)
 
-    def _precompile(self, keys: Sequence[tuple[int, int, Optional[int]]], warm: bool) -> float:
-        """The chunk and the admission programs of `keys` ((rows, lp, packed_len) buckets), compiled in threads,
-        then (warm) each run once in order."""
+    def _precompile(self, keys: Sequence[tuple[int, int, Optional[int]]], warm: bool, fixed: bool = True) -> float:
+        """The chunk programs (the fixed-trip one if `fixed`) and the admission programs of `keys` ((rows, lp,
+        packed_len) buckets), compiled in threads, then (warm) each run once in order."""
         before = self.compile_s
         keys = list(dict.fromkeys(keys))
-        jobs = [lambda fixed=fixed: self._chunk_program(fixed) for fixed in (True, False)]
+        chunks = (True, False) if fixed else (False,)
+        jobs = [lambda fixed=fixed: self._chunk_program(fixed) for fixed in chunks]
         jobs += [lambda key=key: self._admit_program(*key, self._admission_args([], [], *key[:2]))
                  for key in keys if key not in self._admit_exe]
         with ThreadPoolExecutor(max_workers=min(len(jobs), COMPILE_THREADS)) as pool:
             list(pool.map(lambda job: job(), jobs))
-        for fixed in (True, False) if warm and not self._slots else ():
+        for fixed in chunks if warm and not self._slots else ():
             self._state = self._chunk_program(fixed)(*self._chunk_args(fixed, 1))[0]
         for key in keys if warm else ():
             args = self._admission_args([], [], *key[:2])
