@@ -14,6 +14,8 @@ def _fast(monkeypatch):
     fast_default_compiles(monkeypatch)  # the script takes no compiler options
 
 
+# The benchmark script's runs: with --full (the engine and prefill they time are checked by the engine tests).
+@pytest.mark.full
 def test_bench_generate_prefill_tiny(tmp_path):
     bench = load_example("benchmarks/bench_generate.py")
     out = tmp_path / "prefill.json"
@@ -34,6 +36,8 @@ def test_bench_generate_prefill_tiny(tmp_path):
     assert res["programs_compiled"] == {"admit": 4, "chunk_ending": 2}
 
 
+# With --full, as above.
+@pytest.mark.full
 def test_bench_generate_host_tiny(tmp_path, monkeypatch):
     """The host mode times a generation's start at each shape's layer count with tiny widths, for the three drafting
     modes, and nothing compiles while it is timed (every call after the warm-up finds its programs)."""

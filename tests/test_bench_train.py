@@ -1,5 +1,6 @@
 """Smoke test of examples/benchmarks/bench_train.py --tiny on CPU: each head objective and the remat switch reach the
 step that is timed (one process per configuration, as on the GPU), and the result rows say what ran."""
+import pytest
 import json
 
 from tests.example_utils import load_example
@@ -9,6 +10,8 @@ def load_bench():
     return load_example("benchmarks/bench_train.py")
 
 
+# The benchmark script's run: with --full (the training steps it times are checked by the training tests).
+@pytest.mark.full
 def test_bench_train_heads_tiny(tmp_path):
     bench = load_bench()
     rows = []

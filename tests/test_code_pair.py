@@ -4,8 +4,11 @@ decoding; a re-run does nothing; a training stage stopped mid-way and resumed gi
 changed settings are refused without --force.
 
 The mechanism tests run on RECIPE, the tiny recipe with fewer files, target steps and head steps (a pair that
-decodes but has learned little); the full tiny build, whose heads learn and whose target writes readable text, runs
-with --full (head learning is also checked in the default run by tests/test_train_loop.py)."""
+decodes but has learned little); the full tiny build, whose heads learn and whose target writes readable text. Both
+builds run with --full only: the recipe is an example, and what it relies on is checked in the default run by the
+library's tests (exports against transformers / speculators: tests/test_hf_export.py, tests/test_drafter_parity.py;
+greedy speculative == plain: tests/test_engine_greedy.py; exact resume: tests/test_train_loop.py; a head learning:
+tests/test_parallel_consistency.py)."""
 import dataclasses
 import json
 import shutil
@@ -65,6 +68,7 @@ def tiny_build_dir(tmp_path_factory):
     return out
 
 
+@pytest.mark.full
 def test_outputs(build_dir):
     manifest = json.loads((build_dir / "pair" / "corpus_manifest.json").read_text())
     held = {f["path"] for f in manifest["files"] if f["split"] == "held_out"}
@@ -88,6 +92,7 @@ def test_outputs(build_dir):
     assert len(replay["acceptance_rates"]) == len(replay["every_anchor_chain"]) == RECIPE.peagle_depths
 
 
+@pytest.mark.full
 def test_target_matches_transformers(build_dir):
     path = build_dir / "pair" / "target"
     prompt = json.loads((build_dir / "pair" / "prompts.jsonl").open().readline())["prompt"]
@@ -123,6 +128,7 @@ def speculators_logits(model, monkeypatch, hs, ids, anchor, depth):
     return cap["logits"][0].float().numpy()
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("head", ["peagle", "eagle3"])
 def test_heads_match_speculators(build_dir, head, monkeypatch):
     path = build_dir / "pair" / head
@@ -148,6 +154,7 @@ def test_heads_match_speculators(build_dir, head, monkeypatch):
     assert got.shape == ref.shape and rel_err(got, ref) <= 1e-4, rel_err(got, ref)
 
 
+@pytest.mark.full
 def test_speculative_equals_plain(build_dir):
     """The check stage decoded benchmark prompts through pjax.generate: plain, P-EAGLE (parallel) and EAGLE-3
     (sequential) greedy decoding of the float32 tiny pair."""
@@ -186,12 +193,14 @@ def test_recipe_warns_when_a_head_does_not_learn():
     assert cp.not_learned("eagle3", acceptance_length=2.5) is None
 
 
+@pytest.mark.full
 def test_rerun_does_nothing(build_dir):
     before = {s: (build_dir / s / "stage.json").stat().st_mtime_ns for s in cp.STAGES}
     assert cp.build(build_dir, RECIPE, progress=False, log=lambda s: None) == {s: "done" for s in cp.STAGES}
     assert before == {s: (build_dir / s / "stage.json").stat().st_mtime_ns for s in cp.STAGES}
 
 
+@pytest.mark.full
 def test_stage_locks(build_dir):
     """Different stages of one build may run at once (the two heads, each on its own GPU); a stage being built, or
     one a running stage reads, is refused to another process."""
@@ -225,6 +234,7 @@ class StopAfter:
         return self.n < 0
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("stage", ["target"])  # the heads resume through train_drafter (tests/test_train_loop.py)
 def test_stopped_training_resumes_exactly(build_dir, tmp_path, stage):
     upstream = cp.inputs(stage)
@@ -247,6 +257,7 @@ def test_stopped_training_resumes_exactly(build_dir, tmp_path, stage):
     assert [h["loss"] for h in first] == [h["loss"] for h in again]
 
 
+@pytest.mark.full
 def test_target_minutes_fixes_the_steps_after_the_warmup(build_dir, tmp_path):
     out = tmp_path / "build"
     _copy_stages(build_dir, out, cp.inputs("target"))
@@ -258,6 +269,7 @@ def test_target_minutes_fixes_the_steps_after_the_warmup(build_dir, tmp_path):
     assert summary["history"][-1]["step"] == plan["steps"]
 
 
+@pytest.mark.full
 def test_regenerated_head_data(build_dir):
     out, recipe = build_dir, RECIPE
     assert recipe.head_data == "regenerated"
@@ -292,6 +304,7 @@ def test_regenerated_head_data(build_dir):
     assert len(peagle["held_out"]["chain_acc"]) == recipe.peagle_depths and peagle["held_out"]["tokens_per_s"] > 0
 
 
+@pytest.mark.full
 def test_changed_settings_are_refused(build_dir, tmp_path):
     with pytest.raises(cp.RecipeError, match=r"eagle3_ttt_steps: 3 -> 2.*--force"):
         cp.build(build_dir, dataclasses.replace(RECIPE, eagle3_ttt_steps=2), stages=("eagle3",), progress=False)

@@ -244,6 +244,8 @@ def test_vmap_single_round_equals_batched_engine(models):
 
 # ------------------------------------------------------------------------------------------- benchmark
 
+# The benchmark script's run: with --full (the rounds it times are checked by the engine tests).
+@pytest.mark.full
 def test_bench_engine_tiny(tmp_path, monkeypatch):
     mod = load_example("benchmarks/bench_engine.py")
     monkeypatch.setenv("OUT", str(tmp_path))

@@ -10,11 +10,15 @@ Measured 2026-11-28 (JAX 0.10.2): 120 target + 30 head steps give 3.04 at K = 4 
 smaller target batch leaves the degenerate target (4 rows of 128 tokens: 4.79; 4 rows of 64: 4.96).
 """
 
+import pytest
 import pjax
 from tests.engine_utils import fast_default_compiles
 from tests.example_utils import load_example
 
 
+# The README's example end to end (about 50 s): with --full; training a head that learns is checked by
+# tests/test_parallel_consistency.py::test_tiny_pair_learns, greedy speculative == plain by the engine tests.
+@pytest.mark.full
 def test_main_job_short(tmp_path, monkeypatch):
     fast_default_compiles(monkeypatch)  # the acceptance check's decoding programs: compiled fast, run the same
     mod = load_example("train_peagle.py")
