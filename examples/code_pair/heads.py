@@ -2,7 +2,6 @@
 step and row length, with orbax checkpoints and a held-out evaluation."""
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from pathlib import Path
@@ -10,7 +9,7 @@ from pathlib import Path
 import jax
 
 from examples.code_pair.data import special_ids
-from examples.code_pair.recipe import fmt, not_learned, write_json
+from examples.code_pair.recipe import fmt, not_learned, resume, write_json
 from examples.code_pair.regen import head_documents
 from examples.code_pair.target import load_code_target
 
@@ -40,7 +39,6 @@ def _head_config(b, objective: str, target, docs):
 def _train_head(b, work: Path, objective: str) -> dict:
     from pjax.checkpoint import save_drafter
     from pjax.train import RowStream, evaluate_drafter, init_drafter_for_target, make_mesh, train_drafter
-    from pjax.train.checkpoint import Checkpointer
     from pjax.train.loop import format_metrics
     from pjax.train.state import drafter_from_state, init_train_state
     from pjax.train.step import replicate
@@ -54,12 +52,8 @@ def _train_head(b, work: Path, objective: str) -> dict:
     target = replicate(target32 if r.compute_dtype is None else target32.astype(r.compute_dtype), mesh)
     stream = RowStream(docs, r.head_seq_len, r.head_batch_rows, seed=r.seed + 1)
     state = replicate(init_train_state(drafter, cfg), mesh)
-    ckpt = Checkpointer(work / "ckpt", max_to_keep=1)
+    ckpt, state, history = resume(work, state)
     history_path = work / "history.json"
-    history = []
-    if ckpt.latest_step() is not None:
-        state = ckpt.restore(state)
-        history = json.loads(history_path.read_text()) if history_path.exists() else []
     start = int(jax.device_get(state.step))
     tokens = r.head_steps * r.head_batch_rows * r.head_seq_len
     b.log(f"{objective}: {dcfg.layer.num_layers} layer(s), aux layers {dcfg.aux_layer_ids}, "

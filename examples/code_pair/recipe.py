@@ -172,6 +172,17 @@ def write_json(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
+def resume(work: Path, state):
+    """A training stage's (checkpointer, state, logged history): restored from its checkpoint under `work` when
+    there is one, else (a new checkpointer, `state`, []). The history lives in work / "history.json"."""
+    from pjax.train.checkpoint import Checkpointer
+    ckpt = Checkpointer(work / "ckpt", max_to_keep=1)
+    if ckpt.latest_step() is None:
+        return ckpt, state, []
+    path = work / "history.json"
+    return ckpt, ckpt.restore(state), json.loads(path.read_text()) if path.exists() else []
+
+
 def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 

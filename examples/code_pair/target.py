@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from examples.code_pair.data import documents, load_tokenizer, special_ids
-from examples.code_pair.recipe import RecipeError, write_json
+from examples.code_pair.recipe import RecipeError, resume, write_json
 
 
 def target_hf_config(b) -> dict:
@@ -86,7 +86,6 @@ def stage_target(b, work: Path) -> dict:
     from pjax.checkpoint import save_native_target
     from pjax.models.families import config_from_hf
     from pjax.train import RowStream, TrainState
-    from pjax.train.checkpoint import Checkpointer
     from pjax.train.target_lm import causal_lengths, make_lm_step
     r = b.recipe
     if r.target_minutes is not None and r.target_warmup < 10:
@@ -105,12 +104,8 @@ def stage_target(b, work: Path) -> dict:
     stream = RowStream(documents(b, "train"), r.target_seq_len, r.target_batch_rows, seed=r.seed)
     state = TrainState(jnp.zeros((), jnp.int32), target.params, init(target.params),
                        jax.random.key_data(jax.random.key(r.seed)), jnp.zeros((), jnp.int32))
-    ckpt = Checkpointer(work / "ckpt", max_to_keep=1)
+    ckpt, state, history = resume(work, state)
     history_path = work / "history.json"
-    history = []
-    if ckpt.latest_step() is not None:
-        state = ckpt.restore(state)
-        history = json.loads(history_path.read_text()) if history_path.exists() else []
     start = int(state.step)
     n_params = sum(x.size for x in jax.tree.leaves(target.params))
     epoch_tokens = stream.batches_per_epoch * per_step
