@@ -5,6 +5,7 @@ counts what the responses report; and `python -m pjax serve` shut down under loa
 exits within its grace period.
 """
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -493,47 +494,56 @@ class _StuckEngine:
         return [Event(r, [5], False) for r in self.running]
 
 
+@contextlib.contextmanager
+def _stuck_server(gen):
+    """(server, url, thread): the command's uvicorn server (grace 0.5 s) over an engine that never finishes a step,
+    started on a free port in a background thread."""
+    bridge = AsyncEngine(_StuckEngine())
+    model = ServedModel(name=NAME, tokenizer=gen.tokenizer, vocab_size=V, max_len=MAX_LEN, slack=0, drafting="none",
+                        num_speculative_tokens=0)
+    server = make_server(create_app(bridge, model), grace_s=0.5, log_level="warning")
+    sock = _bind("127.0.0.1", 0)
+    thread = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.01)
+        yield server, f"http://127.0.0.1:{sock.getsockname()[1]}", thread
+    finally:
+        bridge.close()
+        sock.close()
+
+
 def test_requests_that_outlive_the_shutdown_still_end_cleanly(gen, monkeypatch):
     """Requests the aborts cannot end (the engine is stuck) are ended by the server once its grace period and abort
     wait are over: a stream with an error chunk and [DONE], a plain request with a 503 JSON error; no traceback."""
     import pjax.serve.cli as cli
 
     monkeypatch.setattr(cli, "ABORT_WAIT_S", 0.5)
-    bridge = AsyncEngine(_StuckEngine())
-    model = ServedModel(name=NAME, tokenizer=gen.tokenizer, vocab_size=V, max_len=MAX_LEN, slack=0, drafting="none",
-                        num_speculative_tokens=0)
-    server = make_server(create_app(bridge, model), grace_s=0.5, log_level="warning")
     notices = Notices()
     logging.getLogger("uvicorn.error").addHandler(notices)
-    sock = _bind("127.0.0.1", 0)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    thread = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)
-    thread.start()
     try:
-        while not server.started:
-            time.sleep(0.01)
-        body = {"model": NAME, "prompt": "hi", "max_tokens": 100}
-        out = {}
+        with _stuck_server(gen) as (server, url, thread):
+            body = {"model": NAME, "prompt": "hi", "max_tokens": 100}
+            out = {}
 
-        def plain():
-            out["plain"] = httpx.post(url + "/v1/completions", json=body, timeout=30)
-        t = threading.Thread(target=plain)
-        t.start()
-        with httpx.stream("POST", url + "/v1/completions", json=dict(body, stream=True), timeout=30) as r:
-            lines = []
-            for line in r.iter_lines():
-                if line:
-                    lines.append(line)
-                if len(lines) == 2:
-                    t0 = time.monotonic()
-                    server.should_exit = True
-        t.join(30)
-        thread.join(30)
-        assert not thread.is_alive() and time.monotonic() - t0 < 0.5 + 0.5 + 2
+            def plain():
+                out["plain"] = httpx.post(url + "/v1/completions", json=body, timeout=30)
+            t = threading.Thread(target=plain)
+            t.start()
+            with httpx.stream("POST", url + "/v1/completions", json=dict(body, stream=True), timeout=30) as r:
+                lines = []
+                for line in r.iter_lines():
+                    if line:
+                        lines.append(line)
+                    if len(lines) == 2:
+                        t0 = time.monotonic()
+                        server.should_exit = True
+            t.join(30)
+            thread.join(30)
+            assert not thread.is_alive() and time.monotonic() - t0 < 0.5 + 0.5 + 2
     finally:
         logging.getLogger("uvicorn.error").removeHandler(notices)
-        bridge.close()
-        sock.close()
     assert lines[-1] == "data: [DONE]"
     assert json.loads(lines[-2].removeprefix("data: "))["error"]["message"] == (
         "the server shut down before the request finished")
@@ -588,17 +598,7 @@ def test_a_failing_listener_does_not_stop_the_engine():
 def test_a_body_still_arriving_at_the_end_of_the_grace_period_gets_503(gen):
     """A client still sending its body when the grace period ends gets a 503 then, not at its body timeout or when the
     server stops waiting."""
-    bridge = AsyncEngine(_StuckEngine())
-    model = ServedModel(name=NAME, tokenizer=gen.tokenizer, vocab_size=V, max_len=MAX_LEN, slack=0, drafting="none",
-                        num_speculative_tokens=0)
-    server = make_server(create_app(bridge, model), grace_s=0.5, log_level="warning")
-    sock = _bind("127.0.0.1", 0)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    thread = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)
-    thread.start()
-    try:
-        while not server.started:
-            time.sleep(0.01)
+    with _stuck_server(gen) as (server, url, thread):
         out = {}
 
         def slow_client():
@@ -611,8 +611,5 @@ def test_a_body_still_arriving_at_the_end_of_the_grace_period_gets_503(gen):
         server.should_exit = True
         t.join(30)
         thread.join(30)
-    finally:
-        bridge.close()
-        sock.close()
     assert out["reply"].startswith(b"HTTP/1.1 503 ") and b"the server is shutting down" in out["reply"], out
     assert out["t"] - t0 < 0.5 + 2 and not thread.is_alive()
