@@ -25,7 +25,7 @@ import sys
 import time
 
 from pjax.command import dtype_flag, run_command
-from pjax.decode.settings import DEFAULT_MAX_LEN, add_flags, config_from_flags
+from pjax.decode.settings import DEFAULT_MAX_LEN, add_flags, config_from_flags, number_flag
 from pjax.dtypes import parse_dtype
 from pjax.serve.limits import ServerLimits
 
@@ -44,14 +44,8 @@ class _Terminated(BaseException):
     """SIGTERM: a requested, clean shutdown."""
 
 
-def _positive(text):
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{text} must be >= 1")
-    return v
+_positive = number_flag(int, low=1)
+_port = number_flag(int, low=0, high=65535)  # 0: any free port
 
 
 def _seconds(text):
@@ -61,16 +55,6 @@ def _seconds(text):
         raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
     if not (v > 0 and math.isfinite(v)):
         raise argparse.ArgumentTypeError(f"{text} must be a number of seconds > 0")
-    return v
-
-
-def _port(text):
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if not 0 <= v <= 65535:
-        raise argparse.ArgumentTypeError(f"{text} must be in [0, 65535] (0: any free port)")
     return v
 
 
