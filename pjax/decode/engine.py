@@ -64,7 +64,8 @@ from pjax.models import sharding as SH
 from pjax.models.pairing import pair_warnings
 from pjax.models.target import consistent_target
 
-__all__ = ["Engine", "EngineConfig", "Event", "RequestParams", "STOP_WIDTH", "acceptance_stats", "admit"]
+__all__ = ["Engine", "EngineConfig", "Event", "RequestParams", "STOP_WIDTH", "acceptance_stats", "admit", "mesh_config",
+           "state_shardings"]
 
 STOP_WIDTH = 8  # stop ids per request: the width of the device's stop table (fixed: it never recompiles)
 
@@ -215,7 +216,7 @@ def _check_int(v, name: str, low: int):
     return int(v)
 
 
-def _mesh_config(c: EngineConfig, mesh) -> EngineConfig:
+def mesh_config(c: EngineConfig, mesh) -> EngineConfig:
     """The config under `mesh`: the kernels' XLA references where the mesh has several devices (the Pallas kernels
     do not run per shard yet)."""
     if not isinstance(mesh, jax.sharding.Mesh) or set(mesh.axis_names) != {SH.DATA_AXIS, SH.MODEL_AXIS}:
@@ -255,7 +256,7 @@ class Engine:
         c = config
         slots = _check_int(c.max_slots, "max_slots", 1)
         if mesh is not None:
-            c = _mesh_config(c, mesh)
+            c = mesh_config(c, mesh)
             slots = max(slots, SH.axis_size(mesh, SH.DATA_AXIS))
         if c.max_len is None:
             mpe = getattr(getattr(target, "config", None), "max_position_embeddings", None)
