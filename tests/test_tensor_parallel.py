@@ -316,3 +316,29 @@ def test_bench_tensor_parallel(tmp_path, capsys):
                "--no-progress", "--out", str(tmp_path / "out")])
     assert rc == 0 and re.search(r"parallel K=3 c=1: .*, exact 2/2", capsys.readouterr().out)
     assert "tensor parallel over 2 devices" in (tmp_path / "out" / "bench.md").read_text()
+
+
+@inner
+def test_accept_over_split_vocabulary():
+    """The acceptance rule on logits split by vocabulary over 8 devices (as the LM head leaves them) gives the
+    one-device tokens: greedy rows with the top logit tied across shards (lowest id wins), sampled rows with and
+    without top-k / top-p."""
+    from jax.sharding import NamedSharding
+    from pjax.kernels import accept
+    b, k = 8, 3
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((b, k + 1, V)).astype(np.float32)
+    logits[:, :, [5, 37, 100]] = logits.max() + 1.0  # ties in three shards of 16 lanes
+    drafts = np.where(rng.random((b, k)) < 0.5, 5, rng.integers(0, V, (b, k))).astype(np.int32)
+    kw = dict(temperature=jnp.asarray([0, 0, 1, 1, 0.7, 0.7, 1.3, 1.3], jnp.float32),
+              top_k=jnp.asarray([0, 0, 0, 0, 10, 0, 40, 2], jnp.int32),
+              top_p=jnp.asarray([1, 1, 1, 0.9, 1, 0.5, 0.8, 1], jnp.float32),
+              seeds=jnp.arange(b, dtype=jnp.uint32), positions=jnp.full((b,), 9, jnp.int32),
+              num_drafts=jnp.full((b,), k, jnp.int32), implementation="xla")
+    one = accept(jnp.asarray(logits), jnp.asarray(drafts), **kw)
+    split = jax.device_put(logits, NamedSharding(pjax.make_mesh(1, 8), P(None, None, "model")))
+    got = accept(split, jnp.asarray(drafts), **kw)
+    for a, c in zip(one, got):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+    greedy = np.asarray(one.tokens)[:2]
+    assert (greedy[greedy >= 0] == 5).all()  # the lowest of the tied ids, in the first shard
