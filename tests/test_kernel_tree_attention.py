@@ -123,3 +123,18 @@ def test_tree_kernel_lowers_for_cuda():
         q_, k_, v_, p_, scale=0.1, window=4096, sinks=sk, kv_len=l_, tree_start=st, tree_visible=vis,
         interpret=False), bf(2, 65, 32, 128), bf(2, 16384, 4, 128), bf(2, 16384, 4, 128), i32(2, 65), i32(2), i32(2),
         jax.ShapeDtypeStruct((2, 65, 65), jnp.bool_), jax.ShapeDtypeStruct((32,), jnp.float32))
+
+
+@pytest.mark.full
+def test_query_blocks_without_tree():
+    """Past 128 rows without a tree (T = 40 causal queries at g = 4: two query blocks, each with its own key
+    range) the kernel equals the reference."""
+    from pjax.kernels.cache_attention import cache_attention
+    rs = np.random.default_rng(6)
+    q = jnp.asarray(rs.normal(size=(2, 40, 8, 16)), jnp.float32)
+    k, v = (jnp.asarray(rs.normal(size=(2, 120, 2, 16)), jnp.float32) for _ in range(2))
+    q_pos = jnp.asarray(np.array([[3], [70]]) + np.arange(40)[None], jnp.int32)
+    kw = dict(scale=0.25, window=32, sinks=jnp.asarray(rs.normal(size=8), jnp.float32),
+              kv_len=jnp.asarray([43, 105], jnp.int32))
+    ref = cache_attention(q, k, v, q_pos, **kw, implementation="xla")
+    _check(attn_pallas.cache_attention(q, k, v, q_pos, **kw, block_k=16), ref, jnp.float32)

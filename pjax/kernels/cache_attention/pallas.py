@@ -1,19 +1,27 @@
 """Pallas (Triton) flash-decoding attention of a few queries per row over a KV cache.
 
-Why: verify (K+1 queries) and parallel drafting (2K queries) attend over a long cache with few
-queries, so the cost is reading K/V once. The XLA reference reads the whole cache capacity S and
+Why: verify (K+1 queries), parallel drafting (2K queries) and draft-tree verification (root + N nodes) attend over a
+long cache with few queries, so the cost is reading K/V once. The XLA reference reads the whole cache capacity S and
 materialises [B, nh, T, S] scores; this kernel reads only the visible range [lo, hi) of each row
 (hi = min(S, kv_len, max q_pos + 1), lo from the sliding window), each K/V tile once for all T
 queries and all g = nh / nkv query heads sharing the KV head (GQA), and splits that range over
 `num_splits` programs (flash-decoding) so batch 1 still fills the GPU.
-Grid: (B, nkv, splits), about one program per SM (`hardware.gpu().wave`). Each program holds a [M, hd] query tile (M = next power of
-two >= T * g, rows = (query, head-in-group)) and streams [BK, hd] K/V tiles (3-stage pipeline) with an online
+Grid: (B, nkv, query blocks x splits), about one program per SM (`hardware.gpu().wave`). Each program holds a
+[M, hd] query tile (rows = (query, head-in-group) pairs; M = next power of two >= T * g up to
+`AttentionConfig.max_query_rows`, past that blocks of max_query_rows rows, one program per block: `query_blocks`)
+and streams [BK, hd] K/V tiles (3-stage pipeline) with an online
 softmax in base 2 (scale folded into one multiply-add before `ex2.approx`); only the tiles at the edges of the
 visible range (causal diagonal, window start, kv_len, cache end) apply a mask, the interior runs mask-free; partial
 (o, m, l) per split are merged by a second small kernel (all splits of a [rows, 32 dims] block loaded at once)
 that also adds the attention sinks and writes [B, T, nh, hd] directly.
-Bytes moved: 2 * B * nkv * (hi - lo) * hd * itemsize of K/V + the tiny q and partials, written once and
-read once (B * splits * nkv * M * (hd * itemsize + 8)).
+Token trees (`tree_start`, `tree_visible`): the tree's T tokens sit at cache slots tree_start .. tree_start + T - 1
+while their positions (q_pos) are tree_start + depth, so hi = min(S, tree_start + T); keys below tree_start follow
+the position rules, the edge tiles reaching the tree slots also load the [M, BK] ancestor bits of their rows'
+queries from tree_visible (bool, one byte per (query, slot) as XLA stores it: no packing pass per call), and the
+interior tiles stay mask-free. Without a tree that code is not traced: the kernel is the same as without the option.
+Bytes moved: 2 * B * nkv * query blocks * (hi - lo) * hd * itemsize of K/V (each query block's programs read the
+K/V again; they run in the same wave, so the repeats mostly hit L2) + the tiny q, tree mask and partials, written
+once and read once (B * splits * nkv * query blocks * M * (hd * itemsize + 8)).
 Numerics: scores and the running sums in float32; probabilities are cast to V's dtype before the PV
 product (as the reference does); float32 inputs multiply at the precision JAX's default matmul precision asks for
 (`_pallas_util.dot_precision`: full float32 under "highest"); the unnormalised partial o is stored in q's dtype when that is 16-bit
