@@ -12,7 +12,7 @@ from tests.gpu_lowering import lower_for_gpu
 
 
 def _tree(rs, n):
-    """parent[i] of nodes 1..n (node 0 = root) sampled before them -> (depth [n + 1], ancestor-or-self [n + 1, n + 1])."""
+    """Nodes 1..n (0 = root), parents sampled before them -> (depth [n + 1], ancestor-or-self [n + 1, n + 1])."""
     depth, vis = np.zeros(n + 1, np.int32), np.eye(n + 1, dtype=bool)
     for i in range(1, n + 1):
         p = rs.integers(0, i)
@@ -75,27 +75,27 @@ def test_chain_tree_equals_no_tree():
     _check(out, _brute_force(q, k, v, q_pos, start, visible, scale=0.25, window=24, **kw), jnp.bfloat16)
 
 
-# (seed, b, nodes, nh, nkv, hd, s, dtype, tree starts, window, kv_len, sinks)
+# (seed, b, nodes, nh, nkv, hd, s, dtype, tree starts, window, kv_len, sinks, block_k, splits)
 TREE_CASES = [
     # GQA 4 (36 rows), float32: start near 0, starts not on a tile, mask-free tiles inside the window, kv_len
     # both past the tree and cut below its start, sinks
-    (1, 3, 8, 8, 2, 16, 100, jnp.float32, [1, 37, 70], 40, True, True),
+    (1, 3, 8, 8, 2, 16, 100, jnp.float32, [1, 37, 70], 40, True, True, 16, None),
     # g = 8, 16 nodes: 136 rows in two query blocks; the tree at slot 0 and mid-cache, no window
-    (2, 2, 16, 8, 1, 16, 80, jnp.bfloat16, [0, 45], None, False, False),
+    (2, 2, 16, 8, 1, 16, 80, jnp.bfloat16, [0, 45], None, False, False, 16, None),
     # extra coverage (--full): MHA, head_dim not a power of two, a tree ending at the cache end
-    pytest.param(3, 2, 12, 4, 4, 24, 64, jnp.bfloat16, [51, 20], 8, True, True, marks=pytest.mark.full),
+    pytest.param(3, 2, 12, 4, 4, 24, 64, jnp.bfloat16, [51, 20], 8, True, True, 16, None, marks=pytest.mark.full),
     # g = 8 with 64 nodes: 520 rows in five query blocks, float32, window
-    pytest.param(4, 1, 64, 8, 1, 32, 200, jnp.float32, [101], 64, True, False, marks=pytest.mark.full),
+    pytest.param(4, 1, 64, 8, 1, 32, 200, jnp.float32, [101], 64, True, False, 16, None, marks=pytest.mark.full),
     # g = 2 with 32 nodes (66 rows: one 128-row program), tiles of 32 keys, three splits
-    pytest.param(5, 2, 32, 4, 2, 16, 160, jnp.bfloat16, [3, 97], None, True, True, marks=pytest.mark.full),
+    pytest.param(5, 2, 32, 4, 2, 16, 160, jnp.bfloat16, [3, 97], None, True, True, 32, 3, marks=pytest.mark.full),
 ]
 
 
-@pytest.mark.parametrize("seed,b,n,nh,nkv,hd,s,dtype,starts,window,kv_len,sinks", TREE_CASES)
-def test_tree_kernel_matches_brute_force(seed, b, n, nh, nkv, hd, s, dtype, starts, window, kv_len, sinks):
+@pytest.mark.parametrize("seed,b,n,nh,nkv,hd,s,dtype,starts,window,kv_len,sinks,bk,splits", TREE_CASES)
+def test_tree_kernel_matches_brute_force(seed, b, n, nh, nkv, hd, s, dtype, starts, window, kv_len, sinks, bk,
+                                         splits):
     q, k, v, q_pos, start, visible, kw = _case(seed, b, n, nh, nkv, hd, s, dtype, starts, kv_len=kv_len, sinks=sinks)
     assert (np.asarray(q_pos) - start[:, None]).max() < n  # a tree, not a chain: some node has siblings
-    bk, splits = (32, 3) if seed == 5 else (16, None)
     out = jax.jit(lambda *a: attn_pallas.cache_attention(*a[:4], scale=hd ** -0.5, window=window, **kw,
                                                          tree_start=a[4], tree_visible=a[5], block_k=bk,
                                                          splits=splits))(q, k, v, q_pos, jnp.asarray(start),
