@@ -4,12 +4,13 @@ Why: verify (K+1 queries), parallel drafting (2K queries) and draft-tree verific
 long cache with few queries, so the cost is reading K/V once. The XLA reference reads the whole cache capacity S and
 materialises [B, nh, T, S] scores; this kernel reads only the visible range [lo, hi) of each row
 (hi = min(S, kv_len, max q_pos + 1), lo from the sliding window), each K/V tile once for all T
-queries and all g = nh / nkv query heads sharing the KV head (GQA), and splits that range over
-`num_splits` programs (flash-decoding) so batch 1 still fills the GPU.
-Grid: (B, nkv, query blocks x splits), about one program per SM (`hardware.gpu().wave`). Each program holds a
+queries and all g = nh / nkv query heads sharing the KV head (GQA; once per query block past 128 such rows), and
+splits that range over `num_splits` programs (flash-decoding) so batch 1 still fills the GPU.
+Grid: (B x query blocks, nkv, splits), about one program per SM (`hardware.gpu().wave`). Each program holds a
 [M, hd] query tile (rows = (query, head-in-group) pairs; M = next power of two >= T * g up to
-`AttentionConfig.max_query_rows`, past that blocks of max_query_rows rows, one program per block: `query_blocks`)
-and streams [BK, hd] K/V tiles (3-stage pipeline) with an online
+`AttentionConfig.max_query_rows`, past that blocks of max_query_rows rows, one program per block: `query_blocks`;
+the query blocks of one (row, KV head, split) are neighbours on the fastest launch axis, so they run together and
+share their K/V tiles through L2) and streams [BK, hd] K/V tiles (3-stage pipeline) with an online
 softmax in base 2 (scale folded into one multiply-add before `ex2.approx`); only the tiles at the edges of the
 visible range (causal diagonal, window start, kv_len, cache end) apply a mask, the interior runs mask-free; partial
 (o, m, l) per split are merged by a second small kernel (all splits of a [rows, 32 dims] block loaded at once)
@@ -20,7 +21,7 @@ the position rules, the edge tiles reaching the tree slots also load the [M, BK]
 queries from tree_visible (bool, one byte per (query, slot) as XLA stores it: no packing pass per call), and the
 interior tiles stay mask-free. Without a tree that code is not traced: the kernel is the same as without the option.
 Bytes moved: 2 * B * nkv * query blocks * (hi - lo) * hd * itemsize of K/V (each query block's programs read the
-K/V again; they run in the same wave, so the repeats mostly hit L2) + the tiny q, tree mask and partials, written
+K/V again; launched side by side, the repeats should mostly hit L2) + the tiny q, tree mask and partials, written
 once and read once (B * splits * nkv * query blocks * M * (hd * itemsize + 8)).
 Numerics: scores and the running sums in float32; probabilities are cast to V's dtype before the PV
 product (as the reference does); float32 inputs multiply at the precision JAX's default matmul precision asks for
@@ -67,12 +68,11 @@ def _kernel(q_ref, k_ref, v_ref, qpos_ref, *refs, t, g, s_len, hd, hdp, m_rows, 
     len_ref = refs[0] if has_len else None
     start_ref, vis_ref = refs[has_len:has_len + 2] if has_tree else (None, None)
     o_ref, m_ref, l_ref = refs[-3:]
-    b, h = pl.program_id(0), pl.program_id(1)
+    b, h, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     r = jnp.arange(m_rows, dtype=jnp.int32)
-    if nqb == 1:
-        sp, row0 = pl.program_id(2), 0
-    else:  # program axis 2 = (query block, split): rows row0 .. row0 + M - 1
-        sp, row0 = pl.program_id(2) % ns, pl.multiple_of(pl.program_id(2) // ns * m_rows, m_rows)
+    row0 = 0
+    if nqb > 1:  # program axis 0 = (row, query block): rows row0 .. row0 + M - 1
+        b, row0 = b // nqb, pl.multiple_of(b % nqb * m_rows, m_rows)
         r = row0 + r
     t_idx, j_idx = r // g, r % g
     rmask = t_idx < t
@@ -245,7 +245,7 @@ def partials(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, kv_l
     ins += [jnp.asarray(tree_start, jnp.int32), tree_visible] if has_tree else []
     full = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
     return pl.pallas_call(
-        kern, grid=(b, nkv, nqb * ns), out_shape=outs, in_specs=[full(x.shape) for x in ins],
+        kern, grid=(b * nqb, nkv, ns), out_shape=outs, in_specs=[full(x.shape) for x in ins],
         out_specs=[full(o.shape) for o in outs], name="pjax_cache_attention",
         **call_kwargs(num_warps, num_stages, interpret),
     )(*ins)
