@@ -19,7 +19,7 @@ Token trees (`tree_start`, `tree_visible`): the tree's T tokens sit at cache slo
 while their positions (q_pos) are tree_start + depth, so hi = min(S, tree_start + T); keys below tree_start follow
 the position rules, the edge tiles reaching the tree slots also load the [M, BK] ancestor bits of their rows'
 queries from tree_visible (bool, one byte per (query, slot) as XLA stores it: no packing pass per call), and the
-interior tiles stay mask-free. Without a tree that code is not traced: the kernel is the same as without the option.
+interior tiles stay mask-free. Without a tree none of this is traced.
 Bytes moved: 2 * B * nkv * query blocks * (hi - lo) * hd * itemsize of K/V (each query block's programs read the
 K/V again; launched side by side, the repeats should mostly hit L2) + the tiny q, tree mask and partials, written
 once and read once (B * splits * nkv * query blocks * M * (hd * itemsize + 8)).
