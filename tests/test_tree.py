@@ -1,0 +1,112 @@
+"""Draft trees: `build_tree` is the exact best-N by path probability (brute force over every token path of a tiny
+vocabulary), `accept_tree_greedy` equals a step-by-step walk of the tree and, on a chain, the chain's greedy
+acceptance; cache attention under a tree mask equals a brute-force masked attention and, for a chain, the position
+rule; greedy decoding with a tree equals plain greedy decoding token for token."""
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pjax.decode.tree import Tree, accept_tree_greedy, build_tree
+from pjax.kernels.acceptance.reference import accept as chain_accept
+from tests.engine_utils import FAST
+
+B, K, V, N = 3, 3, 4, 10
+
+build = jax.jit(build_tree, static_argnames=("budget",), compiler_options=FAST)
+accept = jax.jit(accept_tree_greedy, static_argnames=("depths",), compiler_options=FAST)
+
+
+def chain(tokens):
+    """The chain tree of tokens [B, K]: node i at depth i + 1, a child of node i - 1."""
+    b, k = tokens.shape
+    vis = np.tril(np.ones((k + 1, k + 1), bool))
+    return Tree(jnp.asarray(tokens, jnp.int32), jnp.broadcast_to(jnp.arange(-1, k - 1, dtype=jnp.int32), (b, k)),
+                jnp.broadcast_to(jnp.arange(1, k + 1, dtype=jnp.int32), (b, k)),
+                jnp.broadcast_to(jnp.asarray(vis), (b, k + 1, k + 1)))
+
+
+def paths(tree: Tree, b: int):
+    """Row b's nodes as token paths from the root (and checks of the tree's structure)."""
+    tok, par, dep, vis = (np.asarray(x[b]) for x in (tree.tokens, tree.parent, tree.depth, tree.visible))
+    out = []
+    for i in range(len(tok)):
+        p = par[i]
+        assert p < i  # a parent precedes its children
+        assert dep[i] == (1 if p < 0 else dep[p] + 1)
+        out.append((out[p] if p >= 0 else ()) + (int(tok[i]),))
+    for i, seq in enumerate(out):
+        anc = {j for j, s in enumerate(out) if s == seq[:len(s)]}
+        assert set(np.flatnonzero(vis[i + 1, 1:])) == anc and vis[i + 1, 0]
+    assert vis[0, 0] and not vis[0, 1:].any()
+    return out
+
+
+def test_build_tree_is_exact_best_n():
+    lp = jax.nn.log_softmax(jax.random.normal(jax.random.key(0), (B, K, V)) * 2, axis=-1)
+    tree = build(lp, budget=N)
+    lpn = np.asarray(lp, np.float32)
+    for b in range(B):
+        got = paths(tree, b)
+        assert len(set(got)) == N
+        every = [seq for d in range(1, K + 1) for seq in itertools.product(range(V), repeat=d)]
+        score = {seq: np.float32(sum(lpn[b, j, t] for j, t in enumerate(seq))) for seq in every}
+        best = sorted(every, key=lambda s: -score[s])[:N]
+        assert set(got) == set(best)
+        assert [score[s] for s in got] == sorted(score[s] for s in got)[::-1]  # best first
+
+
+def walk(amax, tree: Tree, b: int, n_valid: int):
+    """Row b's accepted path by a step-by-step walk from the root."""
+    tok, par = np.asarray(tree.tokens[b]), np.asarray(tree.parent[b])
+    path, cur = [], -1
+    while True:
+        nxt = [i for i in range(n_valid) if par[i] == cur and tok[i] == amax[b, cur + 1]]
+        if not nxt:
+            return path, int(amax[b, cur + 1])
+        cur = nxt[0]
+        path.append(cur)
+
+
+def test_accept_tree_greedy_walks_the_tree():
+    lp = jax.nn.log_softmax(jax.random.normal(jax.random.key(1), (B, K, V)), axis=-1)
+    tree = build(lp, budget=N)
+    rng = np.random.default_rng(0)
+    tok = np.asarray(tree.tokens)
+    for trial in range(6):  # target argmaxes that follow a random branch, then stop at a random node
+        amax = rng.integers(0, V, (B, N + 1))
+        for b in range(B):
+            cur = -1
+            for _ in range(trial % (K + 1)):
+                kids = [i for i in range(N) if tree.parent[b, i] == cur]
+                if not kids:
+                    break
+                c = kids[rng.integers(len(kids))]
+                amax[b, cur + 1] = tok[b, c]
+                cur = c
+        logits = jax.nn.one_hot(amax, V) + 0.01 * jax.random.normal(jax.random.key(trial), (B, N + 1, V))
+        num_nodes = np.array([N, 4, 0 if trial % 2 else N])
+        res = accept(logits, tree, depths=K, num_nodes=jnp.asarray(num_nodes, jnp.int32))
+        for b in range(B):
+            path, bonus = walk(amax, tree, b, num_nodes[b])
+            n = len(path)
+            assert int(res.num_accepted[b]) == n
+            assert list(res.path[b]) == path + [-1] * (K - n)
+            assert list(res.tokens[b]) == [int(tok[b, i]) for i in path] + [bonus] + [-1] * (K - n)
+            assert int(res.next_token[b]) == bonus
+
+
+def test_chain_tree_is_chain_acceptance():
+    rng = np.random.default_rng(2)
+    logits = jax.random.normal(jax.random.key(2), (4, K + 1, V))
+    amax = np.asarray(jnp.argmax(logits, -1))
+    drafts = np.where(rng.random((4, K)) < 0.7, amax[:, :K], rng.integers(0, V, (4, K)))
+    num = jnp.asarray([K, K, 1, 0], jnp.int32)
+    want = jax.jit(chain_accept, compiler_options=FAST)(logits, jnp.asarray(drafts), temperature=jnp.zeros(4), seeds=jnp.zeros(4, jnp.uint32),
+                        positions=jnp.zeros(4, jnp.int32), num_drafts=num)
+    got = accept(logits, chain(drafts), depths=K, num_nodes=num)
+    np.testing.assert_array_equal(got.num_accepted, want.num_accepted)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_array_equal(got.next_token, want.next_token)
