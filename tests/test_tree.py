@@ -110,3 +110,66 @@ def test_chain_tree_is_chain_acceptance():
     np.testing.assert_array_equal(got.num_accepted, want.num_accepted)
     np.testing.assert_array_equal(got.tokens, want.tokens)
     np.testing.assert_array_equal(got.next_token, want.next_token)
+
+
+def brute_attention(q, k, v, q_pos, start, vis, window, sinks, kv_len, scale):
+    """numpy: each query over the keys it sees, listed one by one (committed slots by position, tree slots by the
+    ancestor mask, the window on every key's position)."""
+    b, t, nh, hd = q.shape
+    s, nkv = k.shape[1], k.shape[2]
+    out = np.zeros(q.shape)
+    for r in range(b):
+        for i in range(t):
+            keys = []
+            for slot in range(min(s, kv_len[r])):
+                j = slot - start[r]
+                if j < 0:
+                    pos, seen = slot, slot <= q_pos[r, i]
+                elif j < t:
+                    pos, seen = q_pos[r, j], vis[r, i, j]
+                else:
+                    continue
+                if seen and (window is None or pos > q_pos[r, i] - window):
+                    keys.append(slot)
+            for h in range(nh):
+                kh = h // (nh // nkv)
+                sc = np.array([q[r, i, h] @ k[r, sl, kh] for sl in keys]) * scale
+                m = max(sc.max(initial=-np.inf), sinks[h])
+                e = np.exp(sc - m)
+                out[r, i, h] = (e @ v[r, keys, kh] if keys else 0) / (e.sum() + np.exp(sinks[h] - m))
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 2])
+def test_cache_attention_tree_mask(window):
+    from pjax.kernels.cache_attention import TreeMask, cache_attention
+    attend = jax.jit(cache_attention, static_argnames=("scale", "window", "implementation"), compiler_options=FAST)
+    b, s, nh, nkv, hd = 2, 16, 4, 2, 8
+    ks = jax.random.split(jax.random.key(3), 4)
+    q = jax.random.normal(ks[0], (b, 5, nh, hd))
+    k, v = (jax.random.normal(x, (b, s, nkv, hd)) for x in ks[1:3])
+    sinks = jax.random.normal(ks[3], (nh,))
+    start = np.array([5, 9])
+    parent = np.array([[-1, -1, 0, 2], [-1, 0, 1, 0]])  # root + 4 nodes
+    depth = np.zeros((b, 4), int)
+    vis = np.zeros((b, 5, 5), bool)
+    vis[:, :, 0] = True
+    for r in range(b):
+        for i in range(4):
+            p = parent[r, i]
+            depth[r, i] = 1 if p < 0 else depth[r, p] + 1
+            vis[r, i + 1] = vis[r, p + 1] if p >= 0 else vis[r, 0]
+            vis[r, i + 1, i + 1] = True
+    q_pos = np.concatenate([start[:, None], start[:, None] + depth], axis=1)
+    kv_len = np.array([s, 12])
+    got = attend(q, k, v, jnp.asarray(q_pos, jnp.int32), scale=0.3, window=window, sinks=sinks,
+                 kv_len=jnp.asarray(kv_len, jnp.int32), tree=TreeMask(jnp.asarray(start, jnp.int32), jnp.asarray(vis)))
+    want = brute_attention(*(np.asarray(x, np.float64) for x in (q, k, v)), q_pos, start, vis, window,
+                           np.asarray(sinks, np.float64), kv_len, 0.3)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    # a chain (lower-triangular mask, positions = slots) is the position rule of tree=None
+    chain_pos = jnp.asarray(start[:, None] + np.arange(5), jnp.int32)
+    tri = jnp.broadcast_to(jnp.tril(jnp.ones((5, 5), bool)), (b, 5, 5))
+    kw = dict(scale=0.3, window=window, sinks=sinks, kv_len=jnp.asarray(kv_len, jnp.int32))
+    np.testing.assert_allclose(attend(q, k, v, chain_pos, tree=TreeMask(jnp.asarray(start, jnp.int32), tri), **kw),
+                               attend(q, k, v, chain_pos, **kw), rtol=1e-5, atol=1e-6)
