@@ -2,6 +2,7 @@
 vocabulary), `accept_tree_greedy` equals a step-by-step walk of the tree and, on a chain, the chain's greedy
 acceptance; cache attention under a tree mask equals a brute-force masked attention and, for a chain, the position
 rule; greedy decoding with a tree equals plain greedy decoding token for token."""
+import dataclasses
 import itertools
 
 import jax
@@ -9,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import pjax
+from pjax.decode import Sampling
 from pjax.decode.tree import Tree, accept_tree_greedy, build_tree
 from pjax.kernels.acceptance.reference import accept as chain_accept
 from tests.engine_utils import FAST
@@ -173,3 +176,80 @@ def test_cache_attention_tree_mask(window):
     kw = dict(scale=0.3, window=window, sinks=sinks, kv_len=jnp.asarray(kv_len, jnp.int32))
     np.testing.assert_allclose(attend(q, k, v, chain_pos, tree=TreeMask(jnp.asarray(start, jnp.int32), tri), **kw),
                                attend(q, k, v, chain_pos, **kw), rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------- decoding
+
+DK, NEW = 3, 16
+PROMPTS = [[5, 17, 3], [9, 1, 44, 60, 2, 71, 33, 8, 90, 12, 4], [30, 31, 32, 33, 34, 35]]  # ragged
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """A tiny llama target and a random P-EAGLE head with a draft vocabulary (trees map ids through d2t) and a
+    confident lm_head (peaked distributions: trees several levels deep)."""
+    from tests.engine_utils import make_drafter, tiny_llama
+    target = tiny_llama(97)
+    d = make_drafter(target, draft_vocab_size=48)
+    return target, dataclasses.replace(d, params={**d.params, "lm_head": {"kernel": d.params["lm_head"]["kernel"] * 6}})
+
+
+@pytest.fixture(scope="module")
+def chain_run(pair):
+    """Chain decoding of PROMPTS: plain greedy's tokens (tests/test_engine_greedy.py holds the chain to them)."""
+    return pjax.generate(*pair, PROMPTS, max_new_tokens=2 * NEW, drafting="parallel", num_speculative_tokens=DK,
+                         compiler_options=FAST)
+
+
+def test_tree_rounds_commit_the_accepted_path(pair, chain_run):
+    """Rounds driven with injected trees (the engine's own tree shape, the true continuation placed along the path
+    to a chosen node, every other node wrong): the accepted count is that node's depth, the output is plain greedy's,
+    and before each round the engine's tree equals the tree a fresh prefill over everything accepted so far drafts
+    (so the accepted path's K/V, features and tokens were committed in chain form)."""
+    target, drafter = pair
+    ref = chain_run.tokens
+    n_tree, cap, lp, new = 8, 64, 48, NEW
+    spec = pjax.decode.make_spec(target, drafter, pjax.decode.EngineConfig(num_speculative_tokens=DK,
+                                                                           tree_budget=n_tree), max_new_tokens=new)
+    b = len(PROMPTS)
+    samp = Sampling(jnp.zeros(b), jnp.zeros(b, jnp.int32), jnp.ones(b), jnp.zeros(b, jnp.uint32))
+    prefill = jax.jit(pjax.decode.prefill, static_argnames=("spec", "capacity", "cache_dtype"),
+                      compiler_options=FAST)
+    round_ = jax.jit(pjax.decode.spec_round, static_argnames=("spec",), compiler_options=FAST)
+
+    def run_prefill(seqs):
+        pad = np.zeros((b, lp), np.int32)
+        for i, s in enumerate(seqs):
+            pad[i, :len(s)] = s
+        return prefill(target, drafter, jnp.asarray(pad), jnp.asarray([len(s) for s in seqs], jnp.int32), samp,
+                       spec=spec, capacity=cap, cache_dtype=None)
+
+    state = run_prefill(PROMPTS)
+    rng = np.random.default_rng(0)
+    seen = set()
+    while not np.asarray(state.done).all():
+        live, num_out = ~np.asarray(state.done), np.asarray(state.num_out)
+        fresh = run_prefill([PROMPTS[i] + ref[i][:num_out[i] - 1] for i in range(b)])
+        for f in ("tokens", "parent", "depth", "visible"):
+            np.testing.assert_array_equal(np.asarray(getattr(state.tree, f))[live],
+                                          np.asarray(getattr(fresh.tree, f))[live])
+        tok = np.array(state.tree.tokens)
+        dep, vis = np.asarray(state.tree.depth), np.asarray(state.tree.visible)
+        want = np.zeros(b, int)
+        for i in range(b):
+            truth = ref[i][num_out[i]:num_out[i] + DK]
+            chosen = int(np.argmax(dep[i])) if rng.random() < 0.4 else int(rng.integers(-1, n_tree))
+            on = set(np.flatnonzero(vis[i, chosen + 1, 1:])) if chosen >= 0 else set()
+            for j in range(n_tree):
+                t = truth[dep[i, j] - 1]
+                tok[i, j] = t if j in on else (t + 1 + rng.integers(0, 96)) % 97
+            want[i] = dep[i, chosen] if chosen >= 0 else 0
+        before = np.asarray(state.accepted)
+        state = round_(target, drafter, dataclasses.replace(
+            state, tree=dataclasses.replace(state.tree, tokens=jnp.asarray(tok))), samp, spec=spec)
+        got = np.asarray(state.accepted) - before
+        np.testing.assert_array_equal(got[live], want[live])
+        seen.update(got[live].tolist())
+    out = np.asarray(state.out)
+    assert [out[i, :new].tolist() for i in range(b)] == [r[:new] for r in ref]
+    assert seen == set(range(DK + 1))

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["Tree", "TreeAccept", "accept_tree_greedy", "build_tree", "path_count"]
+__all__ = ["Tree", "TreeAccept", "accept_tree_greedy", "build_tree", "commit_path", "path_count"]
 
 FLOOR = -1e30  # log-probabilities are floored here (finite): a frontier slot with no node scores -inf, below any path
 
@@ -129,3 +129,19 @@ def accept_tree_greedy(target_logits, tree: Tree, depths: int, num_nodes=None) -
     toks = jnp.concatenate([toks, jnp.zeros((b, 1), jnp.int32)], axis=1)
     tokens = jnp.where(j1 < num[:, None], toks, jnp.where(j1 == num[:, None], bonus[:, None], -1))
     return TreeAccept(num, path, tokens.astype(jnp.int32), bonus)
+
+
+def commit_path(cache, start, path, num_accepted):
+    """The accepted path's K/V into chain form: every [B, S, ...] leaf of `cache` (e.g. a list of `LayerKV`) gets
+    the entries at slots start + 1 + path[b, j] moved to start + 1 + j for j < num_accepted[b] (all read before any
+    is written; path[j] >= j, so the moves never read a slot already moved). start [B] i32 the root's slot (the
+    tree's first); path [B, K] i32 (-1 past the path); num_accepted [B] i32."""
+    b, k = path.shape
+    j = jnp.arange(k, dtype=jnp.int32)[None]
+    src = start[:, None] + 1 + jnp.maximum(path, 0)
+    rows = jnp.arange(b)[:, None]
+
+    def move(x):
+        dst = jnp.where(j < num_accepted[:, None], start[:, None] + 1 + j, x.shape[1])  # past the cache: dropped
+        return x.at[rows, dst].set(x[rows, jnp.minimum(src, x.shape[1] - 1)], mode="drop")
+    return jax.tree.map(move, cache)
