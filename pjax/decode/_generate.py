@@ -226,6 +226,7 @@ class Generation:
             "output_tokens_per_s": out_tokens / wall if wall > 0 else float("inf"),
             "num_speculative_tokens": k,
             "drafting": self.spec.drafting.value,
+            "tree_budget": self.spec.tree_budget,
             "aux_layer_ids": list(self.spec.aux_layer_ids),
             "device_chunks": eng.chunks,
             "acceptance_replaced": self.spec.acceptance is not None,
@@ -266,7 +267,7 @@ def generate(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_token
     tokens, acceptance, stop reason, ttft_s, e2e_s, tpot_s, output_tokens_per_s), ttft_s, wall_time_s (prefill +
     decode, compilation excluded), prefill ("packed" | "padded": the layout used), prefill_tokens (positions the
     target's prefill computed), prefill_time_s, decode_time_s, compile_time_s, output_tokens_per_s, device_chunks,
-    aux_layer_ids, warnings (e.g. a head trained for another verifier).
+    num_speculative_tokens, drafting, tree_budget, aux_layer_ids, warnings (e.g. a head trained for another verifier).
     """
     return Generation(target, drafter, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                       top_p=top_p, seed=seed, eos_token_id=eos_token_id, progress=progress, config=config,
