@@ -293,3 +293,31 @@ def test_tree_settings_errors(pair):
     with pytest.raises(ValueError, match="tree_budget=20 exceeds the 14 paths"):  # 2 + 4 + 8
         pjax.decode.make_spec(target, make_drafter(target, draft_vocab_size=2),
                               dataclasses.replace(cfg, tree_budget=20), max_new_tokens=4)
+
+
+def test_bench_sweeps_tree_budgets():
+    """`pjax bench --tree-budget`: parallel drafting also runs a tree of each N >= K per K (after its chain), each
+    row and request line says which, bench.md labels the K cell; the settings' errors name the flag."""
+    from pjax.bench.errors import BenchError
+    from pjax.bench.report import markdown
+    from pjax.bench.runner import BenchSettings, run_bench
+    from tests.test_bench_parts import StandIn, prompt_set
+    s = BenchSettings(drafting=("parallel", "sequential", "none"), ks=(1, 3), tree_budgets=(2, 4),
+                      concurrency=(1,), max_new_tokens=4)
+    backend = StandIn()
+    res = run_bench(backend, [prompt_set()], s, meta={}, progress=False)
+    assert [(r["drafting"], r["k"], r["tree_budget"]) for r in res.rows] == [
+        ("none", 0, None), ("sequential", 1, None), ("parallel", 1, None), ("parallel", 1, 2), ("parallel", 1, 4),
+        ("sequential", 3, None), ("parallel", 3, None), ("parallel", 3, 4)]
+    assert {c[4] for c in backend.calls if c[0] == "prepare"} == {3 + 4 + 3 + 4}  # prompt + new + max K + max N
+    assert {line["tree_budget"] for line in res.requests} == {None, 2, 4}
+    md = markdown(res, {}, plots={})
+    assert "| parallel | 1, tree 2 | 1 |" in md and "| parallel | 3, tree 4 | 1 |" in md
+    base = dict(drafting=("parallel", "none"), ks=(3,), tree_budgets=(4,))
+    for kw, needle in [(dict(tree_budgets=(2,)), "no budget is >= a K"), (dict(drafting=("none",)), "parallel"),
+                       (dict(temperature=0.5), "greedy decoding"), (dict(tree_budgets=(4, 4)), "distinct"),
+                       (dict(simulate_acceptance=(0.5,) * 3), "chains only")]:
+        with pytest.raises(BenchError, match="--tree-budget"):
+            BenchSettings(**{**base, **kw}).validate()
+        with pytest.raises(BenchError, match=needle):
+            BenchSettings(**{**base, **kw}).validate()
