@@ -9,6 +9,7 @@ import jax
 from pjax.kernels import dispatch
 from pjax.kernels.cache_attention import reference
 from pjax.kernels.cache_attention.config import DEFAULT, AttentionConfig
+from pjax.kernels.cache_attention.mask import TreeMask
 
 IMPLEMENTATIONS = ("xla", "pallas", "mosaic", "auto")  # dispatch.IMPLEMENTATIONS + this op's explicit "mosaic"
 
@@ -29,13 +30,18 @@ def mosaic_preferred(q, k, config: AttentionConfig = DEFAULT) -> bool:
     return -(-tiles // pallas.num_splits(b, nkv, s_len, config.mosaic_block_k)) >= config.mosaic_min_tiles
 
 
-def choose(q, k, implementation: str = "auto", config: AttentionConfig = DEFAULT) -> str:
+def choose(q, k, implementation: str = "auto", config: AttentionConfig = DEFAULT, tree: bool = False) -> str:
     """'xla' | 'pallas' | 'mosaic' for these shapes. "pallas" falls back to 'xla' past the Triton kernel's rows
-    (`pallas_supported`); "auto" picks the fastest measured kernel on a GPU (Mosaic on Hopper for long programs of
-    65..128 rows, else Triton where it takes the shape), 'xla' off GPU; "mosaic" is taken as asked."""
+    (`pallas_supported`) and under a tree mask (`tree`: no kernel takes one); "auto" picks the fastest measured
+    kernel on a GPU (Mosaic on Hopper for long programs of 65..128 rows, else Triton where it takes the shape), 'xla'
+    off GPU or under a tree mask; "mosaic" is taken as asked (an error under a tree mask)."""
     dispatch.check(implementation, IMPLEMENTATIONS, op="cache_attention")
     if implementation == "mosaic":
+        if tree:
+            raise ValueError("cache_attention: implementation='mosaic' takes no tree mask (use 'xla' or 'auto')")
         return "mosaic"
+    if tree:
+        return "xla"
     if implementation == "auto" and dispatch.on_gpu():
         from pjax.kernels.cache_attention import mosaic
         if mosaic.available() and mosaic_preferred(q, k, config):
@@ -46,21 +52,24 @@ def choose(q, k, implementation: str = "auto", config: AttentionConfig = DEFAULT
 
 @functools.partial(jax.jit, static_argnames=("scale", "window", "implementation"))
 def cache_attention(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, sinks=None, kv_len=None,
-                    implementation: str = "auto"):
+                    tree: Optional[TreeMask] = None, implementation: str = "auto"):
     """Attention of T new queries over a KV cache indexed by absolute position.
 
     q [B, T, nh, hd]; k, v [B, S, nkv, hd]; q_pos [B, T] absolute positions; kv_len [B] (keys at index
     >= kv_len hidden) or None; window (sliding window) or None; sinks [nh] or None. Visible: key index <=
     q_pos, > q_pos - window, < kv_len. Equals `reference.attention(q, k, v, q_pos, arange(S), ...)`.
+    tree: None, or a `TreeMask`: the queries are the nodes of a draft tree at slots tree.start..+T-1, each seeing
+    the committed keys before tree.start by the rule above and its ancestors among the tree slots
+    (`mask.tree_visible`); the reference runs it.
     Returns [B, T, nh, hd] in q's dtype.
     implementation (`pjax.kernels.dispatch`, see `choose`): "pallas" runs the Triton kernel for up to
     `AttentionConfig.max_query_rows` (128) query rows per KV head (T * nh / nkv) and head_dim <= 256, the reference
     past that (prefill); "mosaic" (Hopper, bf16 / f16, 65..128 rows) raises ValueError for shapes it does not take.
     """
-    impl = choose(q, k, implementation)
+    impl = choose(q, k, implementation, tree=tree is not None)
     kw = dict(scale=scale, window=window, sinks=sinks, kv_len=kv_len)
     if impl == "xla":
-        return reference.cache_attention(q, k, v, q_pos, **kw)
+        return reference.cache_attention(q, k, v, q_pos, tree=tree, **kw)
     if impl == "mosaic":
         from pjax.kernels.cache_attention import mosaic
         return mosaic.cache_attention(q, k, v, q_pos, **kw)
