@@ -138,3 +138,24 @@ def test_query_blocks_without_tree():
               kv_len=jnp.asarray([43, 105], jnp.int32))
     ref = cache_attention(q, k, v, q_pos, **kw, implementation="xla")
     _check(attn_pallas.cache_attention(q, k, v, q_pos, **kw, block_k=16), ref, jnp.float32)
+
+
+def test_public_api_routes_trees():
+    """`cache_attention(tree=)`: "pallas" runs the kernel where its tree rule is the reference's (no kv_len, no window
+    below T) and equals the reference there; elsewhere it falls back to the reference; "mosaic" refuses a tree."""
+    from pjax.kernels.cache_attention import TreeMask, cache_attention
+    from pjax.kernels.cache_attention.api import choose
+    q, k, v, q_pos, start, visible, kw = _case(7, 2, 6, 4, 2, 16, 48, jnp.float32, [5, 30])
+    tree = TreeMask(jnp.asarray(start), jnp.asarray(visible))
+    assert choose(q, k, "pallas", tree=True, window=None) == "pallas"
+    assert choose(q, k, "pallas", tree=True, window=7) == "pallas"  # window >= T = 7: no ancestor hidden
+    assert choose(q, k, "pallas", tree=True, window=6) == "xla"
+    assert choose(q, k, "pallas", tree=True, has_kv_len=True) == "xla"
+    assert choose(q, k, "auto", tree=True) == "xla"  # off GPU
+    with pytest.raises(ValueError, match="mosaic' takes no tree mask"):
+        choose(q, k, "mosaic", tree=True)
+    ref = cache_attention(q, k, v, q_pos, scale=0.25, window=16, tree=tree, implementation="xla")
+    _check(cache_attention(q, k, v, q_pos, scale=0.25, window=16, tree=tree, implementation="pallas"), ref,
+           jnp.float32)
+    _check(ref, _brute_force(q, k, v, q_pos, start, visible, scale=0.25, window=16, sinks=None, kv_len=None),
+           jnp.float32)
