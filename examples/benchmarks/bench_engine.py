@@ -138,8 +138,8 @@ def draft_only(drafter, cache, aux, verify_tokens, num_accepted, next_token, sta
     """The draft step of a round: fc over the K+1 verify features, drafter pass(es), lm_head, argmax."""
     comb = combine(drafter, aux)
     active = jnp.ones(num_accepted.shape, bool)
-    drafts, _, cache = D.draft_round(drafter, cache, comb, verify_tokens, num_accepted, next_token, start_pos,
-                                     active, sampling, spec)
+    drafts, _, _, cache = D.draft_round(drafter, cache, comb, verify_tokens, num_accepted, next_token, start_pos,
+                                        active, sampling, spec)
     return cache, drafts
 
 

@@ -42,7 +42,7 @@ class RunSettings:
     flight; max_positions: KV positions the longest request can need (prompt + new tokens + drafting slack), the
     same for every configuration of a dataset so that every mode reads the same cache size; eos_token_ids: ids
     that end a request (empty: every request runs max_new_tokens); simulate_acceptance: K probabilities (the
-    engine's simulated verdicts) or None.
+    engine's simulated verdicts) or None; tree_budget: a tree of N draft tokens per round, or None (a chain).
     """
     drafting: str
     k: int
@@ -52,6 +52,7 @@ class RunSettings:
     temperature: float = 0.0
     eos_token_ids: tuple[int, ...] = ()
     simulate_acceptance: Optional[tuple[float, ...]] = None
+    tree_budget: Optional[int] = None
 
 
 @dataclasses.dataclass
@@ -138,11 +139,12 @@ class EngineBackend:
     def engine(self, settings: RunSettings) -> Engine:
         """The engine of `settings` (built once per configuration)."""
         s = settings
-        key = (s.drafting, s.k, s.concurrency, s.max_positions, s.simulate_acceptance)
+        key = (s.drafting, s.k, s.concurrency, s.max_positions, s.simulate_acceptance, s.tree_budget)
         if self._engine is None or self._engine[0] != key:
             self._engine = None  # release the previous engine's device state first
             cfg = dataclasses.replace(self.config, max_slots=s.concurrency, max_len=bucket_capacity(s.max_positions),
                                       num_speculative_tokens=max(s.k, 1), drafting=s.drafting,
+                                      tree_budget=s.tree_budget,
                                       **({"max_admit_rows": None} if self.static else {}))
             self._engine = (key, Engine(self.target, self.drafters.get(s.drafting), cfg, acceptance=_acceptance(s),
                                         mesh=self.mesh))

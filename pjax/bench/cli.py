@@ -5,6 +5,9 @@ defines them), and exactness against plain decoding at temperature 0.
     python -m pjax bench --target DIR --head DIR --dataset mt-bench --drafting parallel,sequential,none \\
         --k 3,7,11 --concurrency 1,8,64 --max-new-tokens 256 --out DIR
 
+--tree-budget 8,16,32 adds, for parallel drafting at each K, a run that verifies a tree of N draft tokens per round
+(the N most probable paths of the head's per-position distributions; greedy only) for each N >= K.
+
 Targets: a Hugging Face or pjax-native directory, or `random:llama3.1-8b|gpt-oss-20b|qwen3-30b-a3b` (random
 weights of that geometry: time large shapes with --simulate-acceptance; `random:gpt-oss-20b-mxfp4|gpt-oss-120b|
 qwen3-30b-a3b-fp8` keep their experts packed as the checkpoints ship them). Heads: a P-EAGLE / EAGLE-3 directory or
@@ -129,6 +132,9 @@ def build_parser(prog: str = "python -m pjax bench") -> argparse.ArgumentParser:
                         "the reference of speedups and exactness); default all three")
     s.add_argument("--k", type=_ints("--k"), default=(3, 7, 11), help="drafts per round, comma-separated "
                                                                       "(default 3,7,11)")
+    s.add_argument("--tree-budget", type=_ints("--tree-budget"), default=(), metavar="N1,N2",
+                   help="parallel drafting also runs, at each K, a tree of N draft tokens per round for each N >= K, "
+                        "comma-separated (greedy only; default: chains only)")
     s.add_argument("--concurrency", type=_ints("--concurrency"), default=(1,),
                    help="requests in flight, comma-separated (default 1)")
     s.add_argument("--scheduling", choices=SCHEDULING, default="continuous",
@@ -163,7 +169,8 @@ def build_parser(prog: str = "python -m pjax bench") -> argparse.ArgumentParser:
 def _settings(args) -> BenchSettings:
     """The sweep as given (EOS ids are added once the tokenizer is known)."""
     drafting = tuple(x.strip() for x in args.drafting.split(",") if x.strip())
-    return BenchSettings(drafting=drafting, ks=tuple(args.k), concurrency=tuple(args.concurrency),
+    return BenchSettings(drafting=drafting, ks=tuple(args.k), tree_budgets=tuple(args.tree_budget),
+                         concurrency=tuple(args.concurrency),
                          num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
                          temperature=args.temperature, seed=args.seed,
                          simulate_acceptance=args.simulate_acceptance, time_budget_s=args.time_budget).validate()
@@ -223,13 +230,17 @@ def _heads(args, settings: BenchSettings, target, dtype, shape: Optional[str]) -
                                         check_finite=not args.no_finite_check)
         heads[mode] = loaded[(spec, own)]
         for k in settings.ks:
-            try:
-                sim = settings.simulated(k)
-                make_spec(target, heads[mode], EngineConfig(num_speculative_tokens=k, drafting=mode),
-                          max_new_tokens=settings.max_new_tokens,
-                          acceptance=None if sim is None else SimulatedAcceptance(sim))
-            except (ValueError, TypeError) as e:
-                raise BenchError(f"{flag} {spec} with --drafting {mode} --k {k}: {e}") from None
+            trees = [n for n in settings.tree_budgets if n >= k] if mode == "parallel" else []
+            for n in [None] + trees:
+                try:
+                    sim = settings.simulated(k)
+                    make_spec(target, heads[mode], EngineConfig(num_speculative_tokens=k, drafting=mode,
+                                                                tree_budget=n),
+                              max_new_tokens=settings.max_new_tokens,
+                              acceptance=None if sim is None else SimulatedAcceptance(sim))
+                except (ValueError, TypeError) as e:
+                    tree = "" if n is None else f" --tree-budget {n}"
+                    raise BenchError(f"{flag} {spec} with --drafting {mode} --k {k}{tree}: {e}") from None
     return heads
 
 
@@ -369,6 +380,7 @@ def run(args, argv) -> int:
           + ("" if plots_available() else f" ({PLOTS_MISSING})"))
     for r in result.rows:
         print(f"  {r['dataset']} {r['drafting']}" + (f" K={r['k']}" if r["k"] else "")
+              + (f" tree {r['tree_budget']}" if r["tree_budget"] else "")
               + f" c={r['concurrency']}: {r['output_tokens_per_s']:.1f} output tok/s"
               + (f", AL {r['mean_acceptance_length']:.2f}" if r["mean_acceptance_length"] else "")
               + (f", exact {r['exact_matches']}/{r['num_prompts']}" if r["exact_matches"] is not None else ""))

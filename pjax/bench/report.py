@@ -34,11 +34,24 @@ def _f(x, digits=1) -> str:
 
 
 def _order(rows: Iterable[dict]) -> list[dict]:
-    return sorted(rows, key=lambda r: (r["concurrency"], MODES.index(r["drafting"]), r["k"]))
+    return sorted(rows, key=lambda r: (r["concurrency"], MODES.index(r["drafting"]), r["k"], r.get("tree_budget") or 0))
+
+
+def _k(r: dict) -> str:
+    """A row's K cell: "K", "K, tree N" (a tree of N draft tokens), "-" without drafting."""
+    if not r["k"]:
+        return "-"
+    return f"{r['k']}" + (f", tree {r['tree_budget']}" if r.get("tree_budget") else "")
+
+
+def _mode(r: dict) -> str:
+    """A row's line in the plots: its drafting, "parallel tree N" for a tree of N."""
+    return r["drafting"] + (f" tree {r['tree_budget']}" if r.get("tree_budget") else "")
 
 
 def best_per_mode(rows: Iterable[dict]) -> dict[int, dict[str, dict]]:
-    """Per concurrency: drafting mode -> its fastest row (the best K of each mode; `none` has one)."""
+    """Per concurrency: drafting mode -> its fastest row (the best K of each mode, parallel's the best of chains and
+    trees; `none` has one)."""
     best: dict[int, dict[str, dict]] = {}
     for r in rows:
         if r["output_tokens_per_s"] is None:
@@ -84,7 +97,7 @@ def _dataset_section(name: str, rows: list[dict], plots: list[str]) -> list[str]
                 exact += f" ({r['mismatches']} differ: {r['near_tie_mismatches']} near-tie)"
         else:
             exact = "ref" if r["drafting"] == "none" else "-"
-        lines.append(f"| {r['drafting']} | {r['k'] or '-'} | {c} | {r['num_prompts']} | {_f(otps)} | "
+        lines.append(f"| {r['drafting']} | {_k(r)} | {c} | {r['num_prompts']} | {_f(otps)} | "
                      f"{_f(vs_none, 2)} | {_f(vs_seq, 2)} | {_f(r['tpot_ms_median'], 2)} | "
                      f"{_f(r['tpot_ms_p99'], 2)} | {_f(r['ttft_ms_median'], 2)} | {_f(r['e2el_ms_p99'], 1)} | "
                      f"{_f(r['mean_acceptance_length'], 2)} | {spread} | {rates} | {exact} |")
@@ -107,7 +120,7 @@ def _dataset_section(name: str, rows: list[dict], plots: list[str]) -> list[str]
         for r in spec:
             if r["concurrency"] == c0:
                 cells = " | ".join(_f(r["categories"].get(cat, {}).get("mean_acceptance_length"), 2) for cat in cats)
-                lines.append(f"| {r['drafting']} | {r['k']} | {cells} |")
+                lines.append(f"| {r['drafting']} | {_k(r)} | {cells} |")
         lines.append("")
     bad = [(r, m) for r in rows for m in r.get("mismatch_details", [])]
     if bad:
@@ -119,7 +132,7 @@ def _dataset_section(name: str, rows: list[dict], plots: list[str]) -> list[str]
         for r, m in bad:
             toks = f"{m['token']} / {m['reference_token']}"
             tie = "-" if m["near_tie"] is None else ("yes" if m["near_tie"] else "**no**")
-            lines.append(f"| {r['drafting']} | {r['k']} | {r['concurrency']} | {m['prompt_id']} | {m['position']} "
+            lines.append(f"| {r['drafting']} | {_k(r)} | {r['concurrency']} | {m['prompt_id']} | {m['position']} "
                          f"| {toks} | {_f(m['margin'], 4)} | {_f(m['gap'], 4)} | {_f(m['threshold'], 4)} | {tie} |")
         lines.append("")
     for p in plots:
@@ -155,6 +168,7 @@ def markdown(result: BenchResult, header: dict, plots: Optional[dict[str, list[s
     if result.skipped:
         lines += ["## Not run", ""]
         lines += [f"- {s['dataset']} {s['drafting']}" + (f" K={s['k']}" if s["k"] else "")
+                  + (f" tree {s['tree_budget']}" if s.get("tree_budget") else "")
                   + f" concurrency {s['concurrency']}: {s['reason']}" for s in result.skipped]
         lines.append("")
     return "\n".join(lines)
@@ -173,14 +187,15 @@ def write_plots(rows: Sequence[dict], directory: Path) -> dict[str, list[str]]:
         slug, files = _slug(name), []
         series: dict[tuple[str, int], list[dict]] = {}
         for r in rs:
-            series.setdefault((r["drafting"], r["k"]), []).append(r)
+            series.setdefault((_mode(r), r["k"]), []).append(r)
 
         fig = Figure(figsize=(7, 4.5))
         ax = fig.add_subplot()
         for (mode, k), pts in series.items():
+            base = pts[0]["drafting"]
             ax.plot([p["concurrency"] for p in pts], [p["output_tokens_per_s"] for p in pts], marker="o",
-                    color=COLORS[mode], alpha=1.0 if mode == "none" else 0.35 + 0.65 * k / max(r["k"] for r in rs),
-                    label=mode if mode == "none" else f"{mode} K={k}")
+                    color=COLORS[base], alpha=1.0 if base == "none" else 0.35 + 0.65 * k / max(r["k"] for r in rs),
+                    linestyle="--" if mode != base else "-", label=mode if base == "none" else f"{mode} K={k}")
         cs = sorted({r["concurrency"] for r in rs})
         ax.set_xscale("log", base=2)
         ax.set_xticks(cs, [str(c) for c in cs])
@@ -197,16 +212,17 @@ def write_plots(rows: Sequence[dict], directory: Path) -> dict[str, list[str]]:
             c0 = min(r["concurrency"] for r in spec)
             fig = Figure(figsize=(11, 4.5))
             ax1, ax2 = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
-            for mode in ("sequential", "parallel"):
-                pts = [r for r in spec if r["drafting"] == mode and r["concurrency"] == c0]
+            for mode in dict.fromkeys(_mode(r) for r in spec):  # sequential, parallel, then each tree budget
+                pts = [r for r in spec if _mode(r) == mode and r["concurrency"] == c0]
+                color = COLORS[mode.split()[0]]
                 if pts:
                     ax1.plot([p["k"] for p in pts], [p["mean_acceptance_length"] or 1.0 for p in pts], marker="o",
-                             color=COLORS[mode], label=mode)
+                             color=color, label=mode, linestyle="--" if "tree" in mode else "-")
                 for c in sorted({r["concurrency"] for r in spec}):
-                    pts = [r for r in spec if r["drafting"] == mode and r["concurrency"] == c]
+                    pts = [r for r in spec if _mode(r) == mode and r["concurrency"] == c]
                     if pts:
                         ax2.plot([p["k"] for p in pts], [p["output_tokens_per_s"] for p in pts], marker="o",
-                                 color=COLORS[mode], label=f"{mode} c={c}",
+                                 color=color, label=f"{mode} c={c}",
                                  linestyle=["-", "--", ":", "-."][sorted({r["concurrency"] for r in spec}).index(c) % 4])
             for r in rs:
                 if r["drafting"] == "none":
@@ -233,9 +249,10 @@ def write_plots(rows: Sequence[dict], directory: Path) -> dict[str, list[str]]:
                 if r["concurrency"] == c0 and r["acceptance_rates"]:
                     ax.plot(range(1, len(r["acceptance_rates"]) + 1), r["acceptance_rates"], marker="o",
                             color=COLORS[r["drafting"]], alpha=0.35 + 0.65 * r["k"] / max(x["k"] for x in spec),
-                            label=f"{r['drafting']} K={r['k']}")
+                            linestyle="--" if r.get("tree_budget") else "-", label=f"{_mode(r)} K={r['k']}")
             ax.set_xticks(range(1, max(ks) + 1))
-            ax.set(xlabel="draft position", ylabel="acceptance rate (accepted / drafts)", ylim=(0, 1.02),
+            ax.set(xlabel="draft position (a tree's: depth)", ylabel="acceptance rate (accepted / drafts)",
+                   ylim=(0, 1.02),
                    title=f"{name}: acceptance per position (concurrency {c0}){sim}")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)

@@ -23,6 +23,7 @@ from pjax.bench.metrics import by_category, summarize
 from pjax.decode.compiled import compile_stats
 from pjax.decode.inputs import check_sampling
 from pjax.decode.drafting import Drafting
+from pjax.decode.state import drafting_slack
 
 __all__ = ["BenchResult", "BenchSettings", "PromptSet", "build_prompt_set", "environment", "run_bench"]
 
@@ -30,13 +31,15 @@ __all__ = ["BenchResult", "BenchSettings", "PromptSet", "build_prompt_set", "env
 @dataclasses.dataclass(frozen=True)
 class BenchSettings:
     """The sweep. drafting: modes to run; ks: drafts per round (speculative modes); concurrency: requests in flight;
-    num_prompts: None (every prompt), one count, or one count per concurrency; simulate_acceptance: None or at
+    num_prompts: None (every prompt), one count, or one count per concurrency; tree_budgets: parallel drafting also
+    runs a tree of each N >= K per K (greedy only; `EngineConfig.tree_budget`); simulate_acceptance: None or at
     least max(ks) probabilities, the first K used at K (the engine's simulated verdicts: outputs are then not the
     target's); eos_token_ids: ids that end a request (empty: every request runs max_new_tokens); time_budget_s:
     a configuration starts only while the time since `run_bench`'s `t_start` plus the longest configuration so far
     fits in it."""
     drafting: tuple[str, ...] = ("parallel", "sequential", "none")
     ks: tuple[int, ...] = (3, 7, 11)
+    tree_budgets: tuple[int, ...] = ()
     concurrency: tuple[int, ...] = (1,)
     num_prompts: Optional[tuple[int, ...]] = None
     max_new_tokens: int = 256
@@ -86,6 +89,18 @@ class BenchSettings:
             if len(p) < max(self.ks):
                 raise BenchError(f"--simulate-acceptance gives {len(p)} value{'s' * (len(p) != 1)} but --k goes up "
                                  f"to {max(self.ks)}: give one probability per draft position up to the largest K")
+        if self.tree_budgets:
+            given = ",".join(map(str, self.tree_budgets))
+            if any(n < 1 for n in self.tree_budgets) or len(set(self.tree_budgets)) != len(self.tree_budgets):
+                raise BenchError(f"--tree-budget {given}: budgets must be distinct integers >= 1")
+            if "parallel" not in self.drafting:
+                raise BenchError(f"--tree-budget {given}: trees need parallel in --drafting")
+            if not any(n >= k for n in self.tree_budgets for k in self.ks):
+                raise BenchError(f"--tree-budget {given}: no budget is >= a K of --k (a tree of N >= K tokens)")
+            if self.temperature > 0:
+                raise BenchError(f"--tree-budget {given}: trees need greedy decoding (--temperature 0)")
+            if self.simulate_acceptance is not None:
+                raise BenchError(f"--tree-budget {given}: simulated acceptance takes chains only")
         if self.time_budget_s is not None and self.time_budget_s <= 0:
             raise BenchError(f"--time-budget {self.time_budget_s}: must be > 0 seconds")
         return self
@@ -169,14 +184,17 @@ def environment() -> dict:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
-def _configurations(sets: Sequence[PromptSet], s: BenchSettings) -> list[tuple[PromptSet, str, int, int]]:
+def _configurations(sets: Sequence[PromptSet], s: BenchSettings) -> list[tuple]:
+    """(prompt set, drafting, K, concurrency, tree budget or None) in run order."""
     out = []
     for ps in sets:
         for c in s.concurrency:
             if "none" in s.drafting:
-                out.append((ps, "none", 0, c))
+                out.append((ps, "none", 0, c, None))
             for k in s.ks if s.speculative else ():
-                out += [(ps, d, k, c) for d in ("sequential", "parallel") if d in s.drafting]
+                out += [(ps, d, k, c, None) for d in ("sequential", "parallel") if d in s.drafting]
+                if "parallel" in s.drafting:
+                    out += [(ps, "parallel", k, c, n) for n in s.tree_budgets if n >= k]
     return out
 
 
@@ -187,9 +205,10 @@ def _requests_for(ps: PromptSet, s: BenchSettings, c: int) -> tuple[list[Request
 
 
 def _max_positions(ps: PromptSet, s: BenchSettings) -> int:
-    """KV positions of the longest request of the set with its new tokens and drafting slack (2 K): one value for
-    every configuration of a dataset, so every mode and K reads the same cache size."""
-    return max(len(r.tokens) for r in ps.requests) + s.max_new_tokens + 2 * (max(s.ks) if s.speculative else 0)
+    """KV positions of the longest request of the set with its new tokens and drafting slack (2 K, K + N with a
+    tree): one value for every configuration of a dataset, so every mode and K reads the same cache size."""
+    k = max(s.ks) if s.speculative else 0
+    return max(len(r.tokens) for r in ps.requests) + s.max_new_tokens + drafting_slack(k, max(s.tree_budgets + (k,)))
 
 
 def _exactness_reason(s: BenchSettings, drafting: str, have_reference: bool) -> Optional[str]:
@@ -223,9 +242,11 @@ def _programs_text(by_program: dict) -> str:
     return (": " + ", ".join(parts)) if parts else ""
 
 
-def _request_lines(ps: PromptSet, drafting: str, k: int, c: int, requests, cats, results) -> list[dict]:
+def _request_lines(ps: PromptSet, drafting: str, k: int, c: int, tree: Optional[int], requests, cats,
+                   results) -> list[dict]:
     """requests.jsonl lines of one configuration."""
-    return [{"dataset": ps.dataset.name, "drafting": drafting, "k": k, "concurrency": c, "prompt_id": req.id,
+    return [{"dataset": ps.dataset.name, "drafting": drafting, "k": k, "tree_budget": tree, "concurrency": c,
+             "prompt_id": req.id,
              "category": cat, "prompt_tokens": len(req.tokens), "output_tokens": res.output_tokens,
              "ttft_ms": 1e3 * res.ttft_s, "tpot_ms": None if res.tpot_s is None else 1e3 * res.tpot_s,
              "e2el_ms": 1e3 * res.e2e_s, "rounds": res.rounds, "num_drafts": res.num_drafts,
@@ -234,10 +255,12 @@ def _request_lines(ps: PromptSet, drafting: str, k: int, c: int, requests, cats,
              "stop_reason": res.stop_reason} for req, cat, res in zip(requests, cats, results)]
 
 
-def _not_run(ps: PromptSet, drafting: str, k: int, c: int, reason: str, *, pending: bool = False) -> dict:
+def _not_run(ps: PromptSet, drafting: str, k: int, c: int, tree: Optional[int], reason: str, *,
+             pending: bool = False) -> dict:
     """A configuration of the run that did not run (`BenchResult.skipped`): left out by the time budget, or
     `pending` (not reached yet, in a partial result)."""
-    out = {"dataset": ps.dataset.name, "drafting": drafting, "k": k, "concurrency": c, "reason": reason}
+    out = {"dataset": ps.dataset.name, "drafting": drafting, "k": k, "tree_budget": tree, "concurrency": c,
+           "reason": reason}
     return {**out, "pending": True} if pending else out
 
 
@@ -260,18 +283,19 @@ def run_bench(backend: Backend, sets: Sequence[PromptSet], settings: BenchSettin
     bar = None
     if progress:
         from tqdm.auto import tqdm
-        bar = tqdm(total=sum(len(_requests_for(ps, s, c)[0]) for ps, _, _, c in configs), desc="bench", unit="req",
+        bar = tqdm(total=sum(len(_requests_for(ps, s, c)[0]) for ps, _, _, c, _ in configs), desc="bench", unit="req",
                    dynamic_ncols=True)
     rows, details, skipped = [], [], []
     references: dict[tuple[int, int], list[list[int]]] = {}  # (prompt set, concurrency) -> none's outputs
     longest_config = 0.0
     try:
-        for i, (ps, drafting, k, c) in enumerate(configs):
+        for i, (ps, drafting, k, c, tree) in enumerate(configs):
             requests, cats = _requests_for(ps, s, c)
-            label = f"{ps.dataset.name} {drafting}" + (f" K={k}" if k else "") + f" c={c}"
+            label = (f"{ps.dataset.name} {drafting}" + (f" K={k}" if k else "") + (f" tree {tree}" if tree else "")
+                     + f" c={c}")
             elapsed = time.perf_counter() - t_start
             if s.time_budget_s is not None and elapsed + longest_config > s.time_budget_s:
-                skipped.append(_not_run(ps, drafting, k, c, f"time budget: {elapsed:.0f} s spent, the longest "
+                skipped.append(_not_run(ps, drafting, k, c, tree, f"time budget: {elapsed:.0f} s spent, the longest "
                                         f"configuration took {longest_config:.0f} s, budget {s.time_budget_s:.0f} s"))
                 log(f"skipped {label} (time budget)")
                 if bar is not None:
@@ -284,14 +308,14 @@ def run_bench(backend: Backend, sets: Sequence[PromptSet], settings: BenchSettin
             run_settings = RunSettings(drafting=drafting, k=k, concurrency=c, max_new_tokens=s.max_new_tokens,
                                        max_positions=_max_positions(ps, s), temperature=s.temperature,
                                        eos_token_ids=tuple(s.eos_token_ids),
-                                       simulate_acceptance=s.simulated(k) if k else None)
+                                       simulate_acceptance=s.simulated(k) if k else None, tree_budget=tree)
             programs_before = compile_stats()
             compile_s = backend.prepare(requests, run_settings)
             if bar is not None:
                 bar.set_postfix_str(label)
             result = backend.run(requests, run_settings, on_progress=bar.update if bar is not None else None)
 
-            row = {"dataset": ps.dataset.name, "drafting": drafting, "k": k, "concurrency": c,
+            row = {"dataset": ps.dataset.name, "drafting": drafting, "k": k, "tree_budget": tree, "concurrency": c,
                    "max_new_tokens": s.max_new_tokens, "temperature": s.temperature,
                    "simulated": run_settings.simulate_acceptance is not None,
                    "simulate_acceptance": list(run_settings.simulate_acceptance or []) or None,
@@ -315,7 +339,7 @@ def run_bench(backend: Backend, sets: Sequence[PromptSet], settings: BenchSettin
                        compile_by_program=_compiled_since(programs_before), prompts=ps.prompts,
                        dataset_source=ps.dataset.source, scheduling=backend.scheduling, **meta)
             rows.append(row)
-            details += _request_lines(ps, drafting, k, c, requests, cats, result.requests)
+            details += _request_lines(ps, drafting, k, c, tree, requests, cats, result.requests)
             longest_config = max(longest_config, time.perf_counter() - t_config)
             log(f"{label}: {row['output_tokens_per_s']:.1f} output tok/s"
                 + (f", AL {row['mean_acceptance_length']:.2f}" if row["mean_acceptance_length"] else "")

@@ -13,8 +13,8 @@ from pjax.decode import inputs as I
 from pjax.decode.compiled import compile_count
 from pjax.decode.drafting import resolve
 from pjax.decode.engine import STOP_WIDTH, Engine, RequestParams
-from pjax.decode.settings import EngineConfig, configure
-from pjax.decode.state import STOP_INTERRUPTED, STOP_NAMES
+from pjax.decode.settings import TREE_GREEDY, EngineConfig, configure
+from pjax.decode.state import STOP_INTERRUPTED, STOP_NAMES, drafting_slack
 from pjax.models.target import Target
 
 __all__ = ["Chunk", "GenerateResult", "Generation", "GenerationInterrupted", "compile_count", "generate"]
@@ -66,11 +66,13 @@ class Generation:
         temp, tk, tp, seeds = I.check_sampling(n, temperature, top_k, top_p, seed,
                                                defaults=(c.temperature, c.top_k, c.top_p, 0))
         stops = I.stop_table(eos_token_id, n, target.config.vocab_size, STOP_WIDTH)
+        if c.tree_budget is not None and (temp > 0).any():
+            raise ValueError(f"temperature={float(temp.max())}: {TREE_GREEDY}")
         _, k = resolve(drafter, c.drafting, c.num_speculative_tokens)
         lengths = [len(r) for r in rows]
         longest, most = max(lengths), int(limits.max())
         if c.max_len is None:
-            max_len = I.bucket_capacity(longest + most + 2 * k)
+            max_len = I.bucket_capacity(longest + most + drafting_slack(k, c.tree_budget))
         else:
             if not I.is_int(c.max_len) or c.max_len < 1:
                 raise ValueError(f"max_len must be a positive integer, got {c.max_len!r}")
@@ -224,6 +226,7 @@ class Generation:
             "output_tokens_per_s": out_tokens / wall if wall > 0 else float("inf"),
             "num_speculative_tokens": k,
             "drafting": self.spec.drafting.value,
+            "tree_budget": self.spec.tree_budget,
             "aux_layer_ids": list(self.spec.aux_layer_ids),
             "device_chunks": eng.chunks,
             "acceptance_replaced": self.spec.acceptance is not None,
@@ -249,10 +252,11 @@ def generate(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_token
     progress: a tqdm bar over output tokens. Ctrl-C raises `GenerationInterrupted` (a KeyboardInterrupt) whose
       `.result` holds the output so far.
     config / settings: the decoding settings, an `EngineConfig` and / or its fields by name (drafting,
-      num_speculative_tokens, draft_sampling, prefill, rounds_per_step, max_len, implementation, cache_dtype,
-      allow_tf32, compiler_options; one set of defaults, `EngineConfig`'s). max_len: KV positions per row (default:
-      longest prompt + max_new_tokens + 2K, bucketed); a prompt longer is an error, a row that fills it stops with
-      reason "capacity". prefill: "auto" packs the prompts into one row where that computes fewer positions.
+      num_speculative_tokens, tree_budget, draft_sampling, prefill, rounds_per_step, max_len, implementation,
+      cache_dtype, allow_tf32, compiler_options; one set of defaults, `EngineConfig`'s). max_len: KV positions per row
+      (default: longest prompt + max_new_tokens + 2K, or K + N with a tree of N, bucketed); a prompt longer is an
+      error, a row that fills it stops with reason "capacity". prefill: "auto" packs the prompts into one row where
+      that computes fewer positions. tree_budget N: each round verifies a tree of N draft tokens (greedy only).
     acceptance: None, or a hashable function replacing the round's acceptance rule (`EngineSpec.acceptance`; the
       benchmark's simulated acceptance); the stats then say "acceptance_replaced": True.
     mesh: None (one device), or a `jax.sharding.Mesh` with axes "data" and "model" (`pjax.make_mesh`): the target
@@ -266,7 +270,7 @@ def generate(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_token
     tokens, acceptance, stop reason, ttft_s, e2e_s, tpot_s, output_tokens_per_s), ttft_s, wall_time_s (prefill +
     decode, compilation excluded), prefill ("packed" | "padded": the layout used), prefill_tokens (positions the
     target's prefill computed), prefill_time_s, decode_time_s, compile_time_s, output_tokens_per_s, device_chunks,
-    aux_layer_ids, warnings (e.g. a head trained for another verifier).
+    num_speculative_tokens, drafting, tree_budget, aux_layer_ids, warnings (e.g. a head trained for another verifier).
     """
     return Generation(target, drafter, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                       top_p=top_p, seed=seed, eos_token_id=eos_token_id, progress=progress, config=config,

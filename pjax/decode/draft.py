@@ -6,11 +6,14 @@ Shapes: B rows, K drafts, T verify rows (K + 1), S slots, H drafter hidden, Vd d
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from pjax.decode.packing import pack_prompts
 from pjax.decode.state import EngineSpec, Sampling
+from pjax.decode.tree import build_tree
 from pjax.kernels import rng
 from pjax.kernels.acceptance.reference import truncation_threshold
 from pjax.kernels.flash_attention import causal_mask, document_mask
@@ -61,6 +64,17 @@ def select_drafts(drafter, logits, sampling: Sampling, positions, spec: EngineSp
     q = jnp.where(greedy, jax.nn.one_hot(ids, vd, dtype=jnp.float32), q)
     tids = draft_to_target(drafter, ids).astype(jnp.int32)
     return tids, logits_to_target_vocab(drafter, q, fill=0.0)
+
+
+def propose(drafter, logits, sampling: Sampling, positions, spec: EngineSpec):
+    """One drafter pass's proposal from its logits [B, K, Vd] f32 at draft positions [B, K]: (drafts [B, K], q or
+    None, None) by `select_drafts`, or with spec.tree_budget N (drafts [B, 0], None, the tree of the N best paths by
+    the log-softmax of each position, `tree.build_tree`, its tokens mapped to target ids)."""
+    if spec.tree_budget is None:
+        return (*select_drafts(drafter, logits, sampling, positions, spec), None)
+    tree = build_tree(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), spec.tree_budget)
+    tree = dataclasses.replace(tree, tokens=draft_to_target(drafter, tree.tokens).astype(jnp.int32))
+    return jnp.zeros((logits.shape[0], 0), jnp.int32), None, tree
 
 
 def gather_features(drafter, comb, feature_row, use_mask: bool):
@@ -120,7 +134,8 @@ def draft_round(drafter, cache, comb, verify_tokens, num_accepted, next_token, s
 
     comb [B, K+1, H] combined target features of the verify rows; verify_tokens [B, K+1];
     num_accepted [B]; next_token [B] (bonus / recovered, at position start_pos + n + 1);
-    start_pos [B] position of verify_tokens[:, 0]. Returns (drafts [B, K], q or None, cache).
+    start_pos [B] position of verify_tokens[:, 0]. Returns (drafts [B, K], q or None, tree or None, cache): the
+    proposal of `propose` (a tree with spec.tree_budget, parallel drafting).
     """
     k = spec.k
     di = build_draft_inputs(num_accepted, verify_tokens, next_token, start_pos, num_slots=2 * k,
@@ -132,8 +147,7 @@ def draft_round(drafter, cache, comb, verify_tokens, num_accepted, next_token, s
         normed, _, cache = _draft_pass(drafter, di.tokens, h_in, di.positions, valid, cache, spec)
         logits = draft_logits_from_hidden(drafter, _pick(normed, di.sample_idx))
         pos = first_pos[:, None] + jnp.arange(k, dtype=jnp.int32)
-        drafts, q = select_drafts(drafter, logits, sampling, pos, spec)
-        return drafts, q, cache
+        return (*propose(drafter, logits, sampling, pos, spec), cache)
     # sequential: accepted + bonus slots only (the first K+1 slots hold all of them)
     fr = di.feature_row[:, :k + 1]
     valid = valid[:, :k + 1] & (fr >= 0)
@@ -143,9 +157,9 @@ def draft_round(drafter, cache, comb, verify_tokens, num_accepted, next_token, s
     n = num_accepted[:, None]
     logits = draft_logits_from_hidden(drafter, _pick(normed, n))
     d1, q1 = select_drafts(drafter, logits, sampling, first_pos[:, None], spec)
-    return sequential_tail(drafter, cache, d1[:, 0], _pick(feedback(drafter, normed, prenorm), n)[:, 0],
-                           start_pos + num_accepted, active,
-                           sampling, spec, q1)
+    drafts, q, cache = sequential_tail(drafter, cache, d1[:, 0], _pick(feedback(drafter, normed, prenorm), n)[:, 0],
+                                       start_pos + num_accepted, active, sampling, spec, q1)
+    return drafts, q, None, cache
 
 
 def prefill_mask_slots(k: int) -> int:
@@ -188,7 +202,8 @@ def draft_prefill(drafter, cache, comb, prompts, lengths, first_token, active, s
     target's packed row length N packs each row's L + K - 1 slots into one row of `packed_draft_length` slots
     (`pack_prompts`: a document mask, each slot's K/V to its own cache row), the same values at every slot.
     rows [B] i32: prompt b's row of `cache` (None: row b; rows outside the cache dropped); parallel drafting only
-    (sequential drafting's later passes read the cache by batch row). Returns (drafts [B, K], q or None, cache)."""
+    (sequential drafting's later passes read the cache by batch row). Returns (drafts [B, K], q or None, tree or
+    None, cache) as `draft_round`."""
     k = spec.k
     use_masks = spec.drafting.one_pass
     kk = k if use_masks else 1
@@ -220,11 +235,11 @@ def draft_prefill(drafter, cache, comb, prompts, lengths, first_token, active, s
         normed, prenorm = normed[0][starts[:, None] + idx], prenorm[0][starts[:, None] + idx]  # [B, kk, H]
         idx = jnp.broadcast_to(jnp.arange(kk, dtype=jnp.int32), (b, kk))
     first_pos = lengths + 1  # position of d_1
-    if use_masks:
-        logits = draft_logits_from_hidden(drafter, _pick(normed, idx))
-        return (*select_drafts(drafter, logits, sampling, first_pos[:, None] + jnp.arange(k, dtype=jnp.int32),
-                               spec), cache)
     logits = draft_logits_from_hidden(drafter, _pick(normed, idx))
+    if use_masks:
+        return (*propose(drafter, logits, sampling, first_pos[:, None] + jnp.arange(k, dtype=jnp.int32), spec),
+                cache)
     d1, q1 = select_drafts(drafter, logits, sampling, first_pos[:, None], spec)
-    return sequential_tail(drafter, cache, d1[:, 0], _pick(feedback(drafter, normed, prenorm), idx)[:, 0],
-                           lengths - 1, active, sampling, spec, q1)
+    drafts, q, cache = sequential_tail(drafter, cache, d1[:, 0], _pick(feedback(drafter, normed, prenorm), idx)[:, 0],
+                                       lengths - 1, active, sampling, spec, q1)
+    return drafts, q, None, cache

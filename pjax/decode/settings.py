@@ -11,11 +11,12 @@ from typing import Callable, Optional
 from pjax.decode import inputs as I
 from pjax.decode.drafting import Drafting, resolve
 from pjax.decode.state import DRAFT_SAMPLING, EngineSpec
+from pjax.decode.tree import path_count
 from pjax.kernels import IMPLEMENTATIONS
 from pjax.models.target import Target
 
-__all__ = ["DEFAULT_MAX_LEN", "FLAGS", "EngineConfig", "add_flags", "add_mesh_flag", "config_from_flags", "configure",
-           "make_spec", "mesh_from_flags", "number_flag"]
+__all__ = ["DEFAULT_MAX_LEN", "FLAGS", "TREE_GREEDY", "EngineConfig", "add_flags", "add_mesh_flag", "check_tree",
+           "config_from_flags", "configure", "make_spec", "mesh_from_flags", "number_flag"]
 
 DEFAULT_MAX_LEN = 2048
 
@@ -28,6 +29,9 @@ class EngineConfig:
       (none without a head). num_speculative_tokens: K drafts per round; None = the drafting's default (7 for
       parallel, at most the head's trained depth; 3 for sequential).
     draft_sampling: "argmax" (vLLM's default) | "sample" (drafts sampled from the drafter's distribution).
+    tree_budget: None (each round verifies a chain of K drafts), or N >= K: each round verifies a tree of N draft
+      tokens of depth <= K, the N most probable paths of the drafter's per-position distributions, in one target
+      pass (parallel drafting and greedy decoding only: temperature 0 and argmax drafts).
     temperature / top_k / top_p: the sampling of a request that gives none (0 = greedy; 0 and 1 = no filter).
     prefill: the target prefill's layout, "auto" | "packed" | "padded" (`pjax.generate`).
     rounds_per_step: rounds per device chunk: requests join, tokens stream and host stops apply between chunks.
@@ -44,6 +48,7 @@ class EngineConfig:
     drafting: Optional[str] = None
     num_speculative_tokens: Optional[int] = None
     draft_sampling: str = "argmax"
+    tree_budget: Optional[int] = None
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -96,9 +101,38 @@ def make_spec(target, drafter, config: EngineConfig, *, max_new_tokens: int,
         mask_id = drafter.config.mask_token_id
     if acceptance is not None and not drafting.speculative:
         raise ValueError("an acceptance rule needs drafting='parallel' or 'sequential'")
+    if c.tree_budget is not None:
+        check_tree(c, drafting, k, drafter, acceptance)
     return EngineSpec(num_speculative_tokens=k, drafting=drafting, max_new_tokens=int(max_new_tokens),
                       draft_sampling=c.draft_sampling, aux_layer_ids=aux, mask_token_id=int(mask_id),
-                      implementation=c.implementation, acceptance=acceptance)
+                      implementation=c.implementation, acceptance=acceptance,
+                      tree_budget=None if c.tree_budget is None else int(c.tree_budget))
+
+
+TREE_GREEDY = "tree_budget needs greedy decoding (temperature 0)"
+
+
+def check_tree(c: EngineConfig, drafting: Drafting, k: int, drafter, acceptance) -> None:
+    """A tree budget's settings: an integer N >= K, parallel drafting, argmax drafts, greedy decoding, a draft
+    vocabulary with N distinct paths of depth <= K, no replaced acceptance rule; else a ValueError naming them."""
+    n = c.tree_budget
+    if not I.is_int(n) or n < 1:
+        raise ValueError(f"tree_budget must be an integer >= 1 (draft tokens per tree) or None, got {n!r}")
+    if drafting is not Drafting.PARALLEL:
+        raise ValueError(f"tree_budget needs drafting='parallel' (one drafter pass drafts every depth), got "
+                         f"drafting={drafting.value!r}")
+    if n < k:
+        raise ValueError(f"tree_budget={n} must be >= num_speculative_tokens={k} (the tree's depth)")
+    if c.draft_sampling != "argmax":
+        raise ValueError(f"tree_budget needs draft_sampling='argmax', got {c.draft_sampling!r}")
+    if c.temperature != 0:
+        raise ValueError(f"{TREE_GREEDY}, got temperature={c.temperature!r}")
+    if acceptance is not None:
+        raise ValueError("tree_budget: a replaced acceptance rule (simulated acceptance) takes chains only")
+    vd = drafter.config.draft_vocab_size
+    if path_count(k, vd, n) < n:
+        raise ValueError(f"tree_budget={n} exceeds the {path_count(k, vd, n)} paths of depth <= {k} over the "
+                         f"draft vocabulary of {vd} tokens")
 
 
 # ------------------------------------------------------------------------------------------ command-line flags
@@ -134,6 +168,9 @@ FLAGS: dict[str, tuple[str, dict, str]] = {
                                "3 sequential"),
     "draft_sampling": ("--draft-sampling", dict(choices=DRAFT_SAMPLING),
                        "argmax drafts, or drafts sampled from the drafter's distribution"),
+    "tree_budget": ("--tree-budget", dict(type=_positive, metavar="N"),
+                    "verify a tree of N draft tokens (depth <= K) per round instead of a chain of K (parallel "
+                    "drafting, greedy decoding); default: a chain"),
     "temperature": ("--temperature", dict(type=number_flag(float, low=0.0), metavar="T"), "sampling temperature (0: "
                     "greedy)"),
     "top_k": ("--top-k", dict(type=number_flag(int, low=0), metavar="N"), "top-k sampling (0: off)"),

@@ -42,6 +42,8 @@ class EngineSpec:
     acceptance: None (the speculative-sampling rule, `pjax.kernels.acceptance`), or a hashable function that
       replaces it, fn(logits [B, K+1, V], drafts [B, K], sampling, positions [B], num_drafts [B], spec) ->
       `AcceptResult`: the one extension point of a round (e.g. the benchmark's simulated acceptance).
+    tree_budget: None (a chain of K drafts), or N >= K: each round verifies a tree of N draft nodes of depth <= K
+      built from the drafter's per-position distributions (`pjax.decode.tree`; parallel drafting, greedy rows).
     """
     num_speculative_tokens: int
     drafting: str
@@ -52,6 +54,7 @@ class EngineSpec:
     implementation: str = "auto"
     sampling_filters: bool = True
     acceptance: Optional[Callable] = None
+    tree_budget: Optional[int] = None
 
     def __post_init__(self):
         object.__setattr__(self, "drafting", Drafting.parse(self.drafting, "EngineSpec.drafting"))
@@ -61,9 +64,20 @@ class EngineSpec:
         return self.num_speculative_tokens
 
     @property
+    def slack(self) -> int:
+        """Cache positions a row keeps free past its last token (`drafting_slack`)."""
+        return drafting_slack(self.k, self.tree_budget)
+
+    @property
     def out_len(self) -> int:
         """Output buffer length: a round may emit up to K + 1 tokens past max_new_tokens - 1."""
         return self.max_new_tokens + self.k + 1
+
+
+def drafting_slack(k: int, tree_budget: Optional[int] = None) -> int:
+    """Cache positions a request keeps free beyond prompt + max_new_tokens: a last round's verification and drafting
+    may write that far past its final token (2 K for a chain of K drafts, K + N for a tree of N nodes)."""
+    return k + (k if tree_budget is None else tree_budget)
 
 
 @dataclasses.dataclass
@@ -96,14 +110,15 @@ class DecodeState:
     drafter_cache: list[LayerKV] [B, S, ...] or None (drafting == "none")
     last [B] i32: the pending token (emitted, not yet in the target cache), at absolute position pos
     pos [B] i32: position of `last`; the target cache holds positions 0..pos-1
-    drafts [B, K] i32: target-vocabulary drafts for positions pos+1..pos+K
+    drafts [B, K] i32: target-vocabulary drafts for positions pos+1..pos+K ([B, 0] with a tree)
     draft_probs [B, K, V] f32 or None: q of each draft (draft_sampling == "sample")
     out [B, N] i32: generated tokens (-1 padded); num_out [B] i32 valid entries
     done [B] bool; stop [B] i32 stop code (see STOP_NAMES)
     rounds [B] i32: rounds this row took part in (after prefill)
     num_drafts [B] i32: rounds that verified >= 1 draft (vLLM num_drafts)
-    num_draft_tokens [B] i32: drafts verified; accepted [B] i32: drafts accepted
-    accepted_at [B, K] i32: rounds in which draft position i was accepted
+    num_draft_tokens [B] i32: drafts (tree nodes) verified; accepted [B] i32: drafts accepted
+    accepted_at [B, K] i32: rounds in which draft position i (tree: depth i + 1) was accepted
+    tree: the `pjax.decode.tree.Tree` of N nodes the next round verifies (EngineSpec.tree_budget), or None
     """
     target_cache: Any
     drafter_cache: Any
@@ -120,12 +135,13 @@ class DecodeState:
     num_draft_tokens: Any
     accepted: Any
     accepted_at: Any
+    tree: Optional[Any] = None
 
 
 jax.tree_util.register_dataclass(
     DecodeState,
     data_fields=["target_cache", "drafter_cache", "last", "pos", "drafts", "draft_probs", "out", "num_out",
-                 "done", "stop", "rounds", "num_drafts", "num_draft_tokens", "accepted", "accepted_at"],
+                 "done", "stop", "rounds", "num_drafts", "num_draft_tokens", "accepted", "accepted_at", "tree"],
     meta_fields=[])
 
 

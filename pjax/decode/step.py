@@ -16,7 +16,9 @@ from pjax.decode.drafting import Drafting
 from pjax.decode.packing import pack_prompts
 from pjax.decode.state import (RUNNING, STOP_CAPACITY, STOP_EOS, STOP_LENGTH, STOP_NONFINITE, DecodeState, EngineSpec,
                                Sampling, add_batch_axis, drop_batch_axis)
+from pjax.decode.tree import accept_tree_greedy, commit_path
 from pjax.kernels.acceptance import AcceptResult, accept
+from pjax.kernels.cache_attention import TreeMask
 from pjax.kernels.flash_attention import causal_mask, document_mask
 from pjax.models.cache import init_cache
 from pjax.models.drafter import combine, init_drafter_cache
@@ -98,7 +100,7 @@ def target_spec(spec: EngineSpec) -> EngineSpec:
     """The settings `prefill_target` depends on: `spec` without its drafting fields, so that every K and drafting
     mode with the same aux_layer_ids shares one compiled target prefill."""
     return dataclasses.replace(spec, num_speculative_tokens=0, drafting=Drafting.NONE, draft_sampling="argmax",
-                               mask_token_id=0, acceptance=None)
+                               mask_token_id=0, acceptance=None, tree_budget=None)
 
 
 def _target_pass(target, prompts, lengths, cache, spec: EngineSpec, packed_len, rows=None):
@@ -183,7 +185,8 @@ def prefill_drafter(drafter, state: DecodeState, aux, prompts, lengths, sampling
     the drafter's prefill slots alike (`draft.draft_prefill`); cache / rows: as `prefill_target`'s, for the
     drafter's cache (parallel drafting only). Returns the fields to replace in `state`
     (drafter_cache, drafts [B, K], draft_probs, and out / accepted_at widened to K): nothing of the target's state
-    passes through, so the compiled program neither copies nor donates its KV cache."""
+    passes through, so the compiled program neither copies nor donates its KV cache; with spec.tree_budget also the
+    first tree, and drafts [B, 0])."""
     b, k = prompts.shape[0], spec.k
     widen = lambda x, n, v: jnp.pad(x, ((0, 0), (0, n - x.shape[1])), constant_values=v)  # noqa: E731
     if cache is None:
@@ -192,9 +195,10 @@ def prefill_drafter(drafter, state: DecodeState, aux, prompts, lengths, sampling
         rows = rows.astype(jnp.int32)
         dcache = _cleared(cache, rows)
     comb = combine(drafter, aux)
-    drafts, q, dcache = D.draft_prefill(drafter, dcache, comb, prompts.astype(jnp.int32), lengths.astype(jnp.int32),
-                                        state.last, ~state.done, sampling, spec, packed_len, rows)
-    return dict(drafter_cache=dcache, drafts=drafts, draft_probs=q, out=widen(state.out, spec.out_len, -1),
+    drafts, q, tree, dcache = D.draft_prefill(drafter, dcache, comb, prompts.astype(jnp.int32),
+                                              lengths.astype(jnp.int32), state.last, ~state.done, sampling, spec,
+                                              packed_len, rows)
+    return dict(drafter_cache=dcache, drafts=drafts, draft_probs=q, tree=tree, out=widen(state.out, spec.out_len, -1),
                 accepted_at=widen(state.accepted_at, k, 0))
 
 
@@ -231,18 +235,54 @@ def verify(target, state: DecodeState, num_drafts, active, spec: EngineSpec):
     return logits_from_hidden(target, out.hidden), out.aux, out.cache, tokens
 
 
+def verify_tree(target, state: DecodeState, num_nodes, active, spec: EngineSpec):
+    """Target pass over the tree [last, node 0..N-1] (`state.tree`): positions pos + depth (the root, `last`, at
+    depth 0), K/V at the consecutive slots pos..pos+N (not at their positions), each node attending to the committed
+    cache and its ancestors (`TreeMask`); nodes i >= num_nodes[b] and inactive rows write no KV. Returns (logits
+    [B, N+1, V] f32, aux [B, N+1, A*Ht] or None, cache, tokens [B, N+1])."""
+    tree = state.tree
+    tokens = jnp.concatenate([state.last[:, None], tree.tokens], axis=1)
+    idx = jnp.arange(tree.size + 1, dtype=jnp.int32)[None]
+    depth = jnp.concatenate([jnp.zeros_like(tree.depth[:, :1]), tree.depth], axis=1)
+    valid = active[:, None] & (idx <= num_nodes[:, None])
+    out = forward(target, tokens, state.pos[:, None] + depth, state.target_cache, valid=valid,
+                  slots=state.pos[:, None] + idx, tree=TreeMask(state.pos, tree.visible),
+                  aux_layer_ids=spec.aux_layer_ids, implementation=spec.implementation)
+    return logits_from_hidden(target, out.hidden), out.aux, out.cache, tokens
+
+
+def _verify_accept(target, state: DecodeState, sampling: Sampling, active, capacity: int, spec: EngineSpec):
+    """Verify the drafts (a chain, or the tree) and accept: (result in chain form (tokens [B, K+1], num_accepted
+    [B], next_token [B]), finite [B], drafts verified [B], and in chain layout aux [B, K+1, A*Ht] or None, the
+    target cache (the accepted path's K/V at positions pos + 1..pos + n) and the verified tokens [B, K+1])."""
+    k = spec.k
+    width = k if spec.tree_budget is None else spec.tree_budget
+    num_drafts = jnp.where(active, jnp.clip(capacity - 1 - state.pos, 0, width), 0).astype(jnp.int32)
+    if spec.tree_budget is None:
+        logits, aux, tcache, vtokens = verify(target, state, num_drafts, active, spec)
+        if spec.acceptance is None:
+            res = _accept(logits, state.drafts, state.draft_probs, sampling, state.pos + 1, num_drafts, spec)
+        else:
+            res = spec.acceptance(logits, state.drafts, sampling, state.pos + 1, num_drafts, spec)
+        return res, _finite_rows(logits, num_drafts + 1), num_drafts, aux, tcache, vtokens
+    logits, aux, tcache, vtokens = verify_tree(target, state, num_drafts, active, spec)
+    finite = _finite_rows(logits, num_drafts + 1)
+    t = accept_tree_greedy(logits, state.tree, k, jnp.where(finite, num_drafts, 0))  # a non-finite row accepts none
+    rows = jnp.concatenate([jnp.zeros_like(t.path[:, :1]), t.path + 1], axis=1)  # [B, K+1] (root, path; root past it)
+    aux = None if aux is None else jnp.take_along_axis(aux, rows[..., None], axis=1)
+    tcache = commit_path(tcache, state.pos, t.path, t.num_accepted)
+    return (AcceptResult(t.tokens, t.num_accepted, t.next_token), finite, num_drafts, aux, tcache,
+            jnp.take_along_axis(vtokens, rows, axis=1))
+
+
 def spec_round(target, drafter, state: DecodeState, sampling: Sampling, *, spec: EngineSpec) -> DecodeState:
-    """One round for every row still running: verify -> accept -> draft. Pure; jit / vmap as is."""
+    """One round for every row still running: verify -> accept -> draft. Pure; jit / vmap as is. With a tree
+    (spec.tree_budget) the accepted path is compacted into chain form (its K/V, features and tokens), so the drafting
+    that follows is the chain's."""
     k = spec.k
     capacity = state.target_cache[0].k.shape[1]
     active = ~state.done
-    num_drafts = jnp.where(active, jnp.clip(capacity - 1 - state.pos, 0, k), 0).astype(jnp.int32)
-    logits, aux, tcache, vtokens = verify(target, state, num_drafts, active, spec)
-    if spec.acceptance is None:
-        res = _accept(logits, state.drafts, state.draft_probs, sampling, state.pos + 1, num_drafts, spec)
-    else:
-        res = spec.acceptance(logits, state.drafts, sampling, state.pos + 1, num_drafts, spec)
-    finite = _finite_rows(logits, num_drafts + 1)
+    res, finite, num_drafts, aux, tcache, vtokens = _verify_accept(target, state, sampling, active, capacity, spec)
     active_ok = active & finite
     n = jnp.where(active_ok, res.num_accepted, 0).astype(jnp.int32)
     new_pos = state.pos + n + 1
@@ -262,13 +302,16 @@ def spec_round(target, drafter, state: DecodeState, sampling: Sampling, *, spec:
     if not spec.drafting.speculative:
         return new
     comb = combine(drafter, aux)
-    drafts, q, dcache = D.draft_round(drafter, state.drafter_cache, comb, vtokens, n, res.next_token, state.pos,
-                                      active & ~done, sampling, spec)
-    keep = (active & ~done)[:, None]
-    drafts = jnp.where(keep, drafts, state.drafts)
+    drafts, q, tree, dcache = D.draft_round(drafter, state.drafter_cache, comb, vtokens, n, res.next_token,
+                                            state.pos, active & ~done, sampling, spec)
+    keep = active & ~done
+    held = lambda new, old: jnp.where(keep.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)  # noqa: E731
+    drafts = held(drafts, state.drafts)
     if q is not None:
-        q = jnp.where(keep[..., None], q, state.draft_probs)
-    return dataclasses.replace(new, drafter_cache=dcache, drafts=drafts, draft_probs=q)
+        q = held(q, state.draft_probs)
+    if tree is not None:
+        tree = jax.tree.map(held, tree, state.tree)
+    return dataclasses.replace(new, drafter_cache=dcache, drafts=drafts, draft_probs=q, tree=tree)
 
 
 def decode_loop(target, drafter, state: DecodeState, sampling: Sampling, max_rounds=None, *, spec: EngineSpec):

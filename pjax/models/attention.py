@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pjax.config import LayerSpec, ModelConfig
-from pjax.kernels.cache_attention import cache_attention
+from pjax.kernels.cache_attention import TreeMask, cache_attention
 from pjax.kernels.flash_attention import AttentionMask, attention, position_mask
 from pjax.models.cache import LayerKV
 from pjax.models.layers import RMSNorm, apply_rope, linear, rms_norm, rope_tables
@@ -83,7 +83,7 @@ class Attention(nnx.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def __call__(self, x, positions, kv=None, *, valid=None, mask: Optional[AttentionMask] = None, cache_rows=None,
-                 implementation: str = "auto"):
+                 slots=None, tree: Optional[TreeMask] = None, implementation: str = "auto"):
         """Returns (attention output [B, T, H], updated kv).
 
         implementation: the kernel switch ("xla" | "pallas" | "auto", `pjax.kernels`).
@@ -91,30 +91,32 @@ class Attention(nnx.Module):
         False) when mask is None. kv a LayerKV cache: the new K/V are written at their absolute positions (rows where
         `valid` is False write nothing) of the cache rows `cache_rows` [B, T] (None: their own rows); without a mask
         the queries attend over the whole cache by position, with one (the packed prefill: a document mask over
-        prompts packed in one row) over the new tokens under it, their K/V as the cache stores them. kv a StepKV:
+        prompts packed in one row) over the new tokens under it, their K/V as the cache stores them. A draft tree's
+        verification: slots [B, T] int32, the cache indices the new K/V go to (None: their positions), and tree a
+        `TreeMask` over those slots (each query sees the committed cache and its ancestors). kv a StepKV:
         this pass's K/V join the earlier passes' and the queries attend under `mask` (context: pass 0; chain: all
         passes).
         """
         q, k, v = self.qkv(x, positions)
-        out, kv = self.attend(q, k, v, positions, kv, valid=valid, mask=mask, cache_rows=cache_rows,
-                              implementation=implementation)
+        out, kv = self.attend(q, k, v, positions, kv, valid=valid, mask=mask, cache_rows=cache_rows, slots=slots,
+                              tree=tree, implementation=implementation)
         return self.o_proj(out), kv
 
     def attend(self, q, k, v, positions, kv=None, *, valid=None, mask: Optional[AttentionMask] = None,
-               cache_rows=None, implementation: str = "auto"):
+               cache_rows=None, slots=None, tree: Optional[TreeMask] = None, implementation: str = "auto"):
         """The attention of `__call__` from projected q [B, T, nh, hd], k, v [B, T, nkv, hd]: (out [B, T, nh x hd]
         before the o-projection, updated kv)."""
         sinks = None if self.sinks is None else self.sinks[...]
         kw = dict(scale=self.scale, window=self.window, sinks=sinks, implementation=implementation)
         if isinstance(kv, LayerKV):
-            kv = kv.write(k, v, positions, valid, cache_rows)
+            kv = kv.write(k, v, positions, valid, cache_rows, slots)
             if mask is None:
-                out = cache_attention(q, kv.k, kv.v, positions, **kw)
+                out = cache_attention(q, kv.k, kv.v, positions, tree=tree, **kw)
             else:  # what a later query reading the cache would see: K/V rounded to the cache's dtype
                 stored = lambda a: a.astype(kv.k.dtype).astype(a.dtype)  # noqa: E731
                 out = _attend_new(q, stored(k), stored(v), mask, **kw)
-        elif cache_rows is not None:
-            raise ValueError("Attention: cache_rows needs a LayerKV cache to write to")
+        elif cache_rows is not None or slots is not None or tree is not None:
+            raise ValueError("Attention: cache_rows / slots / tree need a LayerKV cache")
         elif isinstance(kv, StepKV):
             if mask is None:
                 raise ValueError("Attention: a StepKV forward needs its mask (pjax.train.masks.ttt_mask)")

@@ -15,12 +15,14 @@ class LayerKV:
     def __init__(self, k, v):
         self.k, self.v = k, v
 
-    def write(self, k_new, v_new, positions, valid=None, rows=None):
+    def write(self, k_new, v_new, positions, valid=None, rows=None, slots=None):
         """Scatter k_new/v_new [R, T, nkv, hd] at `positions` [R, T] of the cache rows `rows` [R, T] int32 (None: the
-        new tokens' own rows, R = B; a packed prefill gives each token its prompt's row); tokens where `valid` [R, T]
-        is False, or whose position lies outside the cache, are dropped."""
+        new tokens' own rows, R = B; a packed prefill gives each token its prompt's row), or at cache indices `slots`
+        [R, T] int32 when given (a draft tree's nodes: consecutive slots, positions by depth); tokens where `valid`
+        [R, T] is False, or whose index lies outside the cache, are dropped."""
         cap = self.k.shape[1]
-        idx = positions if valid is None else jnp.where(valid, positions, cap)
+        at = positions if slots is None else slots
+        idx = at if valid is None else jnp.where(valid, at, cap)
         idx = jnp.where((idx < 0) | (idx >= cap), cap, idx)
         if rows is None:
             rows = jnp.broadcast_to(jnp.arange(idx.shape[0])[:, None], idx.shape)

@@ -101,8 +101,8 @@ def init_target(config: ModelConfig, key, dtype=jnp.float32, scale: float = 0.02
 
 
 @float32_products
-def forward(target: Target, tokens, positions, cache=None, *, valid=None, mask=None, cache_rows=None,
-            aux_layer_ids=(), return_final=False, implementation: str = "auto") -> ForwardOutput:
+def forward(target: Target, tokens, positions, cache=None, *, valid=None, mask=None, cache_rows=None, slots=None,
+            tree=None, aux_layer_ids=(), return_final=False, implementation: str = "auto") -> ForwardOutput:
     """Run the target over tokens [B, T] at absolute positions [B, T].
 
     With `cache` (list of LayerKV, see `pjax.cache.init_cache`) this is the cached extend: the new
@@ -112,10 +112,13 @@ def forward(target: Target, tokens, positions, cache=None, *, valid=None, mask=N
     With a cache and `mask` (an AttentionMask over the new tokens, e.g. `document_mask` of prompts packed in one
     row) the queries attend over the new tokens under the mask instead, and each token's K/V go to the cache row
     `cache_rows` [B, T] int32 (None: its own row) at its position: the packed prefill.
+    With a cache, `slots` [B, T] int32 and `tree` (a `pjax.kernels.cache_attention.TreeMask`): a draft tree's
+    verification, each token's K/V at its slot (not its position) and each query over the committed cache and its
+    ancestors.
     implementation: the kernel switch ("xla": no Pallas kernel anywhere, "pallas": every kernel, "auto").
     """
-    return target.module(tokens, positions, cache, valid=valid, mask=mask, cache_rows=cache_rows,
-                         aux_layer_ids=tuple(aux_layer_ids), return_final=return_final,
+    return target.module(tokens, positions, cache, valid=valid, mask=mask, cache_rows=cache_rows, slots=slots,
+                         tree=tree, aux_layer_ids=tuple(aux_layer_ids), return_final=return_final,
                          implementation=implementation)
 
 

@@ -30,11 +30,11 @@ class DecoderLayer(nnx.Module):
             self.post_feedforward_layernorm = RMSNorm(h, eps, f32m, dtype=dtype)
         self.layer_scalar = nnx.Param(jnp.ones((1,), dtype)) if cfg.layer_scalar else None
 
-    def __call__(self, x, positions, kv: Optional[LayerKV], *, valid=None, mask=None, cache_rows=None,
-                 implementation: str = "auto"):
+    def __call__(self, x, positions, kv: Optional[LayerKV], *, valid=None, mask=None, cache_rows=None, slots=None,
+                 tree=None, implementation: str = "auto"):
         """x [B, T, H] -> (x [B, T, H], kv); arguments as `Attention`."""
         a, kv = self.self_attn(self.input_layernorm(x), positions, kv, valid=valid, mask=mask, cache_rows=cache_rows,
-                               implementation=implementation)
+                               slots=slots, tree=tree, implementation=implementation)
         if self.sandwich:
             x = x + self.post_attention_layernorm(a)
             x = x + self.post_feedforward_layernorm(self._mlp(self.pre_feedforward_layernorm(x), implementation))
@@ -80,11 +80,12 @@ class Transformer(nnx.Module):
             x = x * jnp.asarray(self.cfg.embed_scale, x.dtype)
         return x
 
-    def __call__(self, tokens, positions, cache=None, *, valid=None, mask=None, cache_rows=None,
-                 aux_layer_ids: tuple[int, ...] = (), return_final: bool = False,
+    def __call__(self, tokens, positions, cache=None, *, valid=None, mask=None, cache_rows=None, slots=None,
+                 tree=None, aux_layer_ids: tuple[int, ...] = (), return_final: bool = False,
                  implementation: str = "auto") -> ForwardOutput:
         """tokens, positions [B, T] int32; cache: list of LayerKV or None; valid [B, T] bool; mask: an AttentionMask
         or None; cache_rows [B, T] int32: the cache row each token's K/V goes to (None: its own row; see `Attention`);
+        slots [B, T] int32 / tree a TreeMask: a draft tree's verification (see `Attention`);
         implementation: the kernel switch ("xla" | "pallas" | "auto") for every kernel of the forward."""
         x = self.embed(tokens)
         captured = {}
@@ -93,7 +94,7 @@ class Transformer(nnx.Module):
             if i in aux_layer_ids:
                 captured[i] = x
             x, kv = layer(x, positions, None if cache is None else cache[i], valid=valid, mask=mask,
-                          cache_rows=cache_rows, implementation=implementation)
+                          cache_rows=cache_rows, slots=slots, tree=tree, implementation=implementation)
             if cache is not None:
                 new_cache.append(kv)
         captured[len(self.layers)] = x

@@ -12,8 +12,9 @@ __all__ = ["AttentionConfig", "DEFAULT"]
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
     # --- which kernel ("auto"), and what the Triton kernel takes
-    max_query_rows: int = 128  # T x g query rows one Triton program holds (registers); more (prefill) run the
-    #                            reference, also for implementation="pallas"
+    max_query_rows: int = 128  # T x g query rows one Triton program holds (registers); past them the kernel runs
+    #                            blocks of this many rows, one program each (draft trees); the dispatch sends
+    #                            prefill-sized shapes to the reference, also for implementation="pallas"
     max_head_dim: int = 256  # the Triton kernel's [rows, head_dim] tiles beyond this spill
     mosaic_min_tiles: int = 8  # "auto" takes the Mosaic kernel (65..128 rows, Hopper) where each program streams at
     #                            least this many 128-key tiles; shorter programs lose to Triton (~2 us more fixed

@@ -1,19 +1,28 @@
 """Pallas (Triton) flash-decoding attention of a few queries per row over a KV cache.
 
-Why: verify (K+1 queries) and parallel drafting (2K queries) attend over a long cache with few
-queries, so the cost is reading K/V once. The XLA reference reads the whole cache capacity S and
+Why: verify (K+1 queries), parallel drafting (2K queries) and draft-tree verification (root + N nodes) attend over a
+long cache with few queries, so the cost is reading K/V once. The XLA reference reads the whole cache capacity S and
 materialises [B, nh, T, S] scores; this kernel reads only the visible range [lo, hi) of each row
 (hi = min(S, kv_len, max q_pos + 1), lo from the sliding window), each K/V tile once for all T
-queries and all g = nh / nkv query heads sharing the KV head (GQA), and splits that range over
-`num_splits` programs (flash-decoding) so batch 1 still fills the GPU.
-Grid: (B, nkv, splits), about one program per SM (`hardware.gpu().wave`). Each program holds a [M, hd] query tile (M = next power of
-two >= T * g, rows = (query, head-in-group)) and streams [BK, hd] K/V tiles (3-stage pipeline) with an online
+queries and all g = nh / nkv query heads sharing the KV head (GQA; once per query block past 128 such rows), and
+splits that range over `num_splits` programs (flash-decoding) so batch 1 still fills the GPU.
+Grid: (B x query blocks, nkv, splits), about one program per SM (`hardware.gpu().wave`). Each program holds a
+[M, hd] query tile (rows = (query, head-in-group) pairs; M = next power of two >= T * g up to
+`AttentionConfig.max_query_rows`, past that blocks of max_query_rows rows, one program per block: `query_blocks`;
+the query blocks of one (row, KV head, split) are neighbours on the fastest launch axis, so they run together and
+share their K/V tiles through L2) and streams [BK, hd] K/V tiles (3-stage pipeline) with an online
 softmax in base 2 (scale folded into one multiply-add before `ex2.approx`); only the tiles at the edges of the
 visible range (causal diagonal, window start, kv_len, cache end) apply a mask, the interior runs mask-free; partial
 (o, m, l) per split are merged by a second small kernel (all splits of a [rows, 32 dims] block loaded at once)
 that also adds the attention sinks and writes [B, T, nh, hd] directly.
-Bytes moved: 2 * B * nkv * (hi - lo) * hd * itemsize of K/V + the tiny q and partials, written once and
-read once (B * splits * nkv * M * (hd * itemsize + 8)).
+Token trees (`tree_start`, `tree_visible`): the tree's T tokens sit at cache slots tree_start .. tree_start + T - 1
+while their positions (q_pos) are tree_start + depth, so hi = min(S, tree_start + T); keys below tree_start follow
+the position rules, the edge tiles reaching the tree slots also load the [M, BK] ancestor bits of their rows'
+queries from tree_visible (bool, one byte per (query, slot) as XLA stores it: no packing pass per call), and the
+interior tiles stay mask-free. Without a tree none of this is traced.
+Bytes moved: 2 * B * nkv * query blocks * (hi - lo) * hd * itemsize of K/V (each query block's programs read the
+K/V again; launched side by side, the repeats should mostly hit L2) + the tiny q, tree mask and partials, written
+once and read once (B * splits * nkv * query blocks * M * (hd * itemsize + 8)).
 Numerics: scores and the running sums in float32; probabilities are cast to V's dtype before the PV
 product (as the reference does); float32 inputs multiply at the precision JAX's default matmul precision asks for
 (`_pallas_util.dot_precision`: full float32 under "highest"); the unnormalised partial o is stored in q's dtype when that is 16-bit
@@ -54,14 +63,17 @@ def key_range(qmin, qmax, kv_hi, *, bk, window):
     return lo, full_lo, full_hi, jnp.maximum((hi - lo + bk - 1) // bk, 0)
 
 
-def _kernel(q_ref, k_ref, v_ref, qpos_ref, *refs, t, g, s_len, hd, hdp, m_rows, bk, ns, window, has_len, scale,
-            precision, interpret):
-    if has_len:
-        len_ref, o_ref, m_ref, l_ref = refs
-    else:
-        (o_ref, m_ref, l_ref), len_ref = refs, None
+def _kernel(q_ref, k_ref, v_ref, qpos_ref, *refs, t, g, s_len, hd, hdp, m_rows, bk, ns, nqb, window, has_len,
+            has_tree, scale, precision, interpret):
+    len_ref = refs[0] if has_len else None
+    start_ref, vis_ref = refs[has_len:has_len + 2] if has_tree else (None, None)
+    o_ref, m_ref, l_ref = refs[-3:]
     b, h, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     r = jnp.arange(m_rows, dtype=jnp.int32)
+    row0 = 0
+    if nqb > 1:  # program axis 0 = (row, query block): rows row0 .. row0 + M - 1
+        b, row0 = b // nqb, pl.multiple_of(b % nqb * m_rows, m_rows)
+        r = row0 + r
     t_idx, j_idx = r // g, r % g
     rmask = t_idx < t
     t_c = jnp.where(rmask, t_idx, 0)
@@ -74,6 +86,10 @@ def _kernel(q_ref, k_ref, v_ref, qpos_ref, *refs, t, g, s_len, hd, hdp, m_rows, 
     lo, full_lo, full_hi, n_blocks = key_range(jnp.min(jnp.where(rmask, qp, 2 ** 30)), jnp.max(qp),
                                                s_len if kv_len is None else jnp.minimum(kv_len, s_len), bk=bk,
                                                window=window)
+    if has_tree:  # the committed keys end at the tree's first slot, the tree's T slots follow whatever q_pos says
+        tree_lo = start_ref[b]
+        full_hi = jnp.minimum(full_hi, tree_lo)
+        n_blocks = jnp.maximum((jnp.minimum(tree_lo + t, s_len) - lo + bk - 1) // bk, 0)
     per = (n_blocks + ns - 1) // ns
     blk0 = sp * per
     blk1 = jnp.minimum(n_blocks, blk0 + per)
@@ -93,16 +109,30 @@ def _kernel(q_ref, k_ref, v_ref, qpos_ref, *refs, t, g, s_len, hd, hdp, m_rows, 
         sc = jax.lax.dot_general(q, kb, (((1,), (1,)), ((), ())), precision=precision,
                                  preferred_element_type=jnp.float32)  # raw q k^T [M, BK]
 
-        def mask(s_):
-            vis = (kidx[None, :] <= qp[:, None]) & kmask[None, :]
+        def visible():  # by position; with a tree, only the committed keys below its first slot
+            vis = (kidx[None, :] <= qp[:, None]) & (kmask & (kidx < tree_lo) if has_tree else kmask)[None, :]
             if window is not None:
                 vis &= kidx[None, :] > qp[:, None] - window
             if has_len:
                 vis &= kidx[None, :] < kv_len
-            return jnp.where(vis, s_, NEG_INF)
+            return vis
 
-        # only blocks at the edges of the visible range (causal diagonal, window start, length, cache end) mask
-        sc = jax.lax.cond((start < full_lo) | (start + bk > full_hi), mask, lambda s_: s_, sc)
+        def mask(s_):
+            return jnp.where(visible(), s_, NEG_INF)
+
+        def tree_mask(s_):  # committed keys by position | the tree slots of the row's query's ancestors-or-self
+            j = kidx - tree_lo
+            in_tree = (j >= 0) & (j < t) & kmask
+            anc = pltriton.load(vis_ref.at[b, t_c[:, None], jnp.where(in_tree, j, 0)[None, :]],
+                                mask=rmask[:, None] & in_tree[None, :], other=False)
+            return jnp.where(visible() | anc, s_, NEG_INF)
+
+        # only blocks at the edges of the visible range (causal diagonal, window start, length, cache end, tree)
+        # mask; the interior runs mask-free
+        edge = (start < full_lo) | (start + bk > full_hi)
+        if has_tree:  # edge tiles reaching the tree slots also load the ancestor bits
+            mask = functools.partial(jax.lax.cond, start + bk > tree_lo, tree_mask, mask)
+        sc = jax.lax.cond(edge, mask, lambda s_: s_, sc)
         m_new = jnp.maximum(m, jnp.max(sc, axis=1))
         mc = jnp.where(m_new == NEG_INF, 0.0, m_new) * c
         alpha = exp2(m * c - mc, interpret)
@@ -116,9 +146,9 @@ def _kernel(q_ref, k_ref, v_ref, qpos_ref, *refs, t, g, s_len, hd, hdp, m_rows, 
     init = (jnp.zeros((m_rows, hdp), jnp.float32), jnp.full((m_rows,), NEG_INF, jnp.float32),
             jnp.zeros((m_rows,), jnp.float32))
     acc, m, l = jax.lax.fori_loop(blk0, blk1, body, init)
-    pltriton.store(o_ref.at[b, sp, h, pl.ds(0, m_rows), pl.ds(0, hdp)], acc.astype(o_ref.dtype))
-    pltriton.store(m_ref.at[b, sp, h, pl.ds(0, m_rows)], m * scale)  # the merge works in units of scale * score
-    pltriton.store(l_ref.at[b, sp, h, pl.ds(0, m_rows)], l)
+    pltriton.store(o_ref.at[b, sp, h, pl.ds(row0, m_rows), pl.ds(0, hdp)], acc.astype(o_ref.dtype))
+    pltriton.store(m_ref.at[b, sp, h, pl.ds(row0, m_rows)], m * scale)  # the merge works in units of scale * score
+    pltriton.store(l_ref.at[b, sp, h, pl.ds(row0, m_rows)], l)
 
 
 def num_splits(b: int, nkv: int, s: int, bk: int) -> int:
@@ -159,38 +189,63 @@ def block_size(block_k: int, s_len: int, hdp: int, m_rows: int, itemsize: int, s
     return bk
 
 
-def partials(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, kv_len=None,
-             block_k: Optional[int] = None, splits: Optional[int] = None, num_warps: Optional[int] = None,
-             num_stages: Optional[int] = None, config: AttentionConfig = DEFAULT, interpret: Optional[bool] = None):
-    """The kernel alone: unnormalised per-split results (o [B, ns, nkv, M, hdp], m, l [B, ns, nkv, M]); m in
-    units of scale * score. block_k / splits / num_warps / num_stages force a value (else `default_tiles`,
-    `num_splits` and the config); interpret: None = interpret mode off GPU.
+def query_blocks(rows: int, config: AttentionConfig = DEFAULT) -> tuple:
+    """(rows per program M, query blocks): all T * g rows of a KV head in one program of M = next power of two
+    (at least 16) rows up to config.max_query_rows; past that, blocks of max_query_rows rows, one program each."""
+    if rows <= config.max_query_rows:
+        return max(16, next_pow2(rows)), 1
+    return config.max_query_rows, pl.cdiv(rows, config.max_query_rows)
+
+
+def check_tree(q, tree_start, tree_visible):
+    """tree_start [B] and tree_visible [B, T, T] bool given together, or an error naming the argument."""
+    if (tree_start is None) != (tree_visible is None):
+        raise ValueError("cache_attention: tree_start and tree_visible must be given together (or neither)")
+    if tree_start is None:
+        return
+    b, t = q.shape[:2]
+    if tuple(jnp.shape(tree_start)) != (b,):
+        raise ValueError(f"cache_attention: tree_start must have shape {(b,)}, found {tuple(jnp.shape(tree_start))}")
+    if tuple(tree_visible.shape) != (b, t, t) or tree_visible.dtype != jnp.bool_:
+        raise ValueError(f"cache_attention: tree_visible must be bool {(b, t, t)}, found {tree_visible.dtype} "
+                         f"{tuple(tree_visible.shape)}")
+
+
+def partials(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, kv_len=None, tree_start=None,
+             tree_visible=None, block_k: Optional[int] = None, splits: Optional[int] = None,
+             num_warps: Optional[int] = None, num_stages: Optional[int] = None, config: AttentionConfig = DEFAULT,
+             interpret: Optional[bool] = None):
+    """The kernel alone: unnormalised per-split results (o [B, ns, nkv, R, hdp], m, l [B, ns, nkv, R]; R = M x
+    query blocks, `query_blocks`); m in units of scale * score. block_k / splits / num_warps / num_stages force a
+    value (else `default_tiles`, `num_splits` and the config); interpret: None = interpret mode off GPU.
 
     o is stored in q's dtype when that is 16-bit (bf16 / f16; the merge then reads half the bytes), else float32;
     m and l are always float32."""
     b, t, nh, hd = q.shape
     s_len, nkv = k.shape[1], k.shape[2]
     g = nh // nkv
-    m_rows = max(16, next_pow2(t * g))
+    m_rows, nqb = query_blocks(t * g, config)
     hdp = max(16, next_pow2(hd))
-    tiles = default_tiles(b, nkv, s_len, m_rows, config)
+    tiles = default_tiles(b, nkv * nqb, s_len, m_rows, config)
     block_k, num_stages = block_k or tiles[0], num_stages or tiles[1]
     bk = block_size(block_k, s_len, hdp, m_rows, jnp.dtype(k.dtype).itemsize, num_stages, config)
-    ns = splits or num_splits(b, nkv, s_len, bk)
+    ns = splits or num_splits(b, nkv * nqb, s_len, bk)
     num_warps = num_warps or (config.warps if m_rows < config.max_query_rows else config.warps_full_rows)
     interpret = dispatch.interpret(interpret)
-    has_len = kv_len is not None
-    kern = functools.partial(_kernel, t=t, g=g, s_len=s_len, hd=hd, hdp=hdp, m_rows=m_rows, bk=bk, ns=ns,
-                             window=window, has_len=has_len, scale=float(scale), precision=dot_precision(q.dtype),
-                             interpret=interpret)
+    has_len, has_tree = kv_len is not None, tree_start is not None
+    kern = functools.partial(_kernel, t=t, g=g, s_len=s_len, hd=hd, hdp=hdp, m_rows=m_rows, bk=bk, ns=ns, nqb=nqb,
+                             window=window, has_len=has_len, has_tree=has_tree, scale=float(scale),
+                             precision=dot_precision(q.dtype), interpret=interpret)
     f32 = jnp.float32
     o_dtype = q.dtype if jnp.dtype(q.dtype).itemsize == 2 else f32
-    outs = [jax.ShapeDtypeStruct((b, ns, nkv, m_rows, hdp), o_dtype), jax.ShapeDtypeStruct((b, ns, nkv, m_rows), f32),
-            jax.ShapeDtypeStruct((b, ns, nkv, m_rows), f32)]
+    rows = nqb * m_rows
+    outs = [jax.ShapeDtypeStruct((b, ns, nkv, rows, hdp), o_dtype), jax.ShapeDtypeStruct((b, ns, nkv, rows), f32),
+            jax.ShapeDtypeStruct((b, ns, nkv, rows), f32)]
     ins = [q, k, v, q_pos.astype(jnp.int32)] + ([jnp.asarray(kv_len, jnp.int32)] if has_len else [])
+    ins += [jnp.asarray(tree_start, jnp.int32), tree_visible] if has_tree else []
     full = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
     return pl.pallas_call(
-        kern, grid=(b, nkv, ns), out_shape=outs, in_specs=[full(x.shape) for x in ins],
+        kern, grid=(b * nqb, nkv, ns), out_shape=outs, in_specs=[full(x.shape) for x in ins],
         out_specs=[full(o.shape) for o in outs], name="pjax_cache_attention",
         **call_kwargs(num_warps, num_stages, interpret),
     )(*ins)
@@ -251,13 +306,18 @@ def merge(o_s, m_s, l_s, *, t: int, nh: int, hd: int, sinks=None, dtype=jnp.bflo
 
 
 def cache_attention(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, sinks=None, kv_len=None,
-                    block_k: Optional[int] = None, splits: Optional[int] = None, num_warps: Optional[int] = None,
-                    num_stages: Optional[int] = None, config: AttentionConfig = DEFAULT,
-                    interpret: Optional[bool] = None):
-    """Same contract as `pjax.kernels.cache_attention.reference.cache_attention`, for T * nh / nkv <=
-    config.max_query_rows query rows per KV head (`partials` for the other arguments)."""
+                    tree_start=None, tree_visible=None, block_k: Optional[int] = None, splits: Optional[int] = None,
+                    num_warps: Optional[int] = None, num_stages: Optional[int] = None,
+                    config: AttentionConfig = DEFAULT, interpret: Optional[bool] = None):
+    """Same contract as `pjax.kernels.cache_attention.reference.cache_attention` (`partials` for the other
+    arguments), plus a token tree: tree_start [B] int32 (the tree's first cache slot) and tree_visible [B, T, T]
+    bool (query i sees tree slot tree_start + j iff tree_visible[b, i, j]), or both None. With a tree, query i
+    sees the keys at slot < tree_start by the position rules vs q_pos (window, kv_len), the tree slots by
+    tree_visible alone, nothing from tree_start + T on."""
     check_inputs(q, k, v, q_pos, kv_len, sinks)
-    parts = partials(q, k, v, q_pos, scale=scale, window=window, kv_len=kv_len, block_k=block_k, splits=splits,
-                     num_warps=num_warps, num_stages=num_stages, config=config, interpret=interpret)
+    check_tree(q, tree_start, tree_visible)
+    parts = partials(q, k, v, q_pos, scale=scale, window=window, kv_len=kv_len, tree_start=tree_start,
+                     tree_visible=tree_visible, block_k=block_k, splits=splits, num_warps=num_warps,
+                     num_stages=num_stages, config=config, interpret=interpret)
     _, t, nh, hd = q.shape
     return merge(*parts, t=t, nh=nh, hd=hd, sinks=sinks, dtype=q.dtype, config=config, interpret=interpret)

@@ -1,0 +1,147 @@
+"""Draft trees from per-position distributions, and their greedy acceptance (pure functions, static shapes).
+
+P-EAGLE drafts every depth in one drafter pass, so each depth d = 1..K comes with a full distribution p_d. A tree of
+N nodes hangs under the root (the round's last committed token): node i carries a token, a parent (-1: the root) and
+a depth; the nodes come in order of selection, so a parent always precedes its children. `build_tree` selects the N
+best paths by path probability (the product of p_d(token) along the path); the target verifies every node in one pass
+(each node attends to the committed cache and its ancestors) and `accept_tree_greedy` walks the longest path the
+target agrees with. Shapes: B rows, K depths, V vocabulary, N nodes (the budget).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["Tree", "TreeAccept", "accept_tree_greedy", "build_tree", "commit_path", "path_count"]
+
+FLOOR = -1e30  # log-probabilities are floored here (finite): a frontier slot with no node scores -inf, below any path
+
+
+@dataclasses.dataclass
+class Tree:
+    """A draft tree per row. tokens [B, N] i32 (node i's token), parent [B, N] i32 (-1: a child of the root),
+    depth [B, N] i32 (1..K), visible [B, N+1, N+1] bool: ancestor-or-self over (root, node 0..N-1), the root at
+    index 0 (row i+1 = the slots node i attends to)."""
+    tokens: Any
+    parent: Any
+    depth: Any
+    visible: Any
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[1]
+
+
+jax.tree_util.register_dataclass(Tree, data_fields=["tokens", "parent", "depth", "visible"], meta_fields=[])
+
+
+class TreeAccept(NamedTuple):
+    num_accepted: jax.Array  # [B] i32 nodes on the accepted path (its depth)
+    path: jax.Array  # [B, K] i32 node id at depth j + 1 of the accepted path, -1 past it
+    tokens: jax.Array  # [B, K+1] i32 the path's tokens, then the bonus token, -1 padded
+    next_token: jax.Array  # [B] i32 the bonus token = tokens[b, num_accepted[b]]
+
+
+def path_count(depths: int, vocab: int, budget: int) -> int:
+    """Distinct paths a tree of `budget` nodes can choose from (top-min(budget, vocab) tokens per depth): a budget
+    above it cannot be filled."""
+    m = min(budget, vocab)
+    return sum(m ** d for d in range(1, depths + 1))
+
+
+def build_tree(log_probs, budget: int) -> Tree:
+    """The `budget` best paths by path probability, as a tree (tokens are vocabulary ids of `log_probs`).
+
+    log_probs [B, K, V] f32: log p_d at each depth. A node is a tuple of ranks (r_1..r_d) into each depth's sorted
+    distribution, scored by sum_j log p_j(token of rank r_j); the selection is exact best-first: a frontier starts
+    at (0,), and each step pops its best entry (ties: the earliest pushed) and pushes that node's first child and
+    next sibling, whose scores are never above the node's. Needs budget <= `path_count(K, V, budget)`.
+    """
+    b, k, v = log_probs.shape
+    n = int(budget)
+    m = min(n, v)
+    lp, ids = jax.lax.top_k(log_probs.astype(jnp.float32), m)  # [B, K, M] sorted, ties -> lower id first
+    lp = jnp.maximum(lp, FLOOR)
+    f = 2 * n + 1  # frontier slots: slot 0 the first entry, step i pushes into 2i + 1 (sibling) and 2i + 2 (child)
+    rows = jnp.arange(b)
+    front = dict(score=jnp.full((b, f), -jnp.inf, jnp.float32).at[:, 0].set(lp[:, 0, 0]),
+                 base=jnp.zeros((b, f), jnp.float32), parent=jnp.full((b, f), -1, jnp.int32),
+                 depth=jnp.ones((b, f), jnp.int32), rank=jnp.zeros((b, f), jnp.int32))
+    nodes = dict(tokens=jnp.zeros((b, n), jnp.int32), parent=jnp.zeros((b, n), jnp.int32),
+                 depth=jnp.zeros((b, n), jnp.int32), score=jnp.zeros((b, n), jnp.float32),
+                 anc=jnp.zeros((b, n, n), bool))
+
+    def step(i, carry):
+        fr, nd = carry
+        best = jnp.argmax(fr["score"], axis=1)
+        s, base, p, d, r = (fr[x][rows, best] for x in ("score", "base", "parent", "depth", "rank"))
+        row = jnp.where((p >= 0)[:, None], nd["anc"][rows, jnp.maximum(p, 0)], False).at[:, i].set(True)
+        nd = dict(tokens=nd["tokens"].at[:, i].set(ids[rows, d - 1, r]), parent=nd["parent"].at[:, i].set(p),
+                  depth=nd["depth"].at[:, i].set(d), score=nd["score"].at[:, i].set(s),
+                  anc=nd["anc"].at[:, i].set(row))
+        sib = jnp.minimum(r + 1, m - 1)
+        child_d = jnp.minimum(d, k - 1)  # the child's depth index (d + 1 - 1)
+        pushed = dict(  # [B, 2]: (next sibling, first child)
+            score=jnp.stack([jnp.where(r + 1 < m, base + lp[rows, d - 1, sib], -jnp.inf),
+                             jnp.where(d < k, s + lp[rows, child_d, 0], -jnp.inf)], axis=1),
+            base=jnp.stack([base, s], axis=1), parent=jnp.stack([p, jnp.full_like(p, i)], axis=1),
+            depth=jnp.stack([d, d + 1], axis=1), rank=jnp.stack([sib, jnp.zeros_like(r)], axis=1))
+        fr = {x: jax.lax.dynamic_update_slice_in_dim(fr[x], pushed[x].astype(fr[x].dtype), 2 * i + 1, axis=1)
+              for x in fr}
+        fr["score"] = fr["score"].at[rows, best].set(-jnp.inf)
+        return fr, nd
+
+    _, nd = jax.lax.fori_loop(0, n, step, (front, nodes))
+    top = jnp.zeros((b, 1, n + 1), bool).at[:, 0, 0].set(True)
+    below = jnp.concatenate([jnp.ones((b, n, 1), bool), nd["anc"]], axis=2)
+    return Tree(nd["tokens"], nd["parent"], nd["depth"], jnp.concatenate([top, below], axis=1))
+
+
+def accept_tree_greedy(target_logits, tree: Tree, depths: int, num_nodes=None) -> TreeAccept:
+    """Greedy acceptance of a tree: node i is accepted iff its parent is (the root always is) and its token is the
+    target's argmax (ties -> lowest id) at its parent; the deepest accepted node ends the path (siblings hold
+    distinct tokens, so at most one child of a node is accepted), and the target's argmax there is the bonus token.
+    A chain tree gives the chain's greedy acceptance.
+
+    target_logits [B, N+1, V]: the target at (root, node 0..N-1); depths: K, the deepest a node can be (static);
+    num_nodes [B] i32 or None (= N): nodes i >= num_nodes[b] are never accepted.
+    """
+    b, n = tree.tokens.shape
+    amax = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, N+1]
+    ok = tree.tokens == jnp.take_along_axis(amax, tree.parent + 1, axis=1)
+    if num_nodes is not None:
+        ok &= jnp.arange(n, dtype=jnp.int32)[None] < num_nodes[:, None]
+    anc = tree.visible[:, 1:, 1:]
+    accepted = ~jnp.any(anc & ~ok[:, None, :], axis=-1)  # every ancestor-or-self agrees
+    reached = jnp.where(accepted, tree.depth, 0)
+    num = jnp.max(reached, axis=1).astype(jnp.int32)
+    deepest = jnp.argmax(reached, axis=1)
+    on_path = anc[jnp.arange(b), deepest] & (num > 0)[:, None]  # [B, N]
+    j = jnp.arange(depths, dtype=jnp.int32)[None]
+    at = on_path[:, None, :] & (tree.depth[:, None, :] == j[..., None] + 1)  # [B, K, N]
+    path = jnp.where(j < num[:, None], jnp.argmax(at, axis=-1), -1).astype(jnp.int32)
+    bonus = amax[jnp.arange(b), jnp.where(num > 0, deepest + 1, 0)]
+    toks = jnp.take_along_axis(tree.tokens, jnp.maximum(path, 0), axis=1)
+    j1 = jnp.arange(depths + 1, dtype=jnp.int32)[None]
+    toks = jnp.concatenate([toks, jnp.zeros((b, 1), jnp.int32)], axis=1)
+    tokens = jnp.where(j1 < num[:, None], toks, jnp.where(j1 == num[:, None], bonus[:, None], -1))
+    return TreeAccept(num, path, tokens.astype(jnp.int32), bonus)
+
+
+def commit_path(cache, start, path, num_accepted):
+    """The accepted path's K/V into chain form: every [B, S, ...] leaf of `cache` (e.g. a list of `LayerKV`) gets
+    the entries at slots start + 1 + path[b, j] moved to start + 1 + j for j < num_accepted[b] (all read before any
+    is written; path[j] >= j, so the moves never read a slot already moved). start [B] i32 the root's slot (the
+    tree's first); path [B, K] i32 (-1 past the path); num_accepted [B] i32."""
+    b, k = path.shape
+    j = jnp.arange(k, dtype=jnp.int32)[None]
+    src = start[:, None] + 1 + jnp.maximum(path, 0)
+    rows = jnp.arange(b)[:, None]
+
+    def move(x):
+        dst = jnp.where(j < num_accepted[:, None], start[:, None] + 1 + j, x.shape[1])  # past the cache: dropped
+        return x.at[rows, dst].set(x[rows, jnp.minimum(src, x.shape[1] - 1)], mode="drop")
+    return jax.tree.map(move, cache)
