@@ -9,12 +9,12 @@ import importlib
 from pjax.checkpoint import CheckpointError, OutputError, load_drafter, load_target, save_drafter, save_native_target
 from pjax.config import ConfigError, LayerSpec, ModelConfig, MoeSpec, RopeSpec
 from pjax.decode import GenerateResult, generate
-from pjax.models import Drafter, DrafterConfig, Target, init_drafter, init_target
+from pjax.models import Drafter, DrafterConfig, Target, init_drafter, init_target, make_mesh
 
 __all__ = [
     "CheckpointError", "ConfigError", "Drafter", "DrafterConfig", "GenerateResult", "LayerSpec", "ModelConfig",
     "MoeSpec", "OutputError", "RopeSpec", "Target", "generate", "init_drafter", "init_target", "load_drafter",
-    "load_target", "save_drafter", "save_native_target", "train_drafter",
+    "load_target", "make_mesh", "save_drafter", "save_native_target", "train_drafter",
 ]
 
 _SUBPACKAGES = ("bench", "checkpoint", "decode", "kernels", "models", "serve", "text", "train")

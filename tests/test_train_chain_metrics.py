@@ -14,7 +14,8 @@ from pjax.models.drafter import Drafter
 from pjax.train.loop import evaluate_drafter, summarize
 from pjax.train.losses import anchor_grid, chain_metrics, row_loss_terms, with_params
 from pjax.train.state import init_train_state
-from pjax.train.step import eval_step, make_mesh, make_train_step, prepare_rows, replicate, shard_batch
+from pjax.train import make_mesh
+from pjax.train.step import eval_step, make_train_step, prepare_rows, replicate, shard_batch
 from tests.train_utils import byte_training_setup
 
 FAST = {"xla_backend_optimization_level": 0}
@@ -163,7 +164,7 @@ def test_eval_step_reports_the_train_steps_metrics(setup, objective):
     state = init_train_state(drafter, cfg)
     batches = [shard_batch(stream.batch(i), None) for i in range(2)]
     step = make_train_step(cfg, donate=False, compiler_options=FAST)
-    mesh1 = make_mesh(jax.devices()[:1])
+    mesh1 = make_mesh(devices=jax.devices()[:1])
     ev = jax.jit(functools.partial(eval_step, cfg=cfg), compiler_options=FAST)  # placed as evaluate_drafter runs it:
     placed = [replicate(x, mesh1) for x in (state, shell, target)]  # the same program, compiled once
     trained = [jax.device_get(step(state, shell, target, b)[1]) for b in batches]

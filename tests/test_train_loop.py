@@ -15,7 +15,8 @@ from pjax.train.loop import train_drafter
 from pjax.train.optim import split_params, trainable_mask
 from pjax.train.state import init_train_state
 from pjax.train.target_features import target_features
-from pjax.train.step import loss_and_grads, make_mesh, make_train_step, replicate, shard_batch, shard_target
+from pjax.train import make_mesh
+from pjax.train.step import loss_and_grads, make_train_step, replicate, shard_batch, shard_target
 from tests.train_utils import byte_training_setup
 
 S, B = 64, 4
@@ -110,7 +111,7 @@ def test_offline_features_step_equals_online(setup):
         smps.append(dict(input_ids=d.tokens, loss_mask=d.loss_mask, hidden_states=np.asarray(aux[0]),
                          verifier_last_hidden_states=np.asarray(final[0])))
     offline = FeatureStream(smps, S, 1, shuffle=False).batch(0)
-    mesh1 = make_mesh(jax.devices()[:1])
+    mesh1 = make_mesh(devices=jax.devices()[:1])
     step = make_train_step(cfg, mesh1, compiler_options=FAST)  # train_drafter's (the resume test compiled it online)
     shell, target = (replicate(x, mesh1) for x in (Drafter(drafter.config, drafter.graphdef, None, drafter.d2t),
                                                    target))
@@ -133,11 +134,11 @@ def test_data_parallel_matches_single_device(setup):
     assert jax.device_count() >= 4
     batch = stream.batch(1)
     shell = Drafter(drafter.config, drafter.graphdef, None, drafter.d2t)
-    mesh1 = make_mesh(jax.devices()[:1])
+    mesh1 = make_mesh(devices=jax.devices()[:1])
     one = make_train_step(cfg, mesh1, compiler_options=FAST)  # compiled already by the resume test
     s1, m1 = one(replicate(init_train_state(drafter, cfg), mesh1), replicate(shell, mesh1), replicate(target, mesh1),
                  shard_batch(batch, mesh1))  # placed as train_drafter places them: the same program
-    mesh = make_mesh(jax.devices()[:4])
+    mesh = make_mesh(devices=jax.devices()[:4])
     many = make_train_step(cfg, mesh, compiler_options=FAST)
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     s4, m4 = many(jax.device_put(init_train_state(drafter, cfg), rep), jax.device_put(shell, rep),

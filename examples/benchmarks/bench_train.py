@@ -161,9 +161,10 @@ def run_head(a, length, segments):
 
     from pjax.models.drafter import Drafter
     from pjax.models.target import init_target
-    from pjax.train import CodConfig, OptimConfig, TrainConfig, drafter_config_for_target, init_drafter_for_target
+    from pjax.train import (CodConfig, OptimConfig, TrainConfig, drafter_config_for_target, init_drafter_for_target,
+                            make_mesh)
     from pjax.train.state import init_train_state
-    from pjax.train.step import make_mesh, make_train_step, replicate, shard_batch, shard_target
+    from pjax.train.step import make_train_step, replicate, shard_batch, shard_target
     shape = "tiny" if a.tiny else a.head_shape
     tshape, head_layers, vd = HEAD_SHAPES[shape]
     peagle = a.objective == "peagle"
@@ -179,7 +180,7 @@ def run_head(a, length, segments):
                       num_segments=segments if peagle else 1, remat=not a.no_remat,
                       optim=OptimConfig(lr=1e-4, warmup_steps=10, train_embeddings=peagle),
                       compute_dtype=None if a.tiny else "bfloat16")
-    mesh = make_mesh(jax.devices()[:a.rows]) if a.rows <= jax.device_count() else make_mesh()
+    mesh = make_mesh(devices=jax.devices()[:a.rows]) if a.rows <= jax.device_count() else make_mesh()
     step = make_train_step(cfg, mesh)
     state = dict(s=replicate(init_train_state(drafter, cfg), mesh))
     shell = replicate(Drafter(drafter.config, drafter.graphdef, None, drafter.d2t), mesh)

@@ -48,7 +48,7 @@ def _train_head(b, work: Path, objective: str) -> dict:
     dcfg, d2t, cfg = _head_config(b, objective, target32, docs)
     drafter = init_drafter_for_target(target32, dcfg, jax.random.key(r.seed + (2 if objective == "peagle" else 3)),
                                       d2t=d2t)
-    mesh = make_mesh(jax.devices()[:1])
+    mesh = make_mesh(devices=jax.devices()[:1])
     target = replicate(target32 if r.compute_dtype is None else target32.astype(r.compute_dtype), mesh)
     stream = RowStream(docs, r.head_seq_len, r.head_batch_rows, seed=r.seed + 1)
     state = replicate(init_train_state(drafter, cfg), mesh)

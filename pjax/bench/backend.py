@@ -123,17 +123,17 @@ class EngineBackend:
     engine's settings (kernels, cache dtype, prefill layout, draft sampling, rounds per chunk, admission rows); the
     drafting, K, slots and KV positions are each configuration's. Every slot's KV cache holds
     `bucket_capacity(settings.max_positions)` positions. One engine is kept (the last configuration's, reused by its
-    `run`).
+    `run`). mesh: the engines' (`pjax.decode.Engine`; None: one device).
     """
     scheduling = ("continuous batching: concurrency c = c requests in flight in one pjax.decode.Engine (c slots, "
                   "rounded up to a power of two); the next request joins as soon as one finishes, between device "
                   "chunks (vLLM's --max-concurrency c); TTFT and end-to-end latency count from a request's admission")
     static = False
 
-    def __init__(self, target, drafters: Mapping[str, object], config: EngineConfig = EngineConfig()):
+    def __init__(self, target, drafters: Mapping[str, object], config: EngineConfig = EngineConfig(), mesh=None):
         if not isinstance(config, EngineConfig):
             raise TypeError(f"config must be a pjax.decode.EngineConfig, got {type(config).__name__}")
-        self.target, self.drafters, self.config = target, dict(drafters), config
+        self.target, self.drafters, self.config, self.mesh = target, dict(drafters), config, mesh
         self._engine: Optional[tuple[tuple, Engine]] = None
 
     def engine(self, settings: RunSettings) -> Engine:
@@ -146,7 +146,8 @@ class EngineBackend:
                                       num_speculative_tokens=max(s.k, 1), drafting=s.drafting,
                                       tree_budget=s.tree_budget,
                                       **({"max_admit_rows": None} if self.static else {}))
-            self._engine = (key, Engine(self.target, self.drafters.get(s.drafting), cfg, acceptance=_acceptance(s)))
+            self._engine = (key, Engine(self.target, self.drafters.get(s.drafting), cfg, acceptance=_acceptance(s),
+                                        mesh=self.mesh))
         return self._engine[1]
 
     @staticmethod

@@ -28,6 +28,9 @@ accept less at large K, so the simulated P-EAGLE-over-EAGLE-3 speedups are conse
 order of --concurrency (none first, then sequential and parallel per K): with --time-budget the ones cut are the
 last.
 
+Several devices: --tensor-parallel N splits the target over the first N devices (tensor / expert parallel,
+`pjax.models.sharding`; the head replicated), a random target generated in place on them.
+
 Scheduling: --scheduling continuous (default) keeps c requests in flight in the serving engine, the next joining as
 one finishes (vLLM's --max-concurrency c); --scheduling static decodes c requests as one batch, the next c when all
 have finished.
@@ -63,11 +66,11 @@ from pjax.command import run_command
 from pjax.config import ConfigError
 from pjax.bench.simulate import SimulatedAcceptance
 from pjax.decode import EngineConfig, make_spec
-from pjax.decode.settings import add_flags, config_from_flags
+from pjax.decode.settings import add_flags, add_mesh_flag, config_from_flags, mesh_from_flags
 from pjax.decode.compiled import use_compilation_cache
 from pjax.models.families import config_from_hf
 from pjax.dtypes import parse_dtype
-from pjax.decode.engine import STOP_WIDTH
+from pjax.decode.engine import STOP_WIDTH, mesh_config
 
 CHAT = ("auto", "on", "off")
 SETTINGS_FLAGS = ("cache_dtype", "implementation", "prefill", "rounds_per_step", "max_admit_rows", "draft_sampling")
@@ -110,6 +113,7 @@ def build_parser(prog: str = "python -m pjax bench") -> argparse.ArgumentParser:
     m.add_argument("--no-finite-check", action="store_true",
                    help="accept NaN / inf weights (by default every floating tensor is checked, on device)")
     add_flags(m, "cache_dtype", "implementation", "prefill")  # (--drafting, --k, --temperature: the sweep's own)
+    add_mesh_flag(m)
     d = p.add_argument_group("prompts")
     d.add_argument("--dataset", action="append", default=None, metavar="NAME_OR_FILE",
                    help=f"{', '.join(DATASET_NAMES)}, or a .jsonl file with 'prompt' or 'messages' per line; "
@@ -263,11 +267,11 @@ def _prompt_sets(args, settings: BenchSettings, datasets, tok, shape: Optional[s
                              prompt_len=args.prompt_len, seed=settings.seed, how=how) for ds in datasets], chat
 
 
-def _load_target(args, shape: Optional[str], dtype, sets):
+def _load_target(args, shape: Optional[str], dtype, sets, mesh=None):
     if shape is not None:
-        return random_target(shape, dtype)
+        return random_target(shape, dtype, mesh=mesh)
     try:
-        target = load_target(args.target, dtype, check_finite=not args.no_finite_check)
+        target = load_target(args.target, dtype, check_finite=not args.no_finite_check, mesh=mesh)
     except (CheckpointError, ConfigError) as e:
         raise BenchError(f"--target: {e}") from None
     vocab = target.config.vocab_size
@@ -288,7 +292,8 @@ def _header(args, settings: BenchSettings, target, meta: dict, cache_dtype, argv
                   f"{cfg.vocab_size}{', random weights' if args.target.startswith('random:') else ''})",
         "heads": "; ".join(f"{m}: `{h}`" for m, h in meta["heads"].items()) or "-",
         "dtype": f"{meta['dtype']} (KV cache: {cache_dtype.name if cache_dtype is not None else 'the same'}), "
-                 f"kernels: {meta['implementation']}",
+                 f"kernels: {meta['implementation']}"
+                 + (f", tensor parallel over {meta['tensor_parallel']} devices" if meta["tensor_parallel"] > 1 else ""),
         "hardware": meta["hardware"],
         "software": f"JAX {meta['jax_version']}, jaxlib {meta['jaxlib_version']}, pjax {meta['pjax_version']}, "
                     f"Python {meta['python_version']}",
@@ -336,17 +341,26 @@ def run(args, argv) -> int:
         raise BenchError(f"the tokenizer has {len(settings.eos_token_ids)} EOS ids, the engine takes {STOP_WIDTH} at "
                          "most (use --ignore-eos)")
 
-    target = _load_target(args, shape, dtype, sets)
+    try:
+        mesh = mesh_from_flags(args)
+    except ValueError as e:
+        raise BenchError(str(e)) from None
+    target = _load_target(args, shape, dtype, sets, mesh)
     heads = _heads(args, settings, target, dtype, shape)
     config = config_from_flags(args, SETTINGS_FLAGS)
+    if mesh is not None:
+        try:
+            config = mesh_config(config, mesh)
+        except ValueError as e:
+            raise BenchError(f"--implementation with --tensor-parallel: {e}") from None
     meta = {"target": args.target,
             "heads": {m: (args.sequential_head if m == "sequential" and args.sequential_head else args.head)
                       for m in settings.speculative},
             "dtype": jnp.dtype(dtype).name, "implementation": config.implementation, "prefill": config.prefill,
-            "draft_sampling": config.draft_sampling,
+            "draft_sampling": config.draft_sampling, "tensor_parallel": args.tensor_parallel,
             "chat_template": chat, "seed": settings.seed, "near_tie_eps": NEAR_TIE_EPS,
             **environment()}
-    backend = (EngineBackend if args.scheduling == "continuous" else BatchBackend)(target, heads, config)
+    backend = (EngineBackend if args.scheduling == "continuous" else BatchBackend)(target, heads, config, mesh)
     from tqdm.auto import tqdm
     header = _header(args, settings, target, meta, cache_dtype, argv)
     written = False

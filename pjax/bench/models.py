@@ -20,11 +20,13 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
 from pjax.bench.errors import BenchError
 from pjax.kernels.quantized import MXFP4_BLOCK, QuantizedWeight
 from pjax.models.drafter import Drafter, abstract_drafter
 from pjax.models.families import config_from_hf
+from pjax.models.sharding import MODEL_AXIS, axis_size, leaf_spec, param_specs
 from pjax.models.target import Target, abstract_target
 
 __all__ = ["RANDOM_SHAPES", "parse_random", "random_head", "random_target"]
@@ -89,31 +91,42 @@ def parse_random(value: str, flag: str) -> Optional[str]:
     return rest
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def _normal(key, shape, dtype, std):
     return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
 
 
-def _random_params(abstract, key, scale: float = 0.02):
-    """Random params for an abstract tree, generated on the default device one leaf at a time (peak memory: the
-    weights plus one float32 leaf, so a 20B model fits where a whole-tree float32 draw would not): normal(0,
-    scale) matrices, ones for norm weights and layer scalars, zeros for biases and sinks, normal(0, 1)
-    mask_hidden (as speculators initialises it)."""
+def _fill(shape, dtype, value):
+    return jnp.full(shape, value, dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _on(fn, statics: tuple, sharding):
+    """`fn` jitted with its arguments `statics` static, its output placed with `sharding` (None: the default
+    device)."""
+    return jax.jit(fn, static_argnums=statics, **({} if sharding is None else {"out_shardings": sharding}))
+
+
+def _random_params(abstract, key, scale: float = 0.02, shardings=None):
+    """Random params for an abstract tree, generated one leaf at a time (peak memory: the weights plus one float32
+    leaf, so a 20B model fits where a whole-tree float32 draw would not) on the default device, or with shardings (a
+    matching tree of `jax.sharding.Sharding`s) straight into each leaf's shards: normal(0, scale) matrices, ones for
+    norm weights and layer scalars, zeros for biases and sinks, normal(0, 1) mask_hidden (as speculators initialises
+    it)."""
     leaves, treedef = jax.tree.flatten_with_path(abstract)
+    where = [None] * len(leaves) if shardings is None else jax.tree.leaves(shardings)
     out = []
-    for i, (path, leaf) in enumerate(leaves):
+    for i, ((path, leaf), sharding) in enumerate(zip(leaves, where)):
         name = str(getattr(path[-1], "key", path[-1]))
         shape = tuple(leaf.shape)
-        if name in ("weight", "layer_scalar"):
-            out.append(jnp.ones(shape, leaf.dtype))
-        elif "bias" in name or name == "sinks":
-            out.append(jnp.zeros(shape, leaf.dtype))
+        if name in ("weight", "layer_scalar") or "bias" in name or name == "sinks":
+            out.append(_on(_fill, (0, 1, 2), sharding)(shape, leaf.dtype, 1 if name in ("weight", "layer_scalar")
+                                                        else 0))
         else:
-            out.append(_normal(jax.random.fold_in(key, i), shape, leaf.dtype, 1.0 if name == "mask_hidden" else scale))
+            out.append(_on(_normal, (1, 2, 3), sharding)(jax.random.fold_in(key, i), shape, leaf.dtype,
+                                                         1.0 if name == "mask_hidden" else scale))
     return jax.tree.unflatten(treedef, out)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
 def _packed(key, shape, fmt):
     """Random packed experts of logical shape [E, in, out] (std ~0.02 once dequantised)."""
     e, din, dout = shape
@@ -125,9 +138,10 @@ def _packed(key, shape, fmt):
     return QuantizedWeight(data, jnp.full(blocks, 0.02 / 64, jnp.float32), "fp8", FP8_BLOCK)
 
 
-def random_target(shape: str, dtype, seed: int = 0) -> Target:
+def random_target(shape: str, dtype, seed: int = 0, mesh=None) -> Target:
     """A target of the named geometry (`RANDOM_SHAPES`, or `PACKED_SHAPES` with packed MXFP4 / FP8 experts) with
-    random weights."""
+    random weights; mesh: generated in place on it, split by the plan of `pjax.models.sharding` (a target larger
+    than one device never exists whole)."""
     geometry, fmt = PACKED_SHAPES.get(shape, (shape, None))
     if geometry not in RANDOM_SHAPES:
         raise BenchError(f"--target random:{shape}: unknown shape (expected one of "
@@ -135,8 +149,11 @@ def random_target(shape: str, dtype, seed: int = 0) -> Target:
     cfg = config_from_hf(RANDOM_SHAPES[geometry], f"random:{shape}")
     abstract = abstract_target(cfg, dtype)
     key = jax.random.key(seed)
+    n = axis_size(mesh, MODEL_AXIS)
+    on_mesh = (lambda tree: None) if mesh is None else (  # noqa: E731
+        lambda tree: jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(tree, cfg, n)))
     if fmt is None:
-        return Target(cfg, abstract.graphdef, _random_params(abstract.params, key))
+        return Target(cfg, abstract.graphdef, _random_params(abstract.params, key, shardings=on_mesh(abstract.params)))
     params = jax.tree.map(lambda x: x, abstract.params)  # a copy: the experts are replaced below
     experts = {}
     for i, layer in params["layers"].items():
@@ -144,9 +161,13 @@ def random_target(shape: str, dtype, seed: int = 0) -> Target:
         for name in ("gate_up", "down"):
             if name in mlp:
                 experts[(i, name)] = mlp.pop(name)
-    params = _random_params(params, key)  # everything else, one leaf at a time
-    for n, ((i, name), leaf) in enumerate(sorted(experts.items())):
-        params["layers"][i]["mlp"][name] = _packed(jax.random.fold_in(key, 2 ** 31 + n), tuple(leaf.shape), fmt)
+    params = _random_params(params, key, shardings=on_mesh(params))  # everything else, one leaf at a time
+    for j, ((i, name), leaf) in enumerate(sorted(experts.items())):
+        packed = jax.eval_shape(functools.partial(_packed, shape=tuple(leaf.shape), fmt=fmt), jax.random.key(0))
+        sharding = None if mesh is None else jax.tree.map(lambda s: NamedSharding(mesh, s),
+                                                          leaf_spec(("layers", i, "mlp", name), packed, cfg, n))
+        params["layers"][i]["mlp"][name] = _on(_packed, (1, 2), sharding)(jax.random.fold_in(key, 2 ** 31 + j),
+                                                                          tuple(leaf.shape), fmt)
     return Target(cfg, abstract.graphdef, params)
 
 

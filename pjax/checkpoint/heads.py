@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from pjax._io import NATIVE_MARKER, write_json, write_output_dir
 from pjax.checkpoint import integrity
@@ -31,6 +32,7 @@ from pjax.dtypes import parse_dtype
 from pjax.models.drafter import Drafter, DrafterConfig, abstract_drafter
 from pjax.models.families import PARSERS, config_from_hf, rope_to_hf
 from pjax.models.pairing import check_pair
+from pjax.models.sharding import put
 
 # Training-only frozen copies that speculators never saves; tolerated if an older writer kept them.
 IGNORED = ("verifier_lm_head.weight", "verifier_norm.weight")
@@ -260,7 +262,7 @@ def _check_vocab_map(ckpt: Checkpoint, src: TensorSource, cfg: DrafterConfig):
 
 
 def load_drafter(path, dtype=jnp.bfloat16, target_config: Optional[ModelConfig] = None, *, target=None,
-                 parallel_drafting: Optional[bool] = None, check_finite: bool = True) -> Drafter:
+                 parallel_drafting: Optional[bool] = None, check_finite: bool = True, mesh=None) -> Drafter:
     """Load a speculators-format or vLLM-native drafter directory (strict: every tensor present, shaped, of a
     floating dtype where a float is expected, none unexpected; d2t / t2d consistent).
 
@@ -268,7 +270,8 @@ def load_drafter(path, dtype=jnp.bfloat16, target_config: Optional[ModelConfig] 
     (`pjax.models.pairing.check_pair`: the same rule the engine and training apply to a head loaded without
     one). `target` (a pjax Target) also supplies `embed_tokens` when the head has none. parallel_drafting=True
     requires mask_hidden and a mask token id. check_finite: reject NaN / inf weights (after the cast to
-    `dtype`), naming the tensor; one device pass over all of them.
+    `dtype`), naming the tensor; one device pass over all of them. mesh: a `jax.sharding.Mesh` (`pjax.make_mesh`)
+    on whose every device the head is placed whole (replicated), tensor by tensor as it is read.
     """
     dtype = parse_dtype(dtype, what="load_drafter dtype")
     path = Path(path)
@@ -295,6 +298,7 @@ def load_drafter(path, dtype=jnp.bfloat16, target_config: Optional[ModelConfig] 
         raise CheckpointError(f"{path}: parallel drafting requested but the head has no {' and no '.join(missing)}")
 
     src = TensorSource(ckpt, None)
+    rep = None if mesh is None else NamedSharding(mesh, PartitionSpec())
     h, fc_name = cfg.hidden_size, "fc.weight"
     if fc_name in ckpt and tuple(ckpt.shape(fc_name)) != (h, cfg.fc_in):
         raise CheckpointError(f"{ckpt.file_of(fc_name)}: tensor 'fc.weight' has shape {list(ckpt.shape(fc_name))}, "
@@ -329,7 +333,7 @@ def load_drafter(path, dtype=jnp.bfloat16, target_config: Optional[ModelConfig] 
             want = tuple(reversed(leaf.shape)) if transpose else tuple(leaf.shape)
             arr = src.read(name, want)
             arr = arr.T if transpose else arr
-        out.append(jnp.asarray(arr, dtype))
+        out.append(put(arr, rep, dtype))
     if check_finite:
         integrity.check_finite(out, described.__getitem__)
     d2t = _check_vocab_map(ckpt, src, cfg)
@@ -346,7 +350,7 @@ def load_drafter(path, dtype=jnp.bfloat16, target_config: Optional[ModelConfig] 
         raise CheckpointError(f"{ckpt.dir}: {len(extra)} unexpected tensor(s) for a {layout}-format "
                               f"{cfg.model_kind} head: {extra[:8]}{' ...' if len(extra) > 8 else ''}"
                               + (f" ({'; '.join(hints)})" if hints else ""))
-    return Drafter(cfg, abstract.graphdef, jax.tree.unflatten(treedef, out), d2t)
+    return Drafter(cfg, abstract.graphdef, jax.tree.unflatten(treedef, out), d2t if d2t is None else put(d2t, rep))
 
 
 # ----------------------------------------------------------------------------------------- saving

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from jax.sharding import NamedSharding
 
 from pjax.checkpoint import integrity
 from pjax.checkpoint.errors import CheckpointError
@@ -22,6 +23,7 @@ from pjax.checkpoint.safetensors import Checkpoint
 from pjax.config import ConfigError, ModelConfig
 from pjax.kernels.quantized import QuantizedWeight, is_quantized
 from pjax.models.families import config_from_hf
+from pjax.models.sharding import MODEL_AXIS, axis_size, leaf_spec, put
 from pjax.models.target import Target, abstract_target
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -298,13 +300,16 @@ WEIGHTS = ("native", "dequantized")
 
 
 def load_hf_params(path, cfg: ModelConfig, hf: dict, dtype, *, materialize: bool = True,
-                   check_finite: bool = True, weights: str = "dequantized") -> Target:
+                   check_finite: bool = True, weights: str = "dequantized", mesh=None,
+                   experts: str = "expert") -> Target:
     """Read every parameter of `cfg` from the HF directory `path` (strict: missing, misshapen, non-floating or
     unused tensors raise CheckpointError). check_finite: NaN / inf in any parameter (after the cast to `dtype`)
     raise CheckpointError naming the tensor; checked on device in one pass over all parameters.
     materialize=False validates only (params become ShapeDtypeStructs; the finite check then runs one tensor at
     a time, so memory stays bounded by the largest tensor). weights="native": MXFP4 / FP8 experts stay packed
-    (`pjax.kernels.quantized.QuantizedWeight` params, never dequantised); "dequantized": every weight in `dtype`."""
+    (`pjax.kernels.quantized.QuantizedWeight` params, never dequantised); "dequantized": every weight in `dtype`.
+    mesh: place each tensor on this `jax.sharding.Mesh` by the plan of `pjax.models.sharding` (experts: its MoE
+    mode) as it is read, each device receiving only its slice; None: the default device."""
     if weights not in WEIGHTS:
         raise CheckpointError(f"{path}: weights must be one of {WEIGHTS}, found {weights!r}")
     ckpt = Checkpoint(path)
@@ -314,6 +319,7 @@ def load_hf_params(path, cfg: ModelConfig, hf: dict, dtype, *, materialize: bool
     abstract = abstract_target(cfg, dtype)
     hook = HOOKS.get(cfg.model_type)
     leaves, treedef = jax.tree.flatten_with_path(abstract.params)
+    model = axis_size(mesh, MODEL_AXIS)
     out, finite, described = [], [], []  # finite: (array, index into described) pairs to check
     for kpath, leaf in leaves:
         path = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in kpath)
@@ -332,8 +338,15 @@ def load_hf_params(path, cfg: ModelConfig, hf: dict, dtype, *, materialize: bool
         if not packed and jnp.issubdtype(leaf.dtype, jnp.floating) and not jnp.issubdtype(arr.dtype, jnp.floating):
             raise CheckpointError(f"{where} has dtype {arr.dtype}, expected a floating dtype")
         # packed weights keep their dtypes; their floating parts (FP8 data, scales) are checked as stored
-        values = (jax.tree.map(jnp.asarray, arr) if packed else jnp.asarray(arr, dtype)) if materialize or \
-            check_finite else None
+        values = None
+        if materialize or check_finite:  # each tensor on the device(s) as it is read
+            spec = leaf_spec(path, arr, cfg, model, experts) if mesh is not None else None
+            if not packed:
+                values = put(arr, None if mesh is None else NamedSharding(mesh, spec), dtype)
+            elif mesh is None:
+                values = jax.tree.map(jnp.asarray, arr)
+            else:
+                values = jax.tree.map(lambda a, s: put(a, NamedSharding(mesh, s)), arr, spec)
         to_check = [a for a in jax.tree.leaves(values) if jnp.issubdtype(a.dtype, jnp.floating)] if check_finite \
             else []
         if materialize:

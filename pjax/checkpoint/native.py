@@ -21,6 +21,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
 from pjax._io import NATIVE_MARKER, signals_deferred, write_json, write_output_dir
 from pjax.checkpoint import integrity
@@ -29,6 +30,7 @@ from pjax.checkpoint.files import read_hf_config
 from pjax.config import ConfigError
 from pjax.dtypes import parse_dtype
 from pjax.models.families import config_from_hf
+from pjax.models.sharding import MODEL_AXIS, axis_size, param_specs
 from pjax.models.target import Target, abstract_target
 
 FORMAT = "pjax-target"
@@ -143,12 +145,14 @@ def _check_files(path: Path, files: dict) -> None:
             raise CheckpointError(f"{f}: {found} bytes, expected {size} (truncated or damaged copy)")
 
 
-def load_native_target(path, dtype=jnp.bfloat16, *, verify: bool = True, check_finite: bool = True) -> Target:
+def load_native_target(path, dtype=jnp.bfloat16, *, verify: bool = True, check_finite: bool = True, mesh=None,
+                       experts: str = "expert") -> Target:
     """Load a directory written by `save_native_target` / `python -m pjax convert target`; params cast to dtype.
 
     Every recorded file must be present with its recorded size. verify: compare each restored tensor's
     checksum with the one written at conversion (one device pass; False skips it). check_finite: reject NaN /
-    inf parameters (after the cast), naming the tensor."""
+    inf parameters (after the cast), naming the tensor. mesh / experts: restore each tensor straight into its
+    shards on the mesh (`pjax.models.sharding`), as `load_target`."""
     dtype = parse_dtype(dtype, what="load_native_target dtype")
     path = Path(path).absolute()
     marker = read_marker(path)
@@ -167,9 +171,14 @@ def load_native_target(path, dtype=jnp.bfloat16, *, verify: bool = True, check_f
     if marker["version"] >= 2:
         _check_files(path, marker["files"])
     stored = abstract_target(cfg, jnp.dtype(marker["dtype"]))
+    wanted = stored.params
+    if mesh is not None:
+        specs = param_specs(wanted, cfg, axis_size(mesh, MODEL_AXIS), experts)
+        wanted = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),
+                              wanted, specs)
     ckptr = _checkpointer()
     try:
-        params = ckptr.restore(params_dir, stored.params)
+        params = ckptr.restore(params_dir, wanted)
     except Exception as e:  # orbax / tensorstore raise bare Exceptions with multi-line specs
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
         raise CheckpointError(f"{params_dir}: could not be restored as the {cfg.model_type!r} model of config.json "

@@ -20,7 +20,7 @@ __all__ = ["load_target"]
 
 
 def load_target(path, dtype=jnp.bfloat16, *, verify: bool = True, check_finite: bool = True,
-                weights: str | None = None) -> Target:
+                weights: str | None = None, mesh=None, experts: str = "expert") -> Target:
     """Load a Hugging Face model directory (config.json + model.safetensors or a sharded index), or a
     pjax-native directory written by ``python -m pjax convert target``; floating params cast to `dtype` (bfloat16 /
     float32 / float16, any spelling `pjax.dtypes.parse_dtype` takes).
@@ -31,18 +31,24 @@ def load_target(path, dtype=jnp.bfloat16, *, verify: bool = True, check_finite: 
     weights: "native" keeps MXFP4 / FP8 experts of a quantised checkpoint packed (bytes and scales, multiplied by
     the low-bit expert kernels), "dequantized" casts them to `dtype`; None: native on a GPU (where the kernels
     run), dequantized elsewhere. Other weights (and pjax-native copies) load as `dtype` either way.
+    mesh: a `jax.sharding.Mesh` with axes "data" and "model" (`pjax.make_mesh`): each tensor is placed as it is read,
+    split over "model" by the plan of `pjax.models.sharding` (attention by heads, MLP by the intermediate dimension,
+    embedding and LM head by vocabulary), each device receiving only its slice. experts: MoE experts split by
+    "expert" (expert parallel) or by "intermediate" dimension.
     """
     dtype = parse_dtype(dtype, what="load_target dtype")
     path = Path(path)
     if (path / NATIVE_MARKER).exists():
-        return _named(load_native_target(path, dtype, verify=verify, check_finite=check_finite), path)
+        return _named(load_native_target(path, dtype, verify=verify, check_finite=check_finite, mesh=mesh,
+                                         experts=experts), path)
     head = describe_head(path, read_hf_config(path))
     if head is not None:
         raise CheckpointError(f"{path} is {head}, not a target; load it with load_drafter")
     hf, cfg = read_target_config(path)
     if weights is None:
         weights = "native" if dispatch.on_gpu() else "dequantized"
-    return _named(load_hf_params(path, cfg, hf, dtype, check_finite=check_finite, weights=weights), path)
+    return _named(load_hf_params(path, cfg, hf, dtype, check_finite=check_finite, weights=weights, mesh=mesh,
+                                 experts=experts), path)
 
 
 def _named(target: Target, path: Path) -> Target:

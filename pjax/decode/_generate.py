@@ -53,7 +53,7 @@ class Generation:
 
     def __init__(self, target, drafter, prompts: Sequence[Sequence[int]], *, max_new_tokens, temperature=None,
                  top_k=None, top_p=None, seed=0, eos_token_id=None, progress: bool = False,
-                 config: Optional[EngineConfig] = None, acceptance=None, **settings):
+                 config: Optional[EngineConfig] = None, acceptance=None, mesh=None, **settings):
         if not isinstance(target, Target):
             raise TypeError(f"target must be a pjax Target (load one with pjax.load_target(path)), got "
                             f"{type(target).__name__}" + (" (a path? use pjax.load_target)" if isinstance(target, str)
@@ -81,7 +81,7 @@ class Generation:
                 raise ValueError(f"prompts[{lengths.index(longest)}] has {longest} tokens, longer than "
                                  f"max_len={max_len}")
         c = dataclasses.replace(c, max_slots=n, max_len=max(max_len, 2), max_admit_rows=None)
-        self._engine = eng = Engine(target, drafter, c, acceptance=acceptance)
+        self._engine = eng = Engine(target, drafter, c, acceptance=acceptance, mesh=mesh)
         self.n, self.spec, self._lengths = n, eng.spec, lengths
         eng.precompile_admissions([lengths], max_new_tokens=most)
         self._layout = I.prefill_buckets(lengths, eng.max_len, eng.prefill)
@@ -236,7 +236,7 @@ class Generation:
 
 def generate(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_tokens: Union[int, Sequence[int]],
              temperature=None, top_k=None, top_p=None, seed: Union[int, Sequence[int]] = 0, eos_token_id=None,
-             progress: bool = False, config: Optional[EngineConfig] = None, acceptance=None,
+             progress: bool = False, config: Optional[EngineConfig] = None, acceptance=None, mesh=None,
              **settings) -> GenerateResult:
     """Speculative decoding of a batch of prompts (lists of token ids of any lengths), run as a static batch on the
     engine (`pjax.decode.Engine`: every prompt admitted at once, one slot each).
@@ -259,6 +259,9 @@ def generate(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_token
       that computes fewer positions. tree_budget N: each round verifies a tree of N draft tokens (greedy only).
     acceptance: None, or a hashable function replacing the round's acceptance rule (`EngineSpec.acceptance`; the
       benchmark's simulated acceptance); the stats then say "acceptance_replaced": True.
+    mesh: None (one device), or a `jax.sharding.Mesh` with axes "data" and "model" (`pjax.make_mesh`): the target
+      split over "model" (tensor / expert parallel), the drafter replicated, the prompts' rows over "data"; the same
+      tokens as on one device (`pjax.decode.Engine`).
 
     A row stops on an EOS id, its max_new_tokens, a full cache, or non-finite target logits (reason "nonfinite": a
     broken checkpoint, nothing emitted from those logits).
@@ -271,4 +274,4 @@ def generate(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_token
     """
     return Generation(target, drafter, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                       top_p=top_p, seed=seed, eos_token_id=eos_token_id, progress=progress, config=config,
-                      acceptance=acceptance, **settings).result()
+                      acceptance=acceptance, mesh=mesh, **settings).result()

@@ -79,12 +79,13 @@ def clear_compiled() -> None:
 
 
 def _signature(x) -> tuple:
-    """(shape, dtype, weakly typed?) of one argument as jit sees it. Arrays and shape structs (the compile-only path)
-    answer from their own fields: `jnp.result_type` costs ~4 us a leaf, over the ~260 leaves of a 24-layer pair 1 ms
-    of every generation's host time per program looked up."""
+    """(shape, dtype, weakly typed?, sharding) of one argument as jit sees it (a program compiled for sharded
+    arguments takes only arguments of those shardings). Arrays and shape structs (the compile-only path) answer from
+    their own fields: `jnp.result_type` costs ~4 us a leaf, over the ~260 leaves of a 24-layer pair 1 ms of every
+    generation's host time per program looked up."""
     if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
-        return x.shape, x.dtype, x.weak_type
-    return np.shape(x), jnp.result_type(x), not isinstance(x, (np.ndarray, np.generic))
+        return x.shape, x.dtype, x.weak_type, x.sharding
+    return np.shape(x), jnp.result_type(x), not isinstance(x, (np.ndarray, np.generic)), None
 
 
 def compiled(name, args, kwargs, options: tuple, precision: Optional[str]):

@@ -51,6 +51,7 @@ from typing import Iterable, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pjax.decode import inputs as I
 from pjax.decode.compiled import COMPILE_THREADS, compiled, matmul_precision, register_program
@@ -59,10 +60,12 @@ from pjax.decode.state import STOP_HOST, STOP_NAMES, DecodeState, EngineSpec, Sa
 from pjax.decode.step import decode_loop, prefill, spec_round
 from pjax.dtypes import parse_dtype
 from pjax.models.drafter import consistent_drafter
+from pjax.models import sharding as SH
 from pjax.models.pairing import pair_warnings
 from pjax.models.target import consistent_target
 
-__all__ = ["Engine", "EngineConfig", "Event", "RequestParams", "STOP_WIDTH", "acceptance_stats", "admit"]
+__all__ = ["Engine", "EngineConfig", "Event", "RequestParams", "STOP_WIDTH", "acceptance_stats", "admit", "mesh_config",
+           "state_shardings"]
 
 STOP_WIDTH = 8  # stop ids per request: the width of the device's stop table (fixed: it never recompiles)
 
@@ -137,31 +140,52 @@ def unpack_view(view: np.ndarray, out_len: int) -> dict:
     return host
 
 
-def admit_viewed(target, drafter, state, sampling, prompts, lengths, new_sampling, slots, **statics):
-    """`admit`, and the admitted state's `host_view`."""
+def state_shardings(tree, mesh):
+    """The shardings of a `DecodeState` (or a `Sampling`) on `mesh`: every leaf's rows on "data", the target's KV
+    cache also by KV heads on "model" (`pjax.models.sharding.kv_spec`); the drafter is replicated over "model"."""
+    rows = lambda x: NamedSharding(mesh, SH.rows_spec(x.shape, mesh))  # noqa: E731
+    sh = jax.tree.map(rows, tree)
+    if isinstance(tree, DecodeState):
+        heads = lambda x: NamedSharding(mesh, SH.kv_spec(x.shape, mesh))  # noqa: E731
+        sh = dataclasses.replace(sh, target_cache=jax.tree.map(heads, tree.target_cache))
+    return sh
+
+
+def _on_mesh(mesh, state, *rest):
+    """The outputs of a program on `mesh` (None: as they are): the state and sampling with their planned shardings
+    (so the next program takes them as compiled), the host view replicated (every process reads it whole)."""
+    if mesh is None:
+        return (state, *rest)
+    out = [jax.lax.with_sharding_constraint(x, state_shardings(x, mesh)) for x in (state, *rest[:-1])]
+    return (*out, jax.lax.with_sharding_constraint(rest[-1], NamedSharding(mesh, P())))
+
+
+def admit_viewed(target, drafter, state, sampling, prompts, lengths, new_sampling, slots, *, mesh=None, **statics):
+    """`admit`, and the admitted state's `host_view`; mesh: the engine's (None: one device)."""
     state, sampling = admit(target, drafter, state, sampling, prompts, lengths, new_sampling, slots, **statics)
-    return state, sampling, host_view(state)
+    return _on_mesh(mesh, state, sampling, host_view(state))
 
 
-def fixed_chunk(target, drafter, state: DecodeState, sampling: Sampling, *, spec: EngineSpec, rounds: int):
+def fixed_chunk(target, drafter, state: DecodeState, sampling: Sampling, *, spec: EngineSpec, rounds: int, mesh=None):
     """Exactly `rounds` rounds (a fixed trip count: on a GPU the call returns before the rounds run, so the host
     dispatches the next chunk and reads this one's view while the device works; rows that stop inside the chunk are
     masked for the rest of it, a no-op), then the state's `host_view`."""
     state = jax.lax.fori_loop(0, rounds, lambda i, s: spec_round(target, drafter, s, sampling, spec=spec), state)
-    return state, host_view(state)
+    return _on_mesh(mesh, state, host_view(state))
 
 
-def ending_chunk(target, drafter, state: DecodeState, sampling: Sampling, max_rounds, *, spec: EngineSpec):
+def ending_chunk(target, drafter, state: DecodeState, sampling: Sampling, max_rounds, *, spec: EngineSpec,
+                 mesh=None):
     """Rounds until every row is done, at most `max_rounds` (i32, runtime data; the loop reads its condition back
     every round, so the call returns when the chunk ends), then the state's `host_view`."""
     state = decode_loop(target, drafter, state, sampling, max_rounds, spec=spec)[0]
-    return state, host_view(state)
+    return _on_mesh(mesh, state, host_view(state))
 
 
-register_program("admit", admit_viewed, static_argnames=("spec", "capacity", "cache_dtype", "packed_len"),
+register_program("admit", admit_viewed, static_argnames=("spec", "capacity", "cache_dtype", "packed_len", "mesh"),
                  donate_argnames=("state", "sampling"))
-register_program("chunk", fixed_chunk, static_argnames=("spec", "rounds"), donate_argnames=("state",))
-register_program("chunk_ending", ending_chunk, static_argnames=("spec",), donate_argnames=("state",))
+register_program("chunk", fixed_chunk, static_argnames=("spec", "rounds", "mesh"), donate_argnames=("state",))
+register_program("chunk_ending", ending_chunk, static_argnames=("spec", "mesh"), donate_argnames=("state",))
 
 
 @dataclasses.dataclass
@@ -192,18 +216,48 @@ def _check_int(v, name: str, low: int):
     return int(v)
 
 
+def mesh_config(c: EngineConfig, mesh) -> EngineConfig:
+    """The config under `mesh`: the kernels' XLA references where the mesh has several devices (the Pallas kernels
+    do not run per shard yet)."""
+    if not isinstance(mesh, jax.sharding.Mesh) or set(mesh.axis_names) != {SH.DATA_AXIS, SH.MODEL_AXIS}:
+        raise TypeError(f"mesh must be a jax.sharding.Mesh with axes {SH.DATA_AXIS!r} and {SH.MODEL_AXIS!r} "
+                        f"(pjax.models.make_mesh), got {mesh!r}")
+    if mesh.size == 1:
+        return c
+    if c.implementation == "pallas":
+        raise ValueError(f"EngineConfig.implementation='pallas' with a mesh of {mesh.size} devices: the Pallas "
+                         "kernels do not run per shard; use 'xla' or 'auto'")
+    return dataclasses.replace(c, implementation="xla")
+
+
+def _placed(model, mesh, place):
+    """`model` on `mesh` by `place`, unless every leaf already lies on it (as a mesh-aware loader placed it)."""
+    if mesh is None or model is None:
+        return model
+    on = lambda x: isinstance(getattr(x, "sharding", None), NamedSharding) and x.sharding.mesh == mesh  # noqa
+    return model if all(on(x) for x in jax.tree.leaves(model)) else place(model, mesh)
+
+
 class Engine:
     """Continuous batching over `max_slots` device rows: `submit` requests, call `step` while `has_work`, read the
     `Event`s. Not thread-safe: one thread calls submit / cancel / step.
 
     target / drafter: as `pjax.generate` (drafter None for drafting "none"). compile_s: compilation seconds so far.
+    mesh: None (one device), or a `jax.sharding.Mesh` with axes "data" and "model" (`pjax.models.make_mesh`): the
+    target's weights are split over "model" (`pjax.models.sharding`; a target already placed on the mesh, e.g. by
+    `load_target(..., mesh=)`, is kept as placed), the drafter replicated, the slots' rows split over "data" (which
+    must divide max_slots, rounded up to a power of two) and the KV caches by KV heads over "model". Under a mesh of
+    several devices the kernels run their XLA references ("auto" is "xla"; "pallas" is refused).
     """
 
-    def __init__(self, target, drafter, config: EngineConfig = EngineConfig(), *, acceptance=None):
+    def __init__(self, target, drafter, config: EngineConfig = EngineConfig(), *, acceptance=None, mesh=None):
         if not isinstance(config, EngineConfig):
             raise TypeError(f"config must be a pjax.decode.EngineConfig, got {type(config).__name__}")
         c = config
         slots = _check_int(c.max_slots, "max_slots", 1)
+        if mesh is not None:
+            c = mesh_config(c, mesh)
+            slots = max(slots, SH.axis_size(mesh, SH.DATA_AXIS))
         if c.max_len is None:
             mpe = getattr(getattr(target, "config", None), "max_position_embeddings", None)
             self.max_len = min(DEFAULT_MAX_LEN, mpe) if mpe else DEFAULT_MAX_LEN
@@ -215,8 +269,10 @@ class Engine:
             raise TypeError(f"EngineConfig.compiler_options must be a dict or None, got "
                             f"{type(c.compiler_options).__name__}")
         spec = make_spec(target, drafter, c, max_new_tokens=self.max_len, acceptance=acceptance)
-        self._target = consistent_target(target)
-        self._drafter = consistent_drafter(drafter) if spec.drafting.speculative else None
+        self.mesh = mesh
+        self._target = _placed(consistent_target(target), mesh, SH.place_target)
+        self._drafter = _placed(consistent_drafter(drafter), mesh, SH.place_drafter) if spec.drafting.speculative \
+            else None
         self.warnings = [] if self._drafter is None else pair_warnings(self._target.config, self._drafter.config)
         mpe = self._target.config.max_position_embeddings
         if mpe and self.max_len > mpe:
@@ -225,6 +281,10 @@ class Engine:
         for w in self.warnings:
             warnings.warn(w, stacklevel=2)
         self.config, self.spec, self.max_slots = c, spec, I.bucket_batch(slots)
+        data = SH.axis_size(mesh, SH.DATA_AXIS)
+        if self.max_slots % data:
+            raise ValueError(f"EngineConfig.max_slots: the mesh's {data} data-parallel rows must divide the "
+                             f"{self.max_slots} slots")
         admit_rows = self.max_slots if c.max_admit_rows is None else _check_int(c.max_admit_rows, "max_admit_rows", 1)
         self.max_admit_rows = min(I.bucket_batch(admit_rows), self.max_slots)
         self._cache_dtype = None if c.cache_dtype is None else parse_dtype(c.cache_dtype, what="cache_dtype")
@@ -263,9 +323,13 @@ class Engine:
         fn = functools.partial(prefill, spec=self.spec, capacity=self.max_len, cache_dtype=self._cache_dtype)
         shapes = jax.eval_shape(fn, self._target, self._drafter, jax.ShapeDtypeStruct((b, 1), jnp.int32),
                                 jax.ShapeDtypeStruct((b,), jnp.int32), sampling)
-        state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-        state = dataclasses.replace(state, done=jnp.ones((b,), bool), stop=jnp.full((b,), STOP_HOST, jnp.int32))
-        return state, sampling
+        def empty():
+            state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+            return dataclasses.replace(state, done=jnp.ones((b,), bool), stop=jnp.full((b,), STOP_HOST, jnp.int32))
+        if self.mesh is None:
+            return empty(), sampling
+        state = jax.jit(empty, out_shardings=state_shardings(shapes, self.mesh))()  # built in place on every device
+        return state, jax.device_put(sampling, state_shardings(sampling, self.mesh))
 
     def _admission_args(self, reqs: Sequence[_Request], slots: Sequence[int], rows: int, lp: int):
         prompts = np.zeros((rows, lp), np.int32)
@@ -278,9 +342,10 @@ class Engine:
             lengths[i], where[i] = len(r.prompt), slot
             s["temperature"][i], s["top_k"][i], s["top_p"][i] = p.temperature, p.top_k, p.top_p
             s["seed"][i], s["eos"][i], s["max_new"][i] = p.seed, r.stops, p.max_new_tokens
-        new = Sampling(**{k: jnp.asarray(v) for k, v in s.items()})
-        return (self._target, self._drafter, self._state, self._sampling, jnp.asarray(prompts), jnp.asarray(lengths),
-                new, jnp.asarray(where))
+        put = jnp.asarray if self.mesh is None else functools.partial(jax.device_put,
+                                                                       device=NamedSharding(self.mesh, P()))
+        new = Sampling(**{k: put(v) for k, v in s.items()})
+        return (self._target, self._drafter, self._state, self._sampling, put(prompts), put(lengths), new, put(where))
 
     def _buckets(self, n: int, longest: int) -> tuple[int, int]:
         """(rows, prompt positions) of the admission program for n requests whose longest prompt has `longest`."""
@@ -300,7 +365,8 @@ class Engine:
         exe = self._admit_exe.get(key)
         if exe is None:
             exe, c = compiled("admit", args, dict(spec=self.spec, capacity=self.max_len, cache_dtype=self._cache_dtype,
-                                                  packed_len=packed_len), self._options, self._precision)
+                                                  packed_len=packed_len, mesh=self.mesh), self._options,
+                              self._precision)
             with self._compile_lock:
                 self.compile_s += c
                 self._admit_exe[key] = exe
@@ -314,8 +380,8 @@ class Engine:
         """The chunk program: a fixed trip count of rounds_per_step rounds (pipelined), or ending early."""
         exe = self._chunk_exe.get(fixed)
         if exe is None:
-            name, statics = ("chunk", dict(spec=self.spec, rounds=self.rounds_per_step)) if fixed else (
-                "chunk_ending", dict(spec=self.spec))
+            name, statics = ("chunk", dict(spec=self.spec, rounds=self.rounds_per_step, mesh=self.mesh)) if fixed \
+                else ("chunk_ending", dict(spec=self.spec, mesh=self.mesh))
             exe, c = compiled(name, self._chunk_args(fixed), statics, self._options, self._precision)
             with self._compile_lock:
                 self.compile_s += c

@@ -15,8 +15,8 @@ from pjax.decode.tree import path_count
 from pjax.kernels import IMPLEMENTATIONS
 from pjax.models.target import Target
 
-__all__ = ["DEFAULT_MAX_LEN", "FLAGS", "TREE_GREEDY", "EngineConfig", "add_flags", "check_tree", "config_from_flags",
-           "configure", "make_spec", "number_flag"]
+__all__ = ["DEFAULT_MAX_LEN", "FLAGS", "TREE_GREEDY", "EngineConfig", "add_flags", "add_mesh_flag", "check_tree",
+           "config_from_flags", "configure", "make_spec", "mesh_from_flags", "number_flag"]
 
 DEFAULT_MAX_LEN = 2048
 
@@ -204,6 +204,28 @@ def add_flags(parser, *fields: str):
         if value is not None and "default" not in text:
             text += f" (default {value})"
         parser.add_argument(flag, dest=name, default=None, help=text, **kwargs)
+
+
+def add_mesh_flag(parser):
+    """Add --tensor-parallel N (dest tensor_parallel, default 1): the target split over N devices."""
+    parser.add_argument("--tensor-parallel", dest="tensor_parallel", type=_positive, default=1, metavar="N",
+                        help="split the target over the first N devices (tensor parallel: attention by heads, MLP by "
+                             "the intermediate dimension, MoE by experts, embedding and LM head by vocabulary; the "
+                             "head replicated; default 1)")
+
+
+def mesh_from_flags(args):
+    """The mesh of --tensor-parallel N (`add_mesh_flag`): 1 x N over the first N devices, or None for N = 1;
+    ValueError naming the flag when fewer devices exist."""
+    import jax
+
+    from pjax.models.sharding import make_mesh
+    n = getattr(args, "tensor_parallel", 1) or 1
+    if n == 1:
+        return None
+    if n > jax.device_count():
+        raise ValueError(f"--tensor-parallel {n}: only {jax.device_count()} device(s) are visible")
+    return make_mesh(data=1, model=n, devices=jax.devices()[:n])
 
 
 def config_from_flags(args, fields=tuple(FLAGS), **fixed) -> EngineConfig:

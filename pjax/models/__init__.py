@@ -6,7 +6,8 @@ from pjax.models.drafter import (Drafter, DrafterConfig, abstract_drafter, combi
                                  draft_to_target, drafter_forward, init_drafter, init_drafter_cache, mask_feature)
 from pjax.models.families import config_from_hf
 from pjax.models.pairing import check_pair, resolve_aux_layer_ids
+from pjax.models.sharding import make_mesh, place_drafter, place_target
 from pjax.models.target import Target, abstract_target, forward, init_target, logits_from_hidden, target_logits
 
 __all__ = ["Drafter", "DrafterConfig", "Target", "abstract_target", "check_pair", "config_from_hf", "drafter_forward",
-           "forward", "init_drafter", "init_target", "target_logits"]
+           "forward", "init_drafter", "init_target", "make_mesh", "place_drafter", "place_target", "target_logits"]

@@ -25,7 +25,8 @@ import sys
 import time
 
 from pjax.command import dtype_flag, run_command
-from pjax.decode.settings import DEFAULT_MAX_LEN, add_flags, config_from_flags, number_flag
+from pjax.decode.settings import (DEFAULT_MAX_LEN, add_flags, add_mesh_flag, config_from_flags, mesh_from_flags,
+                                  number_flag)
 from pjax.dtypes import parse_dtype
 from pjax.serve.limits import ServerLimits
 
@@ -79,6 +80,7 @@ def build_parser(prog: str = "python -m pjax serve") -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", metavar="NAME",
                    help="the model name clients send (default: --target as given)")
     add_flags(p, "rounds_per_step", "prefill", "implementation", "cache_dtype")
+    add_mesh_flag(p)
     p.add_argument("--warmup", choices=("full", "minimal"), default="full",
                    help="full (default): compile every program traffic can need before listening; minimal: the "
                         "decode program and a one-request short-prompt admission (others compile on first use)")
@@ -184,9 +186,10 @@ def _load(args):
                  else _checked("--tokenizer", load_tokenizer, args.tokenizer))
     dtype = parse_dtype(args.dtype)
     check = not args.no_finite_check
-    target = _checked("--target", load_target, args.target, dtype=dtype, check_finite=check)
+    mesh = _checked("--tensor-parallel", mesh_from_flags, args)
+    target = _checked("--target", load_target, args.target, dtype=dtype, check_finite=check, mesh=mesh)
     drafter = None if args.head is None else _checked("--head", load_drafter, args.head, dtype=dtype, target=target,
-                                                      check_finite=check)
+                                                      check_finite=check, mesh=mesh)
     vocab = target.config.vocab_size
     if tokenizer.vocab_size > vocab:
         _log(f"warning: the tokenizer has {tokenizer.vocab_size} tokens but the target's vocabulary is {vocab}: "
@@ -195,7 +198,7 @@ def _load(args):
     mpe = target.config.max_position_embeddings
     max_len = args.max_len or (min(DEFAULT_MAX_LEN, mpe) if mpe else DEFAULT_MAX_LEN)
     config = config_from_flags(args, drafting=drafting, num_speculative_tokens=k or None, max_len=max_len)
-    engine = _checked("", Engine, target, drafter if drafting.speculative else None, config)
+    engine = _checked("", Engine, target, drafter if drafting.speculative else None, config, mesh=mesh)
     slack = engine.slack
     if max_len - slack < 2:
         raise InputError(f"--max-len {max_len}: leaves no room for a prompt and a new token beside the {slack} "

@@ -4,6 +4,7 @@ The curated API; the parts live in submodules: `cod` (COD sampling, partitioning
 `eagle3`, `data` (documents, packing, streams, vocabularies, offline features), `step`, `loop`, `checkpoint`
 (orbax training checkpoints), `replay` (greedy parallel decoding replayed from teacher forcing), `target_lm`.
 """
+from pjax.models.sharding import make_mesh
 from pjax.train.cod import CodConfig, cod_sample
 from pjax.train.config import TrainConfig
 from pjax.train.data import (FeatureStream, RowStream, build_vocab_mapping, chat_document, load_documents,
@@ -14,7 +15,6 @@ from pjax.train.loop import TrainResult, evaluate_drafter, train_drafter
 from pjax.train.losses import draft_logits, peagle_loss
 from pjax.train.optim import OptimConfig
 from pjax.train.state import TrainState
-from pjax.train.step import make_mesh
 from pjax.train.target_features import target_features
 from pjax.train.target_lm import train_target_lm
 

@@ -22,7 +22,8 @@ from pjax.train.data.documents import check_token_ids
 from pjax.train.checkpoint import Checkpointer, TrainError, run_settings
 from pjax.train.config import TrainConfig
 from pjax.train.state import TrainState, drafter_from_state, init_train_state
-from pjax.train.step import eval_step, make_mesh, make_train_step, replicate, shard_batch, shard_target
+from pjax.models.sharding import make_mesh
+from pjax.train.step import eval_step, make_train_step, replicate, shard_batch, shard_target
 
 
 @dataclasses.dataclass
@@ -115,7 +116,8 @@ def train_drafter(target: Target, drafter: Drafter, stream: RowStream | FeatureS
     _check_stream(stream, cfg)
     _check_data(stream, target.config.vocab_size)
     steps = cfg.total_steps if steps is None else int(steps)
-    mesh = make_mesh(jax.devices()[:1]) if mesh is None else mesh  # explicit placement: restored == fresh state
+    # explicit placement: restored == fresh state
+    mesh = make_mesh(devices=jax.devices()[:1]) if mesh is None else mesh
     if split_target and mesh.devices.size == 1:
         raise ValueError("split_target=True needs a mesh of more than one device (make_mesh()); with one device "
                          "there is nothing to split the target over")
@@ -185,7 +187,7 @@ def evaluate_drafter(target: Target, drafter: Drafter, stream: RowStream | Featu
     _check_stream(stream, cfg)
     if batches < 1:
         raise ValueError(f"batches={batches}: expected at least 1")
-    mesh = make_mesh(jax.devices()[:1]) if mesh is None else mesh
+    mesh = make_mesh(devices=jax.devices()[:1]) if mesh is None else mesh
     state = replicate(init_train_state(drafter, cfg) if state is None else state, mesh)
     target = replicate(target, mesh)
     shell = replicate(Drafter(drafter.config, drafter.graphdef, None, drafter.d2t), mesh)

@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pjax.models.drafter import Drafter
 from pjax.models.pairing import check_pair
+from pjax.models.sharding import DATA_AXIS
 from pjax.models.target import Target
 from pjax.train.cod import cod_capacities, cod_sample, partition_segment, segment_bounds
 from pjax.train.data import eagle_shift
@@ -33,7 +34,6 @@ from pjax.train.optim import learning_rate_schedule, make_optimizer, merge_param
 from pjax.train.config import TrainConfig
 from pjax.train.state import TrainState
 
-DATA_AXIS = "data"
 
 
 def offline_rows(target: Target, drafter: Drafter, batch: dict) -> dict:
@@ -196,12 +196,6 @@ def eval_step(state: TrainState, shell: Drafter, target: Target, batch: dict, cf
 def _global_norm(tree):
     tree_mod = getattr(optax, "tree", None)
     return tree_mod.norm(tree) if tree_mod is not None and hasattr(tree_mod, "norm") else optax.global_norm(tree)
-
-
-def make_mesh(devices=None) -> jax.sharding.Mesh:
-    """1-D data-parallel mesh over `devices` (default: all)."""
-    devices = jax.devices() if devices is None else list(devices)
-    return jax.sharding.Mesh(np.asarray(devices, dtype=object).reshape(-1), (DATA_AXIS,))
 
 
 def make_train_step(cfg: TrainConfig, mesh: Optional[jax.sharding.Mesh] = None, donate: bool = True,
