@@ -18,7 +18,7 @@ from tests.engine_utils import FAST, make_drafter, tiny_llama
 
 B, K, V, N = 3, 3, 4, 10
 
-build = jax.jit(build_tree, static_argnames=("budget",), compiler_options=FAST)
+build = jax.jit(build_tree, static_argnames=("budget", "score"), compiler_options=FAST)
 accept = jax.jit(accept_tree_greedy, static_argnames=("depths",), compiler_options=FAST)
 
 
@@ -47,18 +47,24 @@ def paths(tree: Tree, b: int):
     return out
 
 
-def test_build_tree_is_exact_best_n():
+@pytest.mark.parametrize("score", ["product", "min"])
+def test_build_tree_is_exact_best_n(score):
+    """Best-N by the product of the per-depth probabilities, or by their minimum (ties by the product)."""
     lp = jax.nn.log_softmax(jax.random.normal(jax.random.key(0), (B, K, V)) * 2, axis=-1)
-    tree = build(lp, budget=N)
+    tree = build(lp, budget=N, score=score)
     lpn = np.asarray(lp, np.float32)
     for b in range(B):
         got = paths(tree, b)
         assert len(set(got)) == N
         every = [seq for d in range(1, K + 1) for seq in itertools.product(range(V), repeat=d)]
-        score = {seq: np.float32(sum(lpn[b, j, t] for j, t in enumerate(seq))) for seq in every}
-        best = sorted(every, key=lambda s: -score[s])[:N]
+        logp = {seq: np.float32(sum(lpn[b, j, t] for j, t in enumerate(seq))) for seq in every}
+        key = {seq: (logp[seq],) if score == "product" else (min(lpn[b, j, t] for j, t in enumerate(seq)), logp[seq])
+               for seq in every}
+        best = sorted(every, key=lambda s: tuple(-x for x in key[s]))[:N]
         assert set(got) == set(best)
-        assert [score[s] for s in got] == sorted(score[s] for s in got)[::-1]  # best first
+        assert [key[s] for s in got] == sorted(key[s] for s in got)[::-1]  # best first
+    if score == "min":  # the two rules differ on this input: min keeps deeper paths
+        assert tree.depth.sum() > build(lp, budget=N, score="product").depth.sum()
 
 
 def walk(amax, tree: Tree, b: int, n_valid: int):
@@ -261,16 +267,16 @@ def test_generate_with_a_tree_equals_plain_greedy(pair, chain_run):
     chain and trees are printed: a random head's trees rarely meet the target, so they are recorded, not compared)."""
     chain = [t[:NEW] for t in chain_run.tokens]
     als = {}
-    for n in (DK, 10):
+    for n, score in ((DK, "product"), (10, "product"), (10, "min")):
         res = pjax.generate(*pair, PROMPTS, max_new_tokens=NEW, drafting="parallel", num_speculative_tokens=DK,
-                            tree_budget=n, compiler_options=FAST)
+                            tree_budget=n, tree_score=score, compiler_options=FAST)
         assert res.tokens == chain
         st = res.stats
         assert st["stop_reasons"] == ["length"] * len(PROMPTS) and len(st["acceptance_rates"]) == DK
         assert st["num_draft_tokens"] >= n * st["num_drafts"] - 2 * n  # every round verifies the whole tree
-        als[n] = st["mean_acceptance_length"]
+        als[n, score] = st["mean_acceptance_length"]
     chain_al = chain_run.stats["mean_acceptance_length"]
-    print(f"acceptance length: chain {chain_al:.3f}, tree N={DK} {als[DK]:.3f}, N=10 {als[10]:.3f}")
+    print(f"acceptance length: chain {chain_al:.3f}, trees {als}")
 
 
 def test_tree_settings_errors(pair):
@@ -282,6 +288,7 @@ def test_tree_settings_errors(pair):
                       (dict(drafting="sequential"), "tree_budget needs drafting='parallel'"),
                       (dict(tree_budget=2), "tree_budget=2 must be >= num_speculative_tokens=3"),
                       (dict(tree_budget=0), "tree_budget must be an integer >= 1"),
+                      (dict(tree_score="max"), r"tree_score='max': expected one of \('product', 'min'\)"),
                       (dict(draft_sampling="sample"), "tree_budget needs draft_sampling='argmax'")]:
         with pytest.raises(ValueError, match=match):
             gen(**kw)

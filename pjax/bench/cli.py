@@ -73,7 +73,8 @@ from pjax.dtypes import parse_dtype
 from pjax.decode.engine import STOP_WIDTH, mesh_config
 
 CHAT = ("auto", "on", "off")
-SETTINGS_FLAGS = ("cache_dtype", "implementation", "prefill", "rounds_per_step", "max_admit_rows", "draft_sampling")
+SETTINGS_FLAGS = ("cache_dtype", "implementation", "prefill", "rounds_per_step", "max_admit_rows", "draft_sampling",
+                  "tree_score")
 
 
 def _ints(flag: str):
@@ -147,7 +148,7 @@ def build_parser(prog: str = "python -m pjax bench") -> argparse.ArgumentParser:
     s.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy, "
                                                                   "exactness checked)")
     s.add_argument("--seed", type=int, default=0, help="sampling seed of the first prompt (prompt i: seed + i)")
-    add_flags(s, "draft_sampling")
+    add_flags(s, "draft_sampling", "tree_score")
     s.add_argument("--simulate-acceptance", type=_floats, default=None, metavar="P1,...,PK",
                    help="simulated verdicts for timing random weights: draft i accepted with probability p_i (the "
                         "chain stops at the first rejection); at least max(--k) values, the first K used at K")

@@ -252,11 +252,12 @@ def generate(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_token
     progress: a tqdm bar over output tokens. Ctrl-C raises `GenerationInterrupted` (a KeyboardInterrupt) whose
       `.result` holds the output so far.
     config / settings: the decoding settings, an `EngineConfig` and / or its fields by name (drafting,
-      num_speculative_tokens, tree_budget, draft_sampling, prefill, rounds_per_step, max_len, implementation,
-      cache_dtype, allow_tf32, compiler_options; one set of defaults, `EngineConfig`'s). max_len: KV positions per row
+      num_speculative_tokens, tree_budget, tree_score, draft_sampling, prefill, rounds_per_step, max_len,
+      implementation, cache_dtype, allow_tf32, compiler_options; one set of defaults, `EngineConfig`'s). max_len: KV positions per row
       (default: longest prompt + max_new_tokens + 2K, or K + N with a tree of N, bucketed); a prompt longer is an
       error, a row that fills it stops with reason "capacity". prefill: "auto" packs the prompts into one row where
-      that computes fewer positions. tree_budget N: each round verifies a tree of N draft tokens (greedy only).
+      that computes fewer positions. tree_budget N: each round verifies a tree of N draft tokens (greedy only),
+      its paths ranked by tree_score.
     acceptance: None, or a hashable function replacing the round's acceptance rule (`EngineSpec.acceptance`; the
       benchmark's simulated acceptance); the stats then say "acceptance_replaced": True.
     mesh: None (one device), or a `jax.sharding.Mesh` with axes "data" and "model" (`pjax.make_mesh`): the target

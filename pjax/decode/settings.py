@@ -11,7 +11,7 @@ from typing import Callable, Optional
 from pjax.decode import inputs as I
 from pjax.decode.drafting import Drafting, resolve
 from pjax.decode.state import DRAFT_SAMPLING, EngineSpec
-from pjax.decode.tree import path_count
+from pjax.decode.tree import SCORES, path_count
 from pjax.kernels import IMPLEMENTATIONS
 from pjax.models.target import Target
 
@@ -32,6 +32,8 @@ class EngineConfig:
     tree_budget: None (each round verifies a chain of K drafts), or N >= K: each round verifies a tree of N draft
       tokens of depth <= K, the N most probable paths of the drafter's per-position distributions, in one target
       pass (parallel drafting and greedy decoding only: temperature 0 and argmax drafts).
+    tree_score: how a tree ranks paths: "product" of the per-depth probabilities, or their "min" (deeper trees;
+      `pjax.decode.tree.build_tree`).
     temperature / top_k / top_p: the sampling of a request that gives none (0 = greedy; 0 and 1 = no filter).
     prefill: the target prefill's layout, "auto" | "packed" | "padded" (`pjax.generate`).
     rounds_per_step: rounds per device chunk: requests join, tokens stream and host stops apply between chunks.
@@ -49,6 +51,7 @@ class EngineConfig:
     num_speculative_tokens: Optional[int] = None
     draft_sampling: str = "argmax"
     tree_budget: Optional[int] = None
+    tree_score: str = "product"
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -106,7 +109,7 @@ def make_spec(target, drafter, config: EngineConfig, *, max_new_tokens: int,
     return EngineSpec(num_speculative_tokens=k, drafting=drafting, max_new_tokens=int(max_new_tokens),
                       draft_sampling=c.draft_sampling, aux_layer_ids=aux, mask_token_id=int(mask_id),
                       implementation=c.implementation, acceptance=acceptance,
-                      tree_budget=None if c.tree_budget is None else int(c.tree_budget))
+                      tree_budget=None if c.tree_budget is None else int(c.tree_budget), tree_score=c.tree_score)
 
 
 TREE_GREEDY = "tree_budget needs greedy decoding (temperature 0)"
@@ -116,6 +119,8 @@ def check_tree(c: EngineConfig, drafting: Drafting, k: int, drafter, acceptance)
     """A tree budget's settings: an integer N >= K, parallel drafting, argmax drafts, greedy decoding, a draft
     vocabulary with N distinct paths of depth <= K, no replaced acceptance rule; else a ValueError naming them."""
     n = c.tree_budget
+    if c.tree_score not in SCORES:
+        raise ValueError(f"tree_score={c.tree_score!r}: expected one of {SCORES}")
     if not I.is_int(n) or n < 1:
         raise ValueError(f"tree_budget must be an integer >= 1 (draft tokens per tree) or None, got {n!r}")
     if drafting is not Drafting.PARALLEL:
@@ -171,6 +176,8 @@ FLAGS: dict[str, tuple[str, dict, str]] = {
     "tree_budget": ("--tree-budget", dict(type=_positive, metavar="N"),
                     "verify a tree of N draft tokens (depth <= K) per round instead of a chain of K (parallel "
                     "drafting, greedy decoding); default: a chain"),
+    "tree_score": ("--tree-score", dict(choices=SCORES),
+                   "how a tree ranks paths: the product of the per-depth probabilities, or their minimum"),
     "temperature": ("--temperature", dict(type=number_flag(float, low=0.0), metavar="T"), "sampling temperature (0: "
                     "greedy)"),
     "top_k": ("--top-k", dict(type=number_flag(int, low=0), metavar="N"), "top-k sampling (0: off)"),

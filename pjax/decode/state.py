@@ -44,6 +44,7 @@ class EngineSpec:
       `AcceptResult`: the one extension point of a round (e.g. the benchmark's simulated acceptance).
     tree_budget: None (a chain of K drafts), or N >= K: each round verifies a tree of N draft nodes of depth <= K
       built from the drafter's per-position distributions (`pjax.decode.tree`; parallel drafting, greedy rows).
+    tree_score: the tree's path score, "product" | "min" (`pjax.decode.tree.build_tree`).
     """
     num_speculative_tokens: int
     drafting: str
@@ -55,6 +56,7 @@ class EngineSpec:
     sampling_filters: bool = True
     acceptance: Optional[Callable] = None
     tree_budget: Optional[int] = None
+    tree_score: str = "product"
 
     def __post_init__(self):
         object.__setattr__(self, "drafting", Drafting.parse(self.drafting, "EngineSpec.drafting"))

@@ -100,7 +100,7 @@ def target_spec(spec: EngineSpec) -> EngineSpec:
     """The settings `prefill_target` depends on: `spec` without its drafting fields, so that every K and drafting
     mode with the same aux_layer_ids shares one compiled target prefill."""
     return dataclasses.replace(spec, num_speculative_tokens=0, drafting=Drafting.NONE, draft_sampling="argmax",
-                               mask_token_id=0, acceptance=None, tree_budget=None)
+                               mask_token_id=0, acceptance=None, tree_budget=None, tree_score="product")
 
 
 def _target_pass(target, prompts, lengths, cache, spec: EngineSpec, packed_len, rows=None):

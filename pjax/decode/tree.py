@@ -3,9 +3,9 @@
 P-EAGLE drafts every depth in one drafter pass, so each depth d = 1..K comes with a full distribution p_d. A tree of
 N nodes hangs under the root (the round's last committed token): node i carries a token, a parent (-1: the root) and
 a depth; the nodes come in order of selection, so a parent always precedes its children. `build_tree` selects the N
-best paths by path probability (the product of p_d(token) along the path); the target verifies every node in one pass
-(each node attends to the committed cache and its ancestors) and `accept_tree_greedy` walks the longest path the
-target agrees with. Shapes: B rows, K depths, V vocabulary, N nodes (the budget).
+best paths by a score of their per-depth probabilities (their product, or their minimum); the target verifies every
+node in one pass (each node attends to the committed cache and its ancestors) and `accept_tree_greedy` walks the
+longest path the target agrees with. Shapes: B rows, K depths, V vocabulary, N nodes (the budget).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["Tree", "TreeAccept", "accept_tree_greedy", "build_tree", "commit_path", "path_count"]
+__all__ = ["SCORES", "Tree", "TreeAccept", "accept_tree_greedy", "build_tree", "commit_path", "path_count"]
 
 FLOOR = -1e30  # log-probabilities are floored here (finite): a frontier slot with no node scores -inf, below any path
 
@@ -52,14 +52,24 @@ def path_count(depths: int, vocab: int, budget: int) -> int:
     return sum(m ** d for d in range(1, depths + 1))
 
 
-def build_tree(log_probs, budget: int) -> Tree:
-    """The `budget` best paths by path probability, as a tree (tokens are vocabulary ids of `log_probs`).
+SCORES = ("product", "min")
+
+
+def build_tree(log_probs, budget: int, score: str = "product") -> Tree:
+    """The `budget` best paths as a tree (tokens are vocabulary ids of `log_probs`).
 
     log_probs [B, K, V] f32: log p_d at each depth. A node is a tuple of ranks (r_1..r_d) into each depth's sorted
-    distribution, scored by sum_j log p_j(token of rank r_j); the selection is exact best-first: a frontier starts
-    at (0,), and each step pops its best entry (ties: the earliest pushed) and pushes that node's first child and
-    next sibling, whose scores are never above the node's. Needs budget <= `path_count(K, V, budget)`.
+    distribution. score "product": the path's probability as if the depths were independent, sum_j log p_j(token
+    of rank r_j); "min": its smallest per-depth probability, min_j p_j (the Frechet upper bound of the path's
+    probability: P-EAGLE's depths are drafted from one context, so their errors are correlated and the product
+    undervalues deep paths); ties by the product, then by selection order. The selection is exact best-first: a
+    frontier starts at (0,), and each step pops its best entry and pushes that node's first child and next sibling,
+    whose scores are never above the node's. Unrolled: N steps of a few small operations each (a loop would cost a
+    device round trip per step on a GPU). Needs budget <= `path_count(K, V, budget)`.
     """
+    if score not in SCORES:
+        raise ValueError(f"tree score {score!r}: expected one of {SCORES}")
+    join = jnp.add if score == "product" else jnp.minimum
     b, k, v = log_probs.shape
     n = int(budget)
     m = min(n, v)
@@ -67,34 +77,40 @@ def build_tree(log_probs, budget: int) -> Tree:
     lp = jnp.maximum(lp, FLOOR)
     f = 2 * n + 1  # frontier slots: slot 0 the first entry, step i pushes into 2i + 1 (sibling) and 2i + 2 (child)
     rows = jnp.arange(b)
-    front = dict(score=jnp.full((b, f), -jnp.inf, jnp.float32).at[:, 0].set(lp[:, 0, 0]),
-                 base=jnp.zeros((b, f), jnp.float32), parent=jnp.full((b, f), -1, jnp.int32),
-                 depth=jnp.ones((b, f), jnp.int32), rank=jnp.zeros((b, f), jnp.int32))
+    first = jnp.full((b, f), -jnp.inf, jnp.float32).at[:, 0].set(lp[:, 0, 0])
+    front = dict(score=first, logp=first, base=jnp.zeros((b, f), jnp.float32), base_logp=jnp.zeros((b, f), jnp.float32),
+                 parent=jnp.full((b, f), -1, jnp.int32), depth=jnp.ones((b, f), jnp.int32),
+                 rank=jnp.zeros((b, f), jnp.int32))
     nodes = dict(tokens=jnp.zeros((b, n), jnp.int32), parent=jnp.zeros((b, n), jnp.int32),
-                 depth=jnp.zeros((b, n), jnp.int32), score=jnp.zeros((b, n), jnp.float32),
-                 anc=jnp.zeros((b, n, n), bool))
+                 depth=jnp.zeros((b, n), jnp.int32), anc=jnp.zeros((b, n, n), bool))
 
     def step(i, carry):
         fr, nd = carry
-        best = jnp.argmax(fr["score"], axis=1)
-        s, base, p, d, r = (fr[x][rows, best] for x in ("score", "base", "parent", "depth", "rank"))
+        top = fr["score"] == jnp.max(fr["score"], axis=1, keepdims=True)
+        best = jnp.argmax(jnp.where(top, fr["logp"], -jnp.inf), axis=1)  # ties: the product, then the earliest
+        s, lsum, base, lbase, p, d, r = (fr[x][rows, best] for x in ("score", "logp", "base", "base_logp", "parent",
+                                                                     "depth", "rank"))
         row = jnp.where((p >= 0)[:, None], nd["anc"][rows, jnp.maximum(p, 0)], False).at[:, i].set(True)
         nd = dict(tokens=nd["tokens"].at[:, i].set(ids[rows, d - 1, r]), parent=nd["parent"].at[:, i].set(p),
-                  depth=nd["depth"].at[:, i].set(d), score=nd["score"].at[:, i].set(s),
-                  anc=nd["anc"].at[:, i].set(row))
+                  depth=nd["depth"].at[:, i].set(d), anc=nd["anc"].at[:, i].set(row))
         sib = jnp.minimum(r + 1, m - 1)
         child_d = jnp.minimum(d, k - 1)  # the child's depth index (d + 1 - 1)
+        lp_sib, lp_child = lp[rows, d - 1, sib], lp[rows, child_d, 0]
+        has_sib, has_child = r + 1 < m, d < k
         pushed = dict(  # [B, 2]: (next sibling, first child)
-            score=jnp.stack([jnp.where(r + 1 < m, base + lp[rows, d - 1, sib], -jnp.inf),
-                             jnp.where(d < k, s + lp[rows, child_d, 0], -jnp.inf)], axis=1),
-            base=jnp.stack([base, s], axis=1), parent=jnp.stack([p, jnp.full_like(p, i)], axis=1),
+            score=jnp.stack([jnp.where(has_sib, join(base, lp_sib), -jnp.inf),
+                             jnp.where(has_child, join(s, lp_child), -jnp.inf)], axis=1),
+            logp=jnp.stack([jnp.where(has_sib, lbase + lp_sib, -jnp.inf),
+                            jnp.where(has_child, lsum + lp_child, -jnp.inf)], axis=1),
+            base=jnp.stack([base, s], axis=1), base_logp=jnp.stack([lbase, lsum], axis=1),
+            parent=jnp.stack([p, jnp.full_like(p, i)], axis=1),
             depth=jnp.stack([d, d + 1], axis=1), rank=jnp.stack([sib, jnp.zeros_like(r)], axis=1))
         fr = {x: jax.lax.dynamic_update_slice_in_dim(fr[x], pushed[x].astype(fr[x].dtype), 2 * i + 1, axis=1)
               for x in fr}
         fr["score"] = fr["score"].at[rows, best].set(-jnp.inf)
         return fr, nd
 
-    _, nd = jax.lax.fori_loop(0, n, step, (front, nodes))
+    _, nd = jax.lax.fori_loop(0, n, step, (front, nodes), unroll=True)
     top = jnp.zeros((b, 1, n + 1), bool).at[:, 0, 0].set(True)
     below = jnp.concatenate([jnp.ones((b, n, 1), bool), nd["anc"]], axis=2)
     return Tree(nd["tokens"], nd["parent"], nd["depth"], jnp.concatenate([top, below], axis=1))

@@ -70,7 +70,8 @@ def build_parser(prog: str = "python -m pjax serve") -> argparse.ArgumentParser:
                    help="Hugging Face target directory (config.json, safetensors, tokenizer.json)")
     p.add_argument("--head", metavar="DIR", help="P-EAGLE / EAGLE-3 head directory (default: no drafting)")
     p.add_argument("--tokenizer", metavar="DIR", help="tokenizer directory (default: --target)")
-    add_flags(p, "drafting", "num_speculative_tokens", "tree_budget", "max_slots", "max_admit_rows", "max_len")
+    add_flags(p, "drafting", "num_speculative_tokens", "tree_budget", "tree_score", "max_slots", "max_admit_rows",
+              "max_len")
     p.add_argument("--dtype", type=dtype_flag, default="bfloat16",
                    help="parameter dtype: bfloat16 (default), float32, float16 (or bf16, f32, f16)")
     p.add_argument("--no-finite-check", action="store_true",

@@ -44,7 +44,7 @@ def build_parser(prog: str = "python -m pjax generate") -> argparse.ArgumentPars
     src.add_argument("--chat", metavar="TEXT", help="one user message, rendered with the model's chat template")
     src.add_argument("--file", metavar="FILE.jsonl",
                      help='prompts, one JSON object per line: {"prompt": TEXT} or {"messages": [{"role", "content"}]}')
-    add_flags(p, "drafting", "num_speculative_tokens", "tree_budget", "temperature", "top_p", "top_k")
+    add_flags(p, "drafting", "num_speculative_tokens", "tree_budget", "tree_score", "temperature", "top_p", "top_k")
     p.add_argument("--seed", type=number_flag(int, low=0, high=SEED_LIMIT, high_open=True), default=0, metavar="S",
                    help="sampling seed in [0, 2**32) (default 0)")
     p.add_argument("--max-new-tokens", type=number_flag(int, low=1), metavar="N",
