@@ -55,6 +55,12 @@ def path_count(depths: int, vocab: int, budget: int) -> int:
 SCORES = ("product", "min")
 
 
+def _best(score, logp, n: int):
+    """Indices [B, n] of the n best entries of score, logp [B, C] (score first, then logp, then the lower index)."""
+    idx = jnp.broadcast_to(jnp.arange(score.shape[1], dtype=jnp.int32), score.shape)
+    return jax.lax.sort((-score, -logp, idx), dimension=1, num_keys=2, is_stable=True)[2][:, :n]
+
+
 def build_tree(log_probs, budget: int, score: str = "product") -> Tree:
     """The `budget` best paths as a tree (tokens are vocabulary ids of `log_probs`).
 
@@ -62,10 +68,11 @@ def build_tree(log_probs, budget: int, score: str = "product") -> Tree:
     distribution. score "product": the path's probability as if the depths were independent, sum_j log p_j(token
     of rank r_j); "min": its smallest per-depth probability, min_j p_j (the Frechet upper bound of the path's
     probability: P-EAGLE's depths are drafted from one context, so their errors are correlated and the product
-    undervalues deep paths); ties by the product, then by selection order. The selection is exact best-first: a
-    frontier starts at (0,), and each step pops its best entry and pushes that node's first child and next sibling,
-    whose scores are never above the node's. Unrolled: N steps of a few small operations each (a loop would cost a
-    device round trip per step on a GPU). Needs budget <= `path_count(K, V, budget)`.
+    undervalues deep paths); ties by the product, then by depth and rank. A child never scores above its parent, so
+    the N best nodes form a tree, and the N best of a depth are among the children of the N best of the depth above:
+    a beam of N per depth (K sorts of N x min(N, V) candidates), then the N best of the K beams. Static shapes, a
+    few operations per depth (a GPU runs them as a handful of kernels, not one per node). Needs budget <=
+    `path_count(K, V, budget)`.
     """
     if score not in SCORES:
         raise ValueError(f"tree score {score!r}: expected one of {SCORES}")
@@ -75,45 +82,38 @@ def build_tree(log_probs, budget: int, score: str = "product") -> Tree:
     m = min(n, v)
     lp, ids = jax.lax.top_k(log_probs.astype(jnp.float32), m)  # [B, K, M] sorted, ties -> lower id first
     lp = jnp.maximum(lp, FLOOR)
-    f = 2 * n + 1  # frontier slots: slot 0 the first entry, step i pushes into 2i + 1 (sibling) and 2i + 2 (child)
-    rows = jnp.arange(b)
-    first = jnp.full((b, f), -jnp.inf, jnp.float32).at[:, 0].set(lp[:, 0, 0])
-    front = dict(score=first, logp=first, base=jnp.zeros((b, f), jnp.float32), base_logp=jnp.zeros((b, f), jnp.float32),
-                 parent=jnp.full((b, f), -1, jnp.int32), depth=jnp.ones((b, f), jnp.int32),
-                 rank=jnp.zeros((b, f), jnp.int32))
-    nodes = dict(tokens=jnp.zeros((b, n), jnp.int32), parent=jnp.zeros((b, n), jnp.int32),
-                 depth=jnp.zeros((b, n), jnp.int32), anc=jnp.zeros((b, n, n), bool))
-
-    def step(i, carry):
-        fr, nd = carry
-        top = fr["score"] == jnp.max(fr["score"], axis=1, keepdims=True)
-        best = jnp.argmax(jnp.where(top, fr["logp"], -jnp.inf), axis=1)  # ties: the product, then the earliest
-        s, lsum, base, lbase, p, d, r = (fr[x][rows, best] for x in ("score", "logp", "base", "base_logp", "parent",
-                                                                     "depth", "rank"))
-        row = jnp.where((p >= 0)[:, None], nd["anc"][rows, jnp.maximum(p, 0)], False).at[:, i].set(True)
-        nd = dict(tokens=nd["tokens"].at[:, i].set(ids[rows, d - 1, r]), parent=nd["parent"].at[:, i].set(p),
-                  depth=nd["depth"].at[:, i].set(d), anc=nd["anc"].at[:, i].set(row))
-        sib = jnp.minimum(r + 1, m - 1)
-        child_d = jnp.minimum(d, k - 1)  # the child's depth index (d + 1 - 1)
-        lp_sib, lp_child = lp[rows, d - 1, sib], lp[rows, child_d, 0]
-        has_sib, has_child = r + 1 < m, d < k
-        pushed = dict(  # [B, 2]: (next sibling, first child)
-            score=jnp.stack([jnp.where(has_sib, join(base, lp_sib), -jnp.inf),
-                             jnp.where(has_child, join(s, lp_child), -jnp.inf)], axis=1),
-            logp=jnp.stack([jnp.where(has_sib, lbase + lp_sib, -jnp.inf),
-                            jnp.where(has_child, lsum + lp_child, -jnp.inf)], axis=1),
-            base=jnp.stack([base, s], axis=1), base_logp=jnp.stack([lbase, lsum], axis=1),
-            parent=jnp.stack([p, jnp.full_like(p, i)], axis=1),
-            depth=jnp.stack([d, d + 1], axis=1), rank=jnp.stack([sib, jnp.zeros_like(r)], axis=1))
-        fr = {x: jax.lax.dynamic_update_slice_in_dim(fr[x], pushed[x].astype(fr[x].dtype), 2 * i + 1, axis=1)
-              for x in fr}
-        fr["score"] = fr["score"].at[rows, best].set(-jnp.inf)
-        return fr, nd
-
-    _, nd = jax.lax.fori_loop(0, n, step, (front, nodes), unroll=True)
+    # beams: per depth, the kept nodes' score, logp, token, and parent (index into the previous depth's beam)
+    sc, lg, tok, par = [lp[:, 0]], [lp[:, 0]], [ids[:, 0]], [jnp.full((b, m), -1, jnp.int32)]
+    for d in range(1, k):
+        w = sc[-1].shape[1]
+        cs = join(sc[-1][:, :, None], lp[:, d, None, :]).reshape(b, w * m)  # [B, W * M] children of the beam
+        cl = (lg[-1][:, :, None] + lp[:, d, None, :]).reshape(b, w * m)
+        keep = _best(cs, cl, min(n, w * m))
+        pick = lambda x: jnp.take_along_axis(x, keep, axis=1)  # noqa: E731
+        sc.append(pick(cs))
+        lg.append(pick(cl))
+        tok.append(jnp.take_along_axis(ids[:, d], keep % m, axis=1))
+        par.append(keep // m)
+    widths = [x.shape[1] for x in sc]
+    offsets = [sum(widths[:d]) for d in range(k)]
+    depth_of = jnp.asarray([d + 1 for d in range(k) for _ in range(widths[d])], jnp.int32)
+    parent_of = jnp.concatenate([par[0]] + [par[d] + offsets[d - 1] for d in range(1, k)], axis=1)  # global ids
+    sel = _best(jnp.concatenate(sc, axis=1), jnp.concatenate(lg, axis=1), n)  # [B, N] global ids, best first
+    rows = jnp.arange(b)[:, None]
+    slot = jnp.full((b, parent_of.shape[1]), -1, jnp.int32).at[rows, sel].set(jnp.arange(n, dtype=jnp.int32))
+    gpar = jnp.take_along_axis(parent_of, sel, axis=1)
+    parent = jnp.where(gpar >= 0, jnp.take_along_axis(slot, jnp.maximum(gpar, 0), axis=1), -1)
+    # ancestor-or-self by walking up at most K - 1 parents
+    node = jnp.arange(n, dtype=jnp.int32)
+    anc = node[None, :, None] == node[None, None, :]
+    cur = parent
+    for _ in range(k - 1):
+        anc |= (cur[:, :, None] == node[None, None, :])
+        cur = jnp.where(cur >= 0, jnp.take_along_axis(parent, jnp.maximum(cur, 0), axis=1), -1)
     top = jnp.zeros((b, 1, n + 1), bool).at[:, 0, 0].set(True)
-    below = jnp.concatenate([jnp.ones((b, n, 1), bool), nd["anc"]], axis=2)
-    return Tree(nd["tokens"], nd["parent"], nd["depth"], jnp.concatenate([top, below], axis=1))
+    below = jnp.concatenate([jnp.ones((b, n, 1), bool), anc], axis=2)
+    return Tree(jnp.take_along_axis(jnp.concatenate(tok, axis=1), sel, axis=1).astype(jnp.int32),
+                parent.astype(jnp.int32), depth_of[sel], jnp.concatenate([top, below], axis=1))
 
 
 def accept_tree_greedy(target_logits, tree: Tree, depths: int, num_nodes=None) -> TreeAccept:
