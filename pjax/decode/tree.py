@@ -19,7 +19,8 @@ import jax.numpy as jnp
 from pjax.kernels import rng
 from pjax.kernels.acceptance import reference as A
 
-__all__ = ["SCORES", "Tree", "TreeAccept", "accept_tree", "accept_tree_greedy", "build_tree", "commit_path", "path_count"]
+__all__ = ["SCORES", "Tree", "TreeAccept", "accept_tree", "accept_tree_greedy", "build_tree", "commit_path",
+           "path_count"]
 
 FLOOR = -1e30  # log-probabilities are floored here (finite): a frontier slot with no node scores -inf, below any path
 
