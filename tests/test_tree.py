@@ -291,6 +291,7 @@ def test_tree_settings_errors(pair):
         with pytest.raises(ValueError, match=match):
             gen(**kw)
     cfg = pjax.decode.EngineConfig(num_speculative_tokens=DK, tree_budget=8)
+    pjax.decode.make_spec(target, drafter, dataclasses.replace(cfg, temperature=1.0), max_new_tokens=4)  # sampled: ok
     with pytest.raises(ValueError, match="acceptance rule"):
         pjax.decode.make_spec(target, drafter, cfg, max_new_tokens=4, acceptance=lambda *a: None)
     with pytest.raises(ValueError, match="tree_budget=20 exceeds the 14 paths"):  # 2 + 4 + 8
@@ -317,6 +318,7 @@ def test_bench_sweeps_tree_budgets():
     md = markdown(res, {}, plots={})
     assert "| parallel | 1, tree 2 | 1 |" in md and "| parallel | 3, tree 4 | 1 |" in md
     base = dict(drafting=("parallel", "none"), ks=(3,), tree_budgets=(4,))
+    BenchSettings(**base, temperature=0.5).validate()  # trees sample too
     for kw, needle in [(dict(tree_budgets=(2,)), "no budget is >= a K"), (dict(drafting=("none",)), "parallel"),
                        (dict(tree_budgets=(4, 4)), "distinct"),
                        (dict(simulate_acceptance=(0.5,) * 3), "chains only")]:
