@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from pjax.kernels import rng
-from pjax.kernels.acceptance import reference as A
+from pjax.kernels.acceptance import reference as acc
 
 __all__ = ["SCORES", "Tree", "TreeAccept", "accept_tree", "accept_tree_greedy", "build_tree", "commit_path",
            "path_count"]
@@ -205,14 +205,14 @@ def accept_tree(target_logits, tree: Tree, depths: int, *, temperature, seeds, p
     rows = jnp.arange(b)
     seeds = jnp.asarray(seeds).astype(jnp.uint32)
     positions = jnp.asarray(positions, jnp.int32)
-    greedy, inv_t = A.inverse_temperature(temperature)
-    thr = A.truncation_threshold(A.scaled(target_logits, inv_t), top_k, top_p)
-    amax, m, z = A.position_stats(target_logits, inv_t, thr)  # [B, N+1] each
+    greedy, inv_t = acc.inverse_temperature(temperature)
+    thr = acc.truncation_threshold(acc.scaled(target_logits, inv_t), top_k, top_p)
+    amax, m, z = acc.position_stats(target_logits, inv_t, thr)  # [B, N+1] each
     valid = _valid(tree, num_nodes)
     slot = tree.parent + 1  # [B, N] where node i is decided: its parent's slot
     x_tok = target_logits[rows[:, None], slot, tree.tokens].astype(jnp.float32) * inv_t[:, None]
     at = lambda s: jnp.take_along_axis(s, slot, axis=1)  # noqa: E731
-    p_tok = A.kept_prob(x_tok, at(thr), at(m), at(z))  # [B, N] p_parent(token)
+    p_tok = acc.kept_prob(x_tok, at(thr), at(m), at(z))  # [B, N] p_parent(token)
     i = jnp.arange(n, dtype=jnp.int32)
     before = ((tree.parent[:, :, None] == tree.parent[:, None, :]) & (i[None, None, :] < i[None, :, None])
               & valid[:, None, :])  # [B, N, N]: node j is a valid sibling before node i
@@ -226,9 +226,9 @@ def accept_tree(target_logits, tree: Tree, depths: int, *, temperature, seeds, p
     v = target_logits.shape[-1]
     tested = valid & (tree.parent == stop[:, None] - 1)  # the children of the path's end
     allowed = jnp.ones((b, v), bool).at[rows[:, None], jnp.where(tested, tree.tokens, v)].set(False, mode="drop")
-    x = A.gather_rows(target_logits, stop).astype(jnp.float32) * inv_t[:, None]
-    keep = x >= A.gather_rows(thr, stop)[:, None]
-    drawn = A.sample_lanes(x, keep & allowed, seeds, positions + num)
+    x = acc.gather_rows(target_logits, stop).astype(jnp.float32) * inv_t[:, None]
+    keep = x >= acc.gather_rows(thr, stop)[:, None]
+    drawn = acc.sample_lanes(x, keep & allowed, seeds, positions + num)
     return _result(tree, num, path, jnp.where(greedy, amax[rows, stop], drawn))
 
 
