@@ -6,7 +6,7 @@ defines them), and exactness against plain decoding at temperature 0.
         --k 3,7,11 --concurrency 1,8,64 --max-new-tokens 256 --out DIR
 
 --tree-budget 8,16,32 adds, for parallel drafting at each K, a run that verifies a tree of N draft tokens per round
-(the N most probable paths of the head's per-position distributions; greedy only) for each N >= K.
+(the N most probable paths of the head's per-position distributions) for each N >= K.
 
 Targets: a Hugging Face or pjax-native directory, or `random:llama3.1-8b|gpt-oss-20b|qwen3-30b-a3b` (random
 weights of that geometry: time large shapes with --simulate-acceptance; `random:gpt-oss-20b-mxfp4|gpt-oss-120b|
@@ -135,7 +135,7 @@ def build_parser(prog: str = "python -m pjax bench") -> argparse.ArgumentParser:
                                                                       "(default 3,7,11)")
     s.add_argument("--tree-budget", type=_ints("--tree-budget"), default=(), metavar="N1,N2",
                    help="parallel drafting also runs, at each K, a tree of N draft tokens per round for each N >= K, "
-                        "comma-separated (greedy only; default: chains only)")
+                        "comma-separated (default: chains only)")
     s.add_argument("--concurrency", type=_ints("--concurrency"), default=(1,),
                    help="requests in flight, comma-separated (default 1)")
     s.add_argument("--scheduling", choices=SCHEDULING, default="continuous",

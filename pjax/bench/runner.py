@@ -32,7 +32,7 @@ __all__ = ["BenchResult", "BenchSettings", "PromptSet", "build_prompt_set", "env
 class BenchSettings:
     """The sweep. drafting: modes to run; ks: drafts per round (speculative modes); concurrency: requests in flight;
     num_prompts: None (every prompt), one count, or one count per concurrency; tree_budgets: parallel drafting also
-    runs a tree of each N >= K per K (greedy only; `EngineConfig.tree_budget`); simulate_acceptance: None or at
+    runs a tree of each N >= K per K (`EngineConfig.tree_budget`); simulate_acceptance: None or at
     least max(ks) probabilities, the first K used at K (the engine's simulated verdicts: outputs are then not the
     target's); eos_token_ids: ids that end a request (empty: every request runs max_new_tokens); time_budget_s:
     a configuration starts only while the time since `run_bench`'s `t_start` plus the longest configuration so far
@@ -97,8 +97,6 @@ class BenchSettings:
                 raise BenchError(f"--tree-budget {given}: trees need parallel in --drafting")
             if not any(n >= k for n in self.tree_budgets for k in self.ks):
                 raise BenchError(f"--tree-budget {given}: no budget is >= a K of --k (a tree of N >= K tokens)")
-            if self.temperature > 0:
-                raise BenchError(f"--tree-budget {given}: trees need greedy decoding (--temperature 0)")
             if self.simulate_acceptance is not None:
                 raise BenchError(f"--tree-budget {given}: simulated acceptance takes chains only")
         if self.time_budget_s is not None and self.time_budget_s <= 0:

@@ -13,7 +13,7 @@ from pjax.decode import inputs as I
 from pjax.decode.compiled import compile_count
 from pjax.decode.drafting import resolve
 from pjax.decode.engine import STOP_WIDTH, Engine, RequestParams
-from pjax.decode.settings import TREE_GREEDY, EngineConfig, configure
+from pjax.decode.settings import EngineConfig, configure
 from pjax.decode.state import STOP_INTERRUPTED, STOP_NAMES, drafting_slack
 from pjax.models.target import Target
 
@@ -66,8 +66,6 @@ class Generation:
         temp, tk, tp, seeds = I.check_sampling(n, temperature, top_k, top_p, seed,
                                                defaults=(c.temperature, c.top_k, c.top_p, 0))
         stops = I.stop_table(eos_token_id, n, target.config.vocab_size, STOP_WIDTH)
-        if c.tree_budget is not None and (temp > 0).any():
-            raise ValueError(f"temperature={float(temp.max())}: {TREE_GREEDY}")
         _, k = resolve(drafter, c.drafting, c.num_speculative_tokens)
         lengths = [len(r) for r in rows]
         longest, most = max(lengths), int(limits.max())
@@ -256,8 +254,8 @@ def generate(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_token
       implementation, cache_dtype, allow_tf32, compiler_options; one set of defaults, `EngineConfig`'s). max_len: KV positions per row
       (default: longest prompt + max_new_tokens + 2K, or K + N with a tree of N, bucketed); a prompt longer is an
       error, a row that fills it stops with reason "capacity". prefill: "auto" packs the prompts into one row where
-      that computes fewer positions. tree_budget N: each round verifies a tree of N draft tokens (greedy only),
-      its paths ranked by tree_score.
+      that computes fewer positions. tree_budget N: each round verifies a tree of N draft tokens (greedy and
+      sampled rows alike, lossless), its paths ranked by tree_score.
     acceptance: None, or a hashable function replacing the round's acceptance rule (`EngineSpec.acceptance`; the
       benchmark's simulated acceptance); the stats then say "acceptance_replaced": True.
     mesh: None (one device), or a `jax.sharding.Mesh` with axes "data" and "model" (`pjax.make_mesh`): the target

@@ -55,7 +55,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pjax.decode import inputs as I
 from pjax.decode.compiled import COMPILE_THREADS, compiled, matmul_precision, register_program
-from pjax.decode.settings import DEFAULT_MAX_LEN, TREE_GREEDY, EngineConfig, make_spec
+from pjax.decode.settings import DEFAULT_MAX_LEN, EngineConfig, make_spec
 from pjax.decode.state import STOP_HOST, STOP_NAMES, DecodeState, EngineSpec, Sampling
 from pjax.decode.step import decode_loop, prefill, spec_round
 from pjax.dtypes import parse_dtype
@@ -461,8 +461,6 @@ class Engine:
         max_new = int(one(params.max_new_tokens, "max_new_tokens", kind="int", low=1))
         temperature, top_k, top_p, seed = (v[0].item() for v in I.check_sampling(
             1, params.temperature, params.top_k, params.top_p, params.seed, defaults=(None,) * 4))
-        if temperature > 0 and self.spec.tree_budget is not None:
-            raise ValueError(f"temperature={temperature}: {TREE_GREEDY}")
         stops = params.stop_token_ids
         if not isinstance(stops, (list, tuple, np.ndarray)):
             raise TypeError(f"stop_token_ids must be a tuple of token ids, got {stops!r}")

@@ -15,7 +15,7 @@ from pjax.decode.tree import SCORES, path_count
 from pjax.kernels import IMPLEMENTATIONS
 from pjax.models.target import Target
 
-__all__ = ["DEFAULT_MAX_LEN", "FLAGS", "TREE_GREEDY", "EngineConfig", "add_flags", "add_mesh_flag", "check_tree",
+__all__ = ["DEFAULT_MAX_LEN", "FLAGS", "EngineConfig", "add_flags", "add_mesh_flag", "check_tree",
            "config_from_flags", "configure", "make_spec", "mesh_from_flags", "number_flag"]
 
 DEFAULT_MAX_LEN = 2048
@@ -31,7 +31,7 @@ class EngineConfig:
     draft_sampling: "argmax" (vLLM's default) | "sample" (drafts sampled from the drafter's distribution).
     tree_budget: None (each round verifies a chain of K drafts), or N >= K: each round verifies a tree of N draft
       tokens of depth <= K, the N most probable paths of the drafter's per-position distributions, in one target
-      pass (parallel drafting and greedy decoding only: temperature 0 and argmax drafts).
+      pass (parallel drafting and argmax drafts; greedy and sampled rows alike, `pjax.decode.tree.accept_tree`).
     tree_score: how a tree ranks paths: "product" of the per-depth probabilities, or their "min" (deeper trees;
       `pjax.decode.tree.build_tree`).
     temperature / top_k / top_p: the sampling of a request that gives none (0 = greedy; 0 and 1 = no filter).
@@ -112,11 +112,8 @@ def make_spec(target, drafter, config: EngineConfig, *, max_new_tokens: int,
                       tree_budget=None if c.tree_budget is None else int(c.tree_budget), tree_score=c.tree_score)
 
 
-TREE_GREEDY = "tree_budget needs greedy decoding (temperature 0)"
-
-
 def check_tree(c: EngineConfig, drafting: Drafting, k: int, drafter, acceptance) -> None:
-    """A tree budget's settings: an integer N >= K, parallel drafting, argmax drafts, greedy decoding, a draft
+    """A tree budget's settings: an integer N >= K, parallel drafting, argmax drafts (the tree's tokens), a draft
     vocabulary with N distinct paths of depth <= K, no replaced acceptance rule; else a ValueError naming them."""
     n = c.tree_budget
     if c.tree_score not in SCORES:
@@ -130,8 +127,6 @@ def check_tree(c: EngineConfig, drafting: Drafting, k: int, drafter, acceptance)
         raise ValueError(f"tree_budget={n} must be >= num_speculative_tokens={k} (the tree's depth)")
     if c.draft_sampling != "argmax":
         raise ValueError(f"tree_budget needs draft_sampling='argmax', got {c.draft_sampling!r}")
-    if c.temperature != 0:
-        raise ValueError(f"{TREE_GREEDY}, got temperature={c.temperature!r}")
     if acceptance is not None:
         raise ValueError("tree_budget: a replaced acceptance rule (simulated acceptance) takes chains only")
     vd = drafter.config.draft_vocab_size
@@ -175,7 +170,7 @@ FLAGS: dict[str, tuple[str, dict, str]] = {
                        "argmax drafts, or drafts sampled from the drafter's distribution"),
     "tree_budget": ("--tree-budget", dict(type=_positive, metavar="N"),
                     "verify a tree of N draft tokens (depth <= K) per round instead of a chain of K (parallel "
-                    "drafting, greedy decoding); default: a chain"),
+                    "drafting, argmax drafts); default: a chain"),
     "tree_score": ("--tree-score", dict(choices=SCORES),
                    "how a tree ranks paths: the product of the per-depth probabilities, or their minimum"),
     "temperature": ("--temperature", dict(type=number_flag(float, low=0.0), metavar="T"), "sampling temperature (0: "

@@ -43,7 +43,7 @@ class EngineSpec:
       replaces it, fn(logits [B, K+1, V], drafts [B, K], sampling, positions [B], num_drafts [B], spec) ->
       `AcceptResult`: the one extension point of a round (e.g. the benchmark's simulated acceptance).
     tree_budget: None (a chain of K drafts), or N >= K: each round verifies a tree of N draft nodes of depth <= K
-      built from the drafter's per-position distributions (`pjax.decode.tree`; parallel drafting, greedy rows).
+      built from the drafter's per-position distributions (`pjax.decode.tree`; parallel drafting).
     tree_score: the tree's path score, "product" | "min" (`pjax.decode.tree.build_tree`).
     """
     num_speculative_tokens: int

@@ -16,7 +16,7 @@ from pjax.decode.drafting import Drafting
 from pjax.decode.packing import pack_prompts
 from pjax.decode.state import (RUNNING, STOP_CAPACITY, STOP_EOS, STOP_LENGTH, STOP_NONFINITE, DecodeState, EngineSpec,
                                Sampling, add_batch_axis, drop_batch_axis)
-from pjax.decode.tree import accept_tree_greedy, commit_path
+from pjax.decode.tree import TreeAccept, accept_tree, accept_tree_greedy, commit_path
 from pjax.kernels.acceptance import AcceptResult, accept
 from pjax.kernels.cache_attention import TreeMask
 from pjax.kernels.flash_attention import causal_mask, document_mask
@@ -42,6 +42,21 @@ def _accept(logits, drafts, q, sampling: Sampling, positions, num_drafts, spec: 
                       top_p=sampling.top_p.astype(jnp.float32), **kw)
     wanted = jnp.any((sampling.top_k > 0) | (sampling.top_p < 1))
     return jax.lax.cond(wanted, filtered, plain)
+
+
+def _accept_tree(logits, tree, sampling: Sampling, positions, num_nodes, spec: EngineSpec) -> TreeAccept:
+    """Tree acceptance: `accept_tree_greedy` when every row is greedy, else `accept_tree` (the top-k / top-p branch,
+    a vocabulary sort, compiled only with spec.sampling_filters and run only when some row asks for it)."""
+    kw = dict(temperature=sampling.temperature.astype(jnp.float32), seeds=sampling.seed.astype(jnp.uint32),
+              positions=positions.astype(jnp.int32), num_nodes=num_nodes)
+    branches = [lambda: accept_tree_greedy(logits, tree, spec.k, num_nodes),
+                lambda: accept_tree(logits, tree, spec.k, **kw)]
+    index = jnp.any(sampling.temperature > 0).astype(jnp.int32)
+    if spec.sampling_filters:
+        branches.append(lambda: accept_tree(logits, tree, spec.k, top_k=sampling.top_k.astype(jnp.int32),
+                                            top_p=sampling.top_p.astype(jnp.float32), **kw))
+        index = index * (1 + jnp.any((sampling.top_k > 0) | (sampling.top_p < 1)).astype(jnp.int32))
+    return jax.lax.switch(index, branches)
 
 
 def _finite_rows(logits, num_valid):
@@ -267,7 +282,8 @@ def _verify_accept(target, state: DecodeState, sampling: Sampling, active, capac
         return res, _finite_rows(logits, num_drafts + 1), num_drafts, aux, tcache, vtokens
     logits, aux, tcache, vtokens = verify_tree(target, state, num_drafts, active, spec)
     finite = _finite_rows(logits, num_drafts + 1)
-    t = accept_tree_greedy(logits, state.tree, k, jnp.where(finite, num_drafts, 0))  # a non-finite row accepts none
+    valid = jnp.where(finite, num_drafts, 0)  # a non-finite row accepts none
+    t = _accept_tree(logits, state.tree, sampling, state.pos + 1, valid, spec)
     rows = jnp.concatenate([jnp.zeros_like(t.path[:, :1]), t.path + 1], axis=1)  # [B, K+1] (root, path; root past it)
     aux = None if aux is None else jnp.take_along_axis(aux, rows[..., None], axis=1)
     tcache = commit_path(tcache, state.pos, t.path, t.num_accepted)

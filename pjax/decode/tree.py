@@ -1,11 +1,12 @@
-"""Draft trees from per-position distributions, and their greedy acceptance (pure functions, static shapes).
+"""Draft trees from per-position distributions, and their acceptance (pure functions, static shapes).
 
 P-EAGLE drafts every depth in one drafter pass, so each depth d = 1..K comes with a full distribution p_d. A tree of
 N nodes hangs under the root (the round's last committed token): node i carries a token, a parent (-1: the root) and
 a depth; the nodes come in order of selection, so a parent always precedes its children. `build_tree` selects the N
 best paths by a score of their per-depth probabilities (their product, or their minimum); the target verifies every
-node in one pass (each node attends to the committed cache and its ancestors) and `accept_tree_greedy` walks the
-longest path the target agrees with. Shapes: B rows, K depths, V vocabulary, N nodes (the budget).
+node in one pass (each node attends to the committed cache and its ancestors); `accept_tree_greedy` walks the
+longest path the target agrees with, and `accept_tree` accepts greedy and sampled rows alike (lossless: each emitted
+token follows the target's law). Shapes: B rows, K depths, V vocabulary, N nodes (the budget).
 """
 from __future__ import annotations
 
@@ -15,7 +16,11 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["SCORES", "Tree", "TreeAccept", "accept_tree_greedy", "build_tree", "commit_path", "path_count"]
+from pjax.kernels import rng
+from pjax.kernels.acceptance import reference as acc
+
+__all__ = ["SCORES", "Tree", "TreeAccept", "accept_tree", "accept_tree_greedy", "build_tree", "commit_path",
+           "path_count"]
 
 FLOOR = -1e30  # log-probabilities are floored here (finite): a frontier slot with no node scores -inf, below any path
 
@@ -116,6 +121,40 @@ def build_tree(log_probs, budget: int, score: str = "product") -> Tree:
                 parent.astype(jnp.int32), depth_of[sel], jnp.concatenate([top, below], axis=1))
 
 
+def _walk(tree: Tree, depths: int, wins):
+    """The accepted path from the nodes that win at their parent. wins [B, N] bool: node i is the child its parent
+    moves to (at most one per node). A node is accepted iff it and every ancestor win; the deepest accepted node ends
+    the path. Returns (num_accepted [B] i32, path [B, K] i32 (-1 past it), stop [B] i32: the slot of the path's end
+    in the target's [root, node 0..N-1] (0: the root))."""
+    b = tree.tokens.shape[0]
+    anc = tree.visible[:, 1:, 1:]
+    accepted = ~jnp.any(anc & ~wins[:, None, :], axis=-1)  # every ancestor-or-self wins
+    reached = jnp.where(accepted, tree.depth, 0)
+    num = jnp.max(reached, axis=1).astype(jnp.int32)
+    deepest = jnp.argmax(reached, axis=1).astype(jnp.int32)
+    on_path = anc[jnp.arange(b), deepest] & (num > 0)[:, None]  # [B, N]
+    j = jnp.arange(depths, dtype=jnp.int32)[None]
+    at = on_path[:, None, :] & (tree.depth[:, None, :] == j[..., None] + 1)  # [B, K, N]
+    path = jnp.where(j < num[:, None], jnp.argmax(at, axis=-1), -1).astype(jnp.int32)
+    return num, path, jnp.where(num > 0, deepest + 1, 0)
+
+
+def _result(tree: Tree, num, path, next_token) -> TreeAccept:
+    b, k = path.shape
+    toks = jnp.take_along_axis(tree.tokens, jnp.maximum(path, 0), axis=1)
+    j1 = jnp.arange(k + 1, dtype=jnp.int32)[None]
+    toks = jnp.concatenate([toks, jnp.zeros((b, 1), jnp.int32)], axis=1)
+    tokens = jnp.where(j1 < num[:, None], toks, jnp.where(j1 == num[:, None], next_token[:, None], -1))
+    return TreeAccept(num, path, tokens.astype(jnp.int32), next_token.astype(jnp.int32))
+
+
+def _valid(tree: Tree, num_nodes):
+    n = tree.size
+    if num_nodes is None:
+        return jnp.ones(tree.tokens.shape, bool)
+    return jnp.arange(n, dtype=jnp.int32)[None] < num_nodes[:, None]
+
+
 def accept_tree_greedy(target_logits, tree: Tree, depths: int, num_nodes=None) -> TreeAccept:
     """Greedy acceptance of a tree: node i is accepted iff its parent is (the root always is) and its token is the
     target's argmax (ties -> lowest id) at its parent; the deepest accepted node ends the path (siblings hold
@@ -125,26 +164,72 @@ def accept_tree_greedy(target_logits, tree: Tree, depths: int, num_nodes=None) -
     target_logits [B, N+1, V]: the target at (root, node 0..N-1); depths: K, the deepest a node can be (static);
     num_nodes [B] i32 or None (= N): nodes i >= num_nodes[b] are never accepted.
     """
-    b, n = tree.tokens.shape
+    b = tree.tokens.shape[0]
     amax = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, N+1]
-    ok = tree.tokens == jnp.take_along_axis(amax, tree.parent + 1, axis=1)
-    if num_nodes is not None:
-        ok &= jnp.arange(n, dtype=jnp.int32)[None] < num_nodes[:, None]
-    anc = tree.visible[:, 1:, 1:]
-    accepted = ~jnp.any(anc & ~ok[:, None, :], axis=-1)  # every ancestor-or-self agrees
-    reached = jnp.where(accepted, tree.depth, 0)
-    num = jnp.max(reached, axis=1).astype(jnp.int32)
-    deepest = jnp.argmax(reached, axis=1)
-    on_path = anc[jnp.arange(b), deepest] & (num > 0)[:, None]  # [B, N]
-    j = jnp.arange(depths, dtype=jnp.int32)[None]
-    at = on_path[:, None, :] & (tree.depth[:, None, :] == j[..., None] + 1)  # [B, K, N]
-    path = jnp.where(j < num[:, None], jnp.argmax(at, axis=-1), -1).astype(jnp.int32)
-    bonus = amax[jnp.arange(b), jnp.where(num > 0, deepest + 1, 0)]
-    toks = jnp.take_along_axis(tree.tokens, jnp.maximum(path, 0), axis=1)
-    j1 = jnp.arange(depths + 1, dtype=jnp.int32)[None]
-    toks = jnp.concatenate([toks, jnp.zeros((b, 1), jnp.int32)], axis=1)
-    tokens = jnp.where(j1 < num[:, None], toks, jnp.where(j1 == num[:, None], bonus[:, None], -1))
-    return TreeAccept(num, path, tokens.astype(jnp.int32), bonus)
+    wins = _valid(tree, num_nodes) & (tree.tokens == jnp.take_along_axis(amax, tree.parent + 1, axis=1))
+    num, path, stop = _walk(tree, depths, wins)
+    return _result(tree, num, path, amax[jnp.arange(b), stop])
+
+
+def accept_tree(target_logits, tree: Tree, depths: int, *, temperature, seeds, positions, top_k=None, top_p=None,
+                num_nodes=None) -> TreeAccept:
+    """Lossless acceptance of a tree for greedy and sampled rows in one call: every emitted token follows the
+    target's law of its row (temperature, then top-k, then top-p: `pjax.kernels.acceptance.reference`).
+
+    target_logits [B, N+1, V]: the target at (root, node 0..N-1); depths: K (static); temperature [B] f32 (<= 0: a
+    greedy row, which gets `accept_tree_greedy`'s result); seeds [B] u32; positions [B] i32: the absolute position
+    of the first token the round emits (the root's + 1); top_k [B] i32 (0 = off) or None; top_p [B] f32 (1 = off)
+    or None; num_nodes [B] i32 or None (= N): nodes i >= num_nodes[b] are no candidates.
+
+    The rule (recursive rejection sampling with deterministic drafts, SpecInfer's multi-candidate rule with q one-hot).
+    Walk from the root; at node u, with p the row's law at u and x_1..x_m the tokens of u's children in tree order
+    (distinct), S_j = p(x_1) + .. + p(x_j) (S_0 = 0): child j is accepted iff the ones before it were not and
+    u_j (1 - S_{j-1}) < p(x_j), u_j uniform in (0, 1). An accepted child becomes u and the walk goes on; if every
+    child is rejected (or u has none), the next token is drawn from p restricted to the tokens other than
+    x_1..x_m (the exponential race over them) and the round ends.
+    Proof that the token emitted at u has law p: child j is tested with probability
+    prod_{i<j} (1 - p(x_i) / (1 - S_{i-1})) = prod_{i<j} (1 - S_i) / (1 - S_{i-1}) = 1 - S_{j-1}, so x_j is emitted
+    with probability (1 - S_{j-1}) p(x_j) / (1 - S_{j-1}) = p(x_j); every child is rejected with probability 1 - S_m,
+    and then a token y outside the candidates is drawn with probability p(y) / (1 - S_m): p(y) in all. Each decision
+    uses fresh randomness (below) and the walk continues from the emitted token's node with the target's law given
+    that token, so the emitted sequence follows the target's law token by token. This is the chain's rule when every
+    node has one child (and then gives the chain's tokens bit for bit).
+    Randomness: u_j = uniform(seed, position of the token decided, j, STREAM_ACCEPT) and the race's noise keyed on
+    (seed, position, lane) as the chain's (`pjax.kernels.rng`): nothing depends on the batch or the row's slot, and
+    every (position, j) is used by at most one decision on the walk.
+    Vectorised: every node's test is computed at once (its parent's law, its earlier siblings' mass), and the path
+    is the nodes whose ancestors-or-self all win (`accept_tree_greedy`'s walk); one vocabulary pass draws the next
+    token at the path's end.
+    """
+    b, n = tree.tokens.shape
+    rows = jnp.arange(b)
+    seeds = jnp.asarray(seeds).astype(jnp.uint32)
+    positions = jnp.asarray(positions, jnp.int32)
+    greedy, inv_t = acc.inverse_temperature(temperature)
+    thr = acc.truncation_threshold(acc.scaled(target_logits, inv_t), top_k, top_p)
+    amax, m, z = acc.position_stats(target_logits, inv_t, thr)  # [B, N+1] each
+    valid = _valid(tree, num_nodes)
+    slot = tree.parent + 1  # [B, N] where node i is decided: its parent's slot
+    x_tok = target_logits[rows[:, None], slot, tree.tokens].astype(jnp.float32) * inv_t[:, None]
+    at = lambda s: jnp.take_along_axis(s, slot, axis=1)  # noqa: E731
+    p_tok = acc.kept_prob(x_tok, at(thr), at(m), at(z))  # [B, N] p_parent(token)
+    i = jnp.arange(n, dtype=jnp.int32)
+    before = ((tree.parent[:, :, None] == tree.parent[:, None, :]) & (i[None, None, :] < i[None, :, None])
+              & valid[:, None, :])  # [B, N, N]: node j is a valid sibling before node i
+    rank = jnp.sum(before, axis=-1, dtype=jnp.int32)
+    left = jnp.maximum(1.0 - jnp.sum(jnp.where(before, p_tok[:, None, :], 0.0), axis=-1), 0.0)  # 1 - S_{j-1}
+    u = rng.uniform(seeds[:, None], positions[:, None] + tree.depth - 1, rank, rng.STREAM_ACCEPT)
+    passed = valid & (u * left < p_tok)
+    first = passed & ~jnp.any(before & passed[:, None, :], axis=-1)
+    wins = jnp.where(greedy[:, None], valid & (tree.tokens == at(amax)), first)
+    num, path, stop = _walk(tree, depths, wins)
+    v = target_logits.shape[-1]
+    tested = valid & (tree.parent == stop[:, None] - 1)  # the children of the path's end
+    allowed = jnp.ones((b, v), bool).at[rows[:, None], jnp.where(tested, tree.tokens, v)].set(False, mode="drop")
+    x = acc.gather_rows(target_logits, stop).astype(jnp.float32) * inv_t[:, None]
+    keep = x >= acc.gather_rows(thr, stop)[:, None]
+    drawn = acc.sample_lanes(x, keep & allowed, seeds, positions + num)
+    return _result(tree, num, path, jnp.where(greedy, amax[rows, stop], drawn))
 
 
 def commit_path(cache, start, path, num_accepted):

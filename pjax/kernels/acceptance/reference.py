@@ -104,6 +104,21 @@ def position_stats(logits, inv_t, thr):
     return amax, m, z
 
 
+def kept_prob(x_tok, thr, m, z):
+    """p(token) from its processed logit x_tok and its position's statistics (all [B, R] f32): exp(x - m) / z
+    where kept (x >= thr), else 0."""
+    return jnp.where(x_tok >= thr, jnp.exp(x_tok - m) / z, 0.0)
+
+
+def sample_lanes(x, allowed, seeds, positions):
+    """The exponential race: argmax_v x_v + G_v over lanes where allowed, G_v = gumbel(seed, position, v), a sample
+    of softmax(x) restricted to them. x [B, V] f32 processed logits, allowed [B, V] bool, seeds [B] u32, positions
+    [B] i32 (the token's absolute position) -> [B] i32."""
+    lanes = jnp.arange(x.shape[-1], dtype=jnp.int32)
+    g = rng.gumbel(seeds[:, None], positions[:, None], lanes[None])
+    return jnp.argmax(jnp.where(allowed, x + g, NEG_INF), axis=-1).astype(jnp.int32)
+
+
 class Walk(NamedTuple):
     num_accepted: jax.Array  # [B] i32
     row: jax.Array  # [B] i32 index of the next token (= num_accepted)
@@ -123,7 +138,7 @@ def accept_walk(logits, draft_ids, draft_probs, *, greedy, inv_t, thr, amax, m, 
     valid = (idx[None] < n[:, None]) & (d >= 0) & (d < v)
     dc = jnp.clip(d, 0, v - 1)
     x_d = jnp.take_along_axis(logits[:, :k], dc[..., None], axis=-1)[..., 0].astype(jnp.float32) * inv_t[:, None]
-    p_d = jnp.where(x_d >= thr[:, :k], jnp.exp(x_d - m[:, :k]) / z[:, :k], 0.0)
+    p_d = kept_prob(x_d, thr[:, :k], m[:, :k], z[:, :k])
     if draft_probs is None:
         q_d = jnp.ones_like(p_d)
     else:
@@ -154,11 +169,11 @@ def race(logits, draft_probs, w: Walk, *, inv_t, thr, m, z, seeds, positions):
     thr_r, m_r, z_r = gather_rows(thr, w.row), gather_rows(m, w.row), gather_rows(z, w.row)
     lanes = jnp.arange(v, dtype=jnp.int32)
     keep = x >= thr_r[:, None]
-    g = rng.gumbel(seeds[:, None], (positions + w.row)[:, None], lanes[None])
-    tok = jnp.argmax(jnp.where(keep & (lanes[None] != w.excl[:, None]), x + g, NEG_INF), axis=-1)
+    tok = sample_lanes(x, keep & (lanes[None] != w.excl[:, None]), seeds, positions + w.row)
     if draft_probs is not None:
+        g = rng.gumbel(seeds[:, None], (positions + w.row)[:, None], lanes[None])
         q = gather_rows(draft_probs, w.row).astype(jnp.float32)
-        p = jnp.where(keep, jnp.exp(x - m_r[:, None]) / z_r[:, None], 0.0)
+        p = kept_prob(x, thr_r[:, None], m_r[:, None], z_r[:, None])
         res = jnp.maximum(p - q, 0.0)
         sq = jnp.where(res > 0, jnp.log(res) + g, NEG_INF)
         tok_q = jnp.argmax(sq, axis=-1)
