@@ -38,17 +38,20 @@ def inputs(b, t, nh, nkv, hd, seed=0):
     return q, k, v, rng
 
 
-def assert_dense(ours, got, q, k, v, sk, allowed, live, w):
-    """`got` = ours(q, k, v, sk) equals the dense softmax under `allowed` (scale 0.3) on the `live` rows, and so do
-    the gradients of sum(ours * w) with respect to q, k, v (and the sinks when given)."""
-    want = jax.jit(lambda *a: dense_attention(*a[:3], allowed, 0.3, a[3]))(q, k, v, sk)
-    np.testing.assert_allclose(np.asarray(got)[live], np.asarray(want)[live], rtol=1e-5, atol=1e-5)
+def assert_dense(ours, q, k, v, sk, allowed, live, w):
+    """ours(q, k, v, sk) equals the dense softmax under `allowed` (scale 0.3) on the `live` rows, and so do the
+    gradients of sum(ours * w) with respect to q, k, v (and the sinks when given). Returns ours(q, k, v, sk)."""
     argnums = (0, 1, 2, 3) if sk is not None else (0, 1, 2)
-    grads = jax.jit(jax.grad(lambda *a: jnp.sum(ours(*a) * w), argnums=argnums))(q, k, v, sk)
-    wants = jax.jit(jax.grad(lambda *a: jnp.sum(dense_attention(*a[:3], allowed, 0.3, a[3]) * w),
-                             argnums=argnums))(q, k, v, sk)
+    dense = lambda *a: dense_attention(*a[:3], allowed, 0.3, a[3])  # noqa: E731
+
+    @jax.jit  # one program (a program per output: each compiles alone)
+    def outputs_and_gradients(*a):
+        return [(f(*a), jax.grad(lambda *a_: jnp.sum(f(*a_) * w), argnums=argnums)(*a)) for f in (ours, dense)]
+    (got, grads), (want, wants) = outputs_and_gradients(q, k, v, sk)
+    np.testing.assert_allclose(np.asarray(got)[live], np.asarray(want)[live], rtol=1e-5, atol=1e-5)
     for g, gw in zip(grads, wants):
         np.testing.assert_allclose(np.asarray(g), np.asarray(gw), rtol=1e-4, atol=1e-5)
+    return got
 
 
 # The default run keeps each implementation, and each of window + sinks / a shared mask / neither, once (window and sinks
@@ -72,9 +75,8 @@ def test_document_attention_equals_dense(implementation, window, sinks, shared):
         return attention(q, k, v, mask, scale=0.3, window=window, sinks=sk, implementation=implementation,
                          config=SMALL)
 
-    got = jax.jit(ours)(q, k, v, sk)
+    got = assert_dense(ours, q, k, v, sk, allowed, live, w)
     assert np.isfinite(np.asarray(got)).all()  # rows that see nothing: finite (uniform / zeros)
-    assert_dense(ours, got, q, k, v, sk, allowed, live, w)
 
 
 # The default run keeps the case where a short band shows (no window); window + sinks on the reference: also
@@ -98,7 +100,7 @@ def test_a_span_bands_the_reference(window, sinks):
 
     prims = {e.primitive.name for e, _ in equations(jax.make_jaxpr(ours)(q, k, v, sk).jaxpr)}
     assert "dynamic_slice" in prims
-    assert_dense(ours, jax.jit(ours)(q, k, v, sk), q, k, v, sk, allowed, live, w)
+    assert_dense(ours, q, k, v, sk, allowed, live, w)
 
 
 def test_kernel_log_sum_exp_and_its_gradient():
@@ -115,13 +117,17 @@ def test_kernel_log_sum_exp_and_its_gradient():
         s = jnp.where(jnp.asarray(allowed)[:, None], s, -1e30)
         return jnp.moveaxis(jax.nn.logsumexp(s, axis=-1), 1, 2)  # [B, T, nh]
 
-    o, lse = jax.jit(lambda q, k, v: flash_attention(q, k, v, lo, hi, scale=0.3, config=SMALL))(q, k, v)
-    np.testing.assert_allclose(np.asarray(lse)[live], np.asarray(lse_dense(q, k))[live], rtol=1e-5, atol=1e-5)
+    kernel_lse = lambda q, k: flash_attention(q, k, v, lo, hi, scale=0.3, config=SMALL)[1]  # noqa: E731
+    wl = jnp.asarray(rng.normal(size=(2, 40, 4)) * live[..., None], jnp.float32)
+
+    @jax.jit  # one program (a program per output: each compiles alone)
+    def outputs_and_gradients(q, k):
+        grads = [jax.grad(lambda q_, k_: jnp.sum(f(q_, k_) * wl), argnums=(0, 1))(q, k) for f in (kernel_lse, lse_dense)]
+        return flash_attention(q, k, v, lo, hi, scale=0.3, config=SMALL), lse_dense(q, k), grads
+    (o, lse), want, (g, gw) = outputs_and_gradients(q, k)
+    assert lse.shape == wl.shape
+    np.testing.assert_allclose(np.asarray(lse)[live], np.asarray(want)[live], rtol=1e-5, atol=1e-5)
     assert (np.asarray(lse)[~live] == -1e30).all() and (np.asarray(o)[~live] == 0).all()
-    wl = jnp.asarray(rng.normal(size=lse.shape) * live[..., None], jnp.float32)
-    g = jax.jit(jax.grad(lambda q, k: jnp.sum(flash_attention(q, k, v, lo, hi, scale=0.3, config=SMALL)[1] * wl),
-                         argnums=(0, 1)))(q, k)
-    gw = jax.jit(jax.grad(lambda q, k: jnp.sum(lse_dense(q, k) * wl), argnums=(0, 1)))(q, k)
     for a, b in zip(g, gw):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 

@@ -43,15 +43,29 @@ def _close(got, want, tol):
 def test_grouped_matmul_kernel_equals_ragged_dot(m, k, n, sizes, dtype):
     x, w, gs = _case(m, k, n, sizes, dtype)
     tol = 1e-5 if dtype == jnp.float32 else 1e-2
-    want = jax.lax.ragged_dot(x, w, gs, preferred_element_type=jnp.float32)
+    want, xla, t_want, kernels = _products(x, w, gs)
     if sum(sizes) < m:
         assert not np.any(np.asarray(want)[sum(sizes):])  # the contract: rows past the groups are zero
-    _close(grouped_matmul(x, w, gs, implementation="xla"), want, tol)
-    for config in (SMALL, gm_pallas.DEFAULT):  # several row / column / contraction tiles, and one
-        _close(gm_pallas.grouped_matmul(x, w, gs, config=config), want, tol)
-        _close(gm_pallas.grouped_matmul(x, jnp.swapaxes(w, 1, 2), gs, transpose_rhs=True, config=config), want, tol)
-        _close(gm_pallas.transposed_grouped_matmul(x, want.astype(dtype), gs, jnp.float32, config=config),
-               gm_reference.transposed_grouped_matmul(x, want.astype(dtype), gs, jnp.float32), tol)
+    _close(xla, want, tol)
+    for got, t_got in kernels:  # several row / column / contraction tiles, and one
+        _close(got[0], want, tol)
+        _close(got[1], want, tol)
+        _close(t_got, t_want, tol)
+
+
+@jax.jit
+def _products(x, w, gs):
+    """ragged_dot, the switch's "xla" path, the reference's transposed product, and for each tiling (SMALL, DEFAULT)
+    the kernels: ((x @ w, x @ w given transposed), transposed product). One program (op by op, each kernel call
+    compiles its own)."""
+    want = jax.lax.ragged_dot(x, w, gs, preferred_element_type=jnp.float32)
+    dy = want.astype(x.dtype)
+    kernels = [((gm_pallas.grouped_matmul(x, w, gs, config=config),
+                 gm_pallas.grouped_matmul(x, jnp.swapaxes(w, 1, 2), gs, transpose_rhs=True, config=config)),
+                gm_pallas.transposed_grouped_matmul(x, dy, gs, jnp.float32, config=config))
+               for config in (SMALL, gm_pallas.DEFAULT)]
+    return (want, grouped_matmul(x, w, gs, implementation="xla"),
+            gm_reference.transposed_grouped_matmul(x, dy, gs, jnp.float32), kernels)
 
 
 # The default run keeps each of the first four cases once, with and without transpose_rhs by turns.
@@ -65,8 +79,7 @@ def test_grouped_matmul_gradient_equals_ragged_dot(m, k, n, sizes, transpose_rhs
         w = jnp.swapaxes(w, 1, 2)
     loss = lambda impl: lambda x_, w_: jnp.sum(jnp.sin(grouped_matmul(x_, w_, gs, transpose_rhs=transpose_rhs,
                                                                        implementation=impl)))
-    got = jax.grad(loss("pallas"), (0, 1))(x, w)
-    want = jax.grad(loss("xla"), (0, 1))(x, w)
+    got, want = jax.jit(lambda x_, w_: [jax.grad(loss(impl), (0, 1))(x_, w_) for impl in ("pallas", "xla")])(x, w)
     for a, b in zip(got, want):
         _close(a, b, 1e-5)
     assert not np.any(np.asarray(got[1])[np.asarray(sizes) == 0])
@@ -124,9 +137,13 @@ def test_moe_many_pairs_use_the_grouped_kernel():
     names = pallas_kernel_names(lambda: moe(x, implementation="pallas"))
     assert names == ["pjax_grouped_matmul"] * 2
     graph, state = nnx.split(moe)
-    run = jax.jit(lambda s, x_, impl: nnx.merge(graph, s)(x_, implementation=impl), static_argnums=2)
-    _close(run(state, x, "pallas"), run(state, x, "xla"), 1e-5)  # one program each (eager: an op each)
     loss = lambda impl: lambda s, x_: jnp.sum(nnx.merge(graph, s)(x_, implementation=impl) ** 2)
-    got, want = (jax.jit(jax.grad(loss(impl), (0, 1)))(state, x) for impl in ("pallas", "xla"))
+
+    @jax.jit  # one program (eager: an op each)
+    def outputs_and_gradients(s, x_):
+        return [(nnx.merge(graph, s)(x_, implementation=impl), jax.grad(loss(impl), (0, 1))(s, x_))
+                for impl in ("pallas", "xla")]
+    (out, got), (out_ref, want) = outputs_and_gradients(state, x)
+    _close(out, out_ref, 1e-5)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         _close(a, b, 1e-4)

@@ -42,8 +42,8 @@ def test_metadata_kernel_equals_reference(b, k):
             jnp.asarray(rs.integers(0, 5000, b), jnp.int32), jnp.asarray(rs.integers(0, 9000, b), jnp.int32))
     for s in {2 * k, 2 * k + 3}:
         kw = dict(num_slots=s, mask_token_id=17)
-        _eq(build_draft_inputs(*args, **kw, implementation="xla"),
-            build_draft_inputs(*args, **kw, implementation="pallas"))
+        _eq(*jax.jit(lambda *a: [build_draft_inputs(*a, **kw, implementation=impl) for impl in ("xla", "pallas")])(
+            *args))  # one program (op by op, each op compiles its own)
 
 
 def _accept_case(seed, b, k, v, dtype, with_q, trunc):
@@ -72,8 +72,8 @@ def _accept_case(seed, b, k, v, dtype, with_q, trunc):
 def test_acceptance_kernel_equals_reference(b, k, v, dtype, with_q, trunc):
     config = AcceptanceConfig(tile=64, target_programs=64)  # several tiles, a ragged tail and vocabulary splits
     logits, drafts, q, kw = _accept_case(b * 100 + k, b, k, v, dtype, with_q, trunc)
-    ref = accept(logits, drafts, q, **kw, implementation="xla")
-    out = jax.jit(lambda *a: acc_pallas.accept(*a, **kw, config=config))(logits, drafts, q)
+    ref, out = jax.jit(lambda *a: (accept(*a, **kw, implementation="xla"), acc_pallas.accept(*a, **kw, config=config)))(
+        logits, drafts, q)
     _eq(ref, out)
 
 
@@ -95,8 +95,8 @@ def test_cache_attention_kernel_matches_reference(b, t, nh, nkv, hd, s, dtype, w
     kw = dict(scale=hd ** -0.5, window=window,
               sinks=jnp.asarray(rs.normal(size=nh), jnp.float32) if sinks else None,
               kv_len=jnp.asarray(np.minimum(start + t + rs.integers(0, 4, b), s), jnp.int32) if kv_len else None)
-    ref = cache_attention(q, k, v, q_pos, **kw, implementation="xla").astype(jnp.float32)
-    out = jax.jit(lambda *a: attn_pallas.cache_attention(*a, **kw, block_k=16))(q, k, v, q_pos).astype(jnp.float32)
+    ref, out = jax.jit(lambda *a: (cache_attention(*a, **kw, implementation="xla").astype(jnp.float32),
+                                   attn_pallas.cache_attention(*a, **kw, block_k=16).astype(jnp.float32)))(q, k, v, q_pos)
     tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=tol, rtol=tol)
 
@@ -142,8 +142,13 @@ def test_expert_matmul_kernel_equals_reference(p, din, dout, e, dtype):
     x = jnp.asarray(rs.standard_normal((p, din)), dtype)
     w = jnp.asarray(rs.standard_normal((e, din, dout)), dtype)
     ids = jnp.asarray(rs.integers(0, e, p), jnp.int32)
-    want = np.asarray(expert_matmul(x, ids, w, implementation="xla"), np.float32)
-    got = np.asarray(expert_matmul(x, ids, w, implementation="pallas"), np.float32)
+    repeat = 4 if p % 4 == 0 else 1  # token rows feeding top-4 pairs each: out[q] = x[q // 4] @ w[ids[q]]
+
+    @jax.jit  # one program (op by op, each op compiles its own)
+    def products(x, ids, w):
+        return [expert_matmul(x_, ids, w, repeat=r, implementation=impl)
+                for x_, r in ((x, 1), (x[:p // repeat], repeat)) for impl in ("xla", "pallas")]
+    want, got, want_repeated, got_repeated = (np.asarray(a, np.float32) for a in products(x, ids, w))
     tol = 1e-5 if dtype == jnp.float32 else 1e-2
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
     too_wide = [128] if p > 64 and dout % 128 == 0 else []  # 128 rows x 128 columns: over the accumulator cap
@@ -152,12 +157,11 @@ def test_expert_matmul_kernel_equals_reference(p, din, dout, e, dtype):
             em_pallas.expert_matmul(x, ids, w, block_n=bad)
     with pytest.raises(ValueError, match=r"expected x \[P / repeat, din\], expert_ids \[P\]"):
         expert_matmul(x, ids[:-1], w)
-    if p % 4 == 0:  # token rows feeding top-4 pairs each: out[q] = x[q // 4] @ w[ids[q]]
-        want = np.asarray(expert_matmul(x[:p // 4], ids, w, repeat=4, implementation="xla"), np.float32)
+    if repeat == 4:
+        want = want_repeated
         np.testing.assert_allclose(np.repeat(np.asarray(x[:p // 4], np.float32), 4, 0)[:, None, :] @ np.asarray(
             w, np.float32)[np.asarray(ids)], want[:, None, :], rtol=tol, atol=tol * np.abs(want).max())
-        got = np.asarray(expert_matmul(x[:p // 4], ids, w, repeat=4, implementation="pallas"), np.float32)
-        np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
+        np.testing.assert_allclose(got_repeated, want, rtol=tol, atol=tol * np.abs(want).max())
 
 
 def test_expert_matmul_ids_out_of_range_gradient_and_mixed_dtypes():
@@ -167,13 +171,20 @@ def test_expert_matmul_ids_out_of_range_gradient_and_mixed_dtypes():
     x = jnp.asarray(rs.standard_normal((6, 32)), jnp.float32)
     w = jnp.asarray(rs.standard_normal((4, 32, 64)), jnp.float32)
     ids = jnp.asarray([-1, 4, 9, 0, -4, 2], jnp.int32)
-    want = expert_matmul(x, ids, w, implementation="xla")
-    np.testing.assert_allclose(np.asarray(expert_matmul(x, ids, w, implementation="pallas")), np.asarray(want),
-                               rtol=1e-5, atol=1e-5)
-    ids = ids % 4
-    for xs, r in ((x, 1), (x[:3], 2)):  # token rows feeding 2 pairs each: their gradients sum over the pairs
-        loss = lambda impl: lambda x_, w_: jnp.sum(jnp.sin(expert_matmul(x_, ids, w_, repeat=r, implementation=impl)))
-        for got, ref in zip(jax.grad(loss("pallas"), (0, 1))(xs, w), jax.grad(loss("xla"), (0, 1))(xs, w)):
+    loss = lambda impl, ids_, r: lambda x_, w_: jnp.sum(jnp.sin(expert_matmul(x_, ids_, w_, repeat=r,
+                                                                            implementation=impl)))
+
+    @jax.jit  # one program (op by op, each op compiles its own)
+    def outputs_and_gradients(x, ids, w):
+        out = [expert_matmul(x, ids, w, implementation=impl) for impl in ("xla", "pallas")]
+        # token rows feeding 2 pairs each: their gradients sum over the pairs
+        grads = [[jax.grad(loss(impl, ids % 4, r), (0, 1))(xs, w) for impl in ("pallas", "xla")]
+                 for xs, r in ((x, 1), (x[:3], 2))]
+        return out, grads
+    (want, got), grads = outputs_and_gradients(x, ids, w)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    for pallas_grads, xla_grads in grads:
+        for got, ref in zip(pallas_grads, xla_grads):
             np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
     assert "one dtype" in em_pallas.unsupported_reason(x.astype(jnp.bfloat16), w)
 
@@ -194,15 +205,17 @@ def test_expert_matmul_lowers_to_triton_and_moe_uses_it(monkeypatch):
                       layers=(LayerSpec(32, 1, RopeSpec(theta=1e4), moe=True),), moe=MoeSpec(8, 3, 48))
     moe = nn.MoE(cfg, cfg.moe, dtype=jnp.float32, rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(0), (2, 64))
-    want = moe(x, implementation="xla")
+    graph, state = nnx.split(moe)
     calls = []
     kernel = em_pallas.expert_matmul
     monkeypatch.setattr(em_pallas, "expert_matmul", lambda *a, **k: calls.append(1) or kernel(*a, **k))
     jax.clear_caches()
-    assert not calls and np.array_equal(np.asarray(moe(x)), np.asarray(want))  # "auto" off GPU: no kernel
-    got = moe(x, implementation="pallas")
+    # one program (op by op, each op compiles its own); the kernel calls are counted as it is traced
+    want, auto, got = jax.jit(lambda s, x_: [nnx.merge(graph, s)(x_, implementation=impl)
+                                            for impl in ("xla", "auto", "pallas")])(state, x)
     jax.clear_caches()
-    assert len(calls) == 2  # gate_up and down
+    assert np.array_equal(np.asarray(auto), np.asarray(want))  # "auto" off GPU: no kernel
+    assert len(calls) == 2  # gate_up and down, for "pallas" only
     assert nn.MOE_FEW_PAIRS <= DEFAULT.max_rows  # every few-pair MoE call fits the kernel
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 

@@ -21,10 +21,11 @@ def test_rng_matches_numpy_hash_and_is_uniform():
     seed = np.array([0, 1, 2 ** 32 - 1, 12345], np.uint32)[:, None]
     pos = np.array([0, 7, 2 ** 31 - 1, 3])[:, None]
     lane = np.arange(4096)[None]
+    uniform = jax.jit(rng.uniform, static_argnums=3)  # one program a call (op by op, each op compiles its own)
     for stream in (1, 2):
-        got = np.asarray(rng.uniform(jnp.asarray(seed), jnp.asarray(pos), jnp.asarray(lane), stream))
+        got = np.asarray(uniform(jnp.asarray(seed), jnp.asarray(pos), jnp.asarray(lane), stream))
         np.testing.assert_array_equal(got, np_uniform(seed, pos, lane, stream).astype(np.float32))
-    u = np.asarray(rng.uniform(jnp.uint32(3), jnp.arange(20000), 0, 1))
+    u = np.asarray(uniform(jnp.uint32(3), jnp.arange(20000), 0, 1))
     assert 0 < u.min() and u.max() < 1
     counts = np.histogram(u, bins=20, range=(0, 1))[0]
     assert chi2_pvalue(counts, np.full(20, 0.05)) > ALPHA

@@ -235,16 +235,22 @@ def test_native_forward_equals_dequantised(quantised_moe, request):
     assert native.astype(jnp.bfloat16).params["layers"][0]["mlp"]["gate_up"].data.dtype == packed[0].data.dtype
     assert consistent_target(native) is native
     ids = jnp.asarray(np.random.default_rng(1).integers(0, 97, (2, 24)), jnp.int32)
-    want = np.asarray(target_logits(plain, ids))
-    np.testing.assert_allclose(np.asarray(target_logits(native, ids)), want, rtol=0, atol=0.05 * np.abs(want).max())
-    run = jax.jit(lambda target, tok, pos, impl: forward(target, tok, pos, implementation=impl).hidden.astype(
-        jnp.float32), static_argnums=3)  # one program each (eager, every op compiles on its own)
     full = request.config.getoption("--full")
-    for t in (1, 3) if full else (3,):  # decode / verify rows: the few-pair expert matmul
-        tok, pos = ids[:, :t], jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (2, t))
-        want = run(plain, tok, pos, "xla")
-        for impl in ("xla", "pallas") if full else ("xla",):
-            got = run(native, tok, pos, impl)
+    rows = (1, 3) if full else (3,)  # decode / verify rows: the few-pair expert matmul
+    impls = ("xla", "pallas") if full else ("xla",)
+
+    @jax.jit  # one program (eager, every op compiles on its own; a program per forward, each compiles alone)
+    def outputs(plain, native, ids):
+        run = lambda target, t, impl: forward(target, ids[:, :t], jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32),
+                                                                                   (2, t)),
+                                              implementation=impl).hidden.astype(jnp.float32)
+        return (target_logits(plain, ids), target_logits(native, ids),
+                [(run(plain, t, "xla"), [run(native, t, impl) for impl in impls]) for t in rows])
+    want, got, by_rows = outputs(plain, native, ids)
+    want = np.asarray(want)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=0.05 * np.abs(want).max())
+    for want, gots in by_rows:
+        for got in gots:
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0,
                                        atol=0.03 * float(jnp.abs(want).max()))
 

@@ -97,8 +97,8 @@ def test_simulated_acceptance_equals_generate(models):
 
 def test_slots_are_reused_one_slot(models):
     """One slot: requests run one after another through the same row (the previous row's cache and drafts must
-    not leak into the next request)."""
-    eng = engine(models, max_slots=1)
+    not leak into the next request). One slot and generate's 8 rounds a chunk: the programs of the references."""
+    eng = engine(models, max_slots=1, rounds_per_step=8)
     params = [RequestParams(n) for n in NEW[:4]]
     ids = [eng.submit(p, q) for p, q in zip(PROMPTS[:4], params)]
     outputs, finals = {}, {}
@@ -113,7 +113,7 @@ def test_slots_are_reused_one_slot(models):
 
 
 def test_max_slots_round_up_and_an_admission_returns_the_prefill_tokens(models):
-    eng = engine(models, max_slots=3, rounds_per_step=1)
+    eng = engine(models, max_slots=3)
     assert eng.max_slots == 4
     rid = eng.submit(PROMPTS[0], RequestParams(1))
     rid2 = eng.submit(PROMPTS[1], RequestParams(5))
@@ -124,10 +124,9 @@ def test_max_slots_round_up_and_an_admission_returns_the_prefill_tokens(models):
     second = next(e for e in evs if e.request_id == rid2)
     assert not second.finished and len(second.new_tokens) == 1  # an admission step returns the prefill tokens only
     ttft = second_time = None
-    for e in eng.step():  # then a chunk of one round: up to K + 1 tokens
-        assert e.request_id == rid2 and 1 <= len(e.new_tokens) <= 4
     while eng.has_work:
-        for e in eng.step():
+        for e in eng.step():  # then chunks of rounds_per_step rounds: up to K + 1 tokens a round
+            assert e.request_id == rid2 and 1 <= len(e.new_tokens) <= eng.rounds_per_step * 4
             if e.finished:
                 ttft, second_time = e.stats["ttft_s"], e.stats["e2e_s"]
     assert 0 < ttft < second_time
@@ -137,7 +136,7 @@ def test_a_step_after_an_admission_decodes(models):
     """Admissions alternate with chunks while requests run: a newcomer waits one step, the running request is not
     starved by a stream of arrivals (requests short enough that no chunk is pipelined: each step waits for its own
     work)."""
-    eng = engine(models, max_slots=4, rounds_per_step=1)
+    eng = engine(models, max_slots=2, rounds_per_step=1)
     a = eng.submit(PROMPTS[1], RequestParams(8))
     assert [(e.request_id, len(e.new_tokens)) for e in eng.step()] == [(a, 1)]  # admission
     b = eng.submit(PROMPTS[0], RequestParams(8))
@@ -236,12 +235,12 @@ def test_admission_shapes_cover_every_admission(models, prefill):
     """Precompiling `admission_shapes(L)` leaves nothing to compile for any admission of prompts up to L tokens (with
     packing, whatever packed row the admission takes)."""
     eng = engine(models, max_slots=4, drafting="none", prefill=prefill)
-    shapes = eng.admission_shapes(40)
-    assert {n for n, _ in shapes} == {1, 2, 4} and max(length for _, length in shapes) == 40
+    shapes = eng.admission_shapes(20)  # its padded admissions are test_precompile_compiles_every_admission_program's
+    assert {n for n, _ in shapes} == {1, 2, 4} and max(length for _, length in shapes) == 20
     for n, length in shapes:
         eng.precompile([n], [length])
     before = pjax.decode.compile_count()
-    for n, length in ((1, 1), (3, 40), (4, 16), (2, 17), (3, 33)):
+    for n, length in ((1, 1), (3, 20), (4, 16), (2, 17), (3, 9)):
         for j in range(n):
             eng.submit([1] * (length - j % 2 if length > 1 else 1), RequestParams(2))
         while eng.has_work:
@@ -352,7 +351,7 @@ def test_submit_validation_names_the_field(models, prompt, params, error, match)
 
 
 def test_the_longest_request_that_fits(models):
-    eng = engine(models, max_slots=1)
+    eng = engine(models, max_slots=1, rounds_per_step=8)  # the reference's programs
     prompt = [2] * (MAX_LEN - 10 - 6)
     rid = eng.submit(prompt, RequestParams(10))
     outputs, finals = {}, {}

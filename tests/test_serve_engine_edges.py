@@ -81,7 +81,7 @@ def test_requests_that_exactly_fill_max_len_stop_on_length(models, drafting):
     """prompt + max_new_tokens + 2K == max_len: the request runs to its limit ("length", never "capacity"), as
     generate at the same cache capacity."""
     slack = 0 if drafting == "none" else 2 * K
-    eng = engine(models, drafting)
+    eng = engine(models, drafting, rounds_per_step=1)  # 2 slots, 1 round a step: the random arrivals' "none" engine
     cases = [([(i * 7) % V for i in range(n)], RequestParams(MAX_LEN - n - slack)) for n in (5, 30)]
     ids = [eng.submit(p, q) for p, q in cases]
     outputs, finals = {}, {}
@@ -96,7 +96,7 @@ def test_requests_ending_at_their_prefill_token_free_the_slot_at_once(models):
     "length", no rounds, tpot None) and free their slot: the request that waited gets it at the next step."""
     prompt = [5, 7, 3]
     first = reference(models, "parallel", prompt, RequestParams(4)).tokens[0][0]
-    eng = engine(models, max_slots=2)
+    eng = engine(models, max_slots=2, rounds_per_step=1)  # test_requests_that_exactly_fill_max_len's engine
     params = [RequestParams(9, stop_token_ids=(first,)), RequestParams(1), RequestParams(6)]
     ids = [eng.submit(prompt, q) for q in params]
     evs = {e.request_id: e for e in eng.step()}
@@ -175,7 +175,7 @@ def test_a_reused_slot_is_cleared(models):
     request (here: non-finite values, as one that ended "nonfinite" may leave) wrote, and a masked attention weight
     times inf or nan is nan, so the admission clears the slot's rows first."""
     prompt, params = [5, 7, 3], RequestParams(8)
-    eng = engine(models, max_slots=1)
+    eng = engine(models, max_slots=1, rounds_per_step=8)  # one slot, generate's chunk: the reference's programs
     s = eng._state
     nan = lambda cache: jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), cache)  # noqa: E731
     eng._state = dataclasses.replace(s, target_cache=nan(s.target_cache), drafter_cache=nan(s.drafter_cache))
