@@ -143,13 +143,19 @@ def test_model_checks_are_remembered(models, monkeypatch):
 
 def test_program_keys_see_shapes_dtypes_and_weak_types():
     """A program is looked up by its arguments' (shape, dtype, weak type): numpy and JAX inputs and the compile-only
-    path's shape structs of one shape and dtype find the same program; a weakly typed scalar does not."""
+    path's shape structs of one shape and dtype find the same program; a weakly typed scalar does not; an array
+    sharded over several devices does not either."""
+    from jax.sharding import NamedSharding, PartitionSpec
     from pjax.decode.compiled import _signature
-    want = ((2, 3), jnp.dtype(jnp.float32), False)
+    want = ((2, 3), jnp.dtype(jnp.float32), False, None)
     assert _signature(jnp.zeros((2, 3))) == _signature(np.zeros((2, 3))) == want
     assert _signature(jax.ShapeDtypeStruct((2, 3), jnp.float32)) == want
-    assert _signature(np.int32(1)) == _signature(jnp.int32(1)) == ((), jnp.dtype(jnp.int32), False)
-    assert _signature(1) == _signature(jnp.asarray(1)) == ((), jnp.dtype(jnp.int32), True)
+    assert _signature(np.int32(1)) == _signature(jnp.int32(1)) == ((), jnp.dtype(jnp.int32), False, None)
+    assert _signature(1) == _signature(jnp.asarray(1)) == ((), jnp.dtype(jnp.int32), True, None)
+    if len(jax.devices()) >= 2:
+        mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:2]), ("x",))
+        split = jax.device_put(jnp.zeros((2, 3)), NamedSharding(mesh, PartitionSpec("x")))
+        assert _signature(split)[:3] == want[:3] and _signature(split)[3] is not None
 
 
 def test_nonfinite_logits_stop_the_row(models):

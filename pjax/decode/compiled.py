@@ -79,12 +79,14 @@ def clear_compiled() -> None:
 
 
 def _signature(x) -> tuple:
-    """(shape, dtype, weakly typed?, sharding) of one argument as jit sees it (a program compiled for sharded
-    arguments takes only arguments of those shardings). Arrays and shape structs (the compile-only path) answer from
-    their own fields: `jnp.result_type` costs ~4 us a leaf, over the ~260 leaves of a 24-layer pair 1 ms of every
-    generation's host time per program looked up."""
+    """(shape, dtype, weakly typed?, sharding over several devices or None) of one argument as jit sees it (a program
+    compiled for sharded arguments takes only arguments of those shardings; one device's arrays, numpy inputs and
+    shape structs share a program). Arrays and shape structs (the compile-only path) answer from their own fields:
+    `jnp.result_type` costs ~4 us a leaf, over the ~260 leaves of a 24-layer pair 1 ms of every generation's host time
+    per program looked up."""
     if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
-        return x.shape, x.dtype, x.weak_type, x.sharding
+        several = x.sharding is not None and len(x.sharding.device_set) > 1
+        return x.shape, x.dtype, x.weak_type, x.sharding if several else None
     return np.shape(x), jnp.result_type(x), not isinstance(x, (np.ndarray, np.generic)), None
 
 
