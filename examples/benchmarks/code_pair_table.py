@@ -41,6 +41,10 @@ RUNS = (  # name, planned seconds (the share of a deadline it may take), bench a
                            "--k 3,5,7,1"),
     ("c1-tree", 300, "--scheduling static --dataset humaneval --concurrency 1 --k 7,5 --tree-budget 12,24"),
     ("c8-64-tree", 400, "--scheduling static --dataset humaneval --concurrency 8,64 --k 3 --tree-budget 6,12"),
+    ("c1-tree-min", 300, "--scheduling static --dataset humaneval --concurrency 1 --k 7,5 --tree-budget 12,24 "
+                         "--tree-score min"),
+    ("c8-64-tree-min", 400, "--scheduling static --dataset humaneval --concurrency 8,64 --k 3 --tree-budget 6,12 "
+                            "--tree-score min"),
     ("c1-humaneval", 380, "--scheduling static --dataset humaneval --concurrency 1 --k 11,7,5,3,1,9"),
     ("c1-t1-sampled", 130, "--scheduling static --dataset humaneval --num-prompts 82 --concurrency 1 --temperature 1 "
                            "--draft-sampling sample --k 3,7"),
