@@ -107,3 +107,20 @@ def build(name, tmp_root):
     target = pjax.load_target(path, dtype=jnp.float32)
     new = 40 if name == "llama" else NEW  # llama: 30 tokens + room for the oracle drafts of the injection test
     return target, make_drafter(target, draft_vocab_size=64), hf_greedy(model, PROMPTS, new)  # Vd < V: d2t map
+
+
+def round_programs(target, drafter, spec, rows: int, prompt_len: int, capacity: int):
+    """Greedy rounds driven by hand: (run_prefill(seqs) -> DecodeState of the token lists `seqs` right-padded to
+    prompt_len with a cache of `capacity`, jitted `spec_round`), both compiled with FAST."""
+    from pjax.decode import Sampling
+    samp = Sampling(jnp.zeros(rows), jnp.zeros(rows, jnp.int32), jnp.ones(rows), jnp.zeros(rows, jnp.uint32))
+    prefill = jax.jit(pjax.decode.prefill, static_argnames=("spec", "capacity", "cache_dtype"), compiler_options=FAST)
+    round_ = jax.jit(pjax.decode.spec_round, static_argnames=("spec",), compiler_options=FAST)
+
+    def run_prefill(seqs):
+        pad = np.zeros((rows, prompt_len), np.int32)
+        for i, s in enumerate(seqs):
+            pad[i, :len(s)] = s
+        return prefill(target, drafter, jnp.asarray(pad), jnp.asarray([len(s) for s in seqs], jnp.int32), samp,
+                       spec=spec, capacity=capacity, cache_dtype=None)
+    return samp, run_prefill, round_

@@ -2,14 +2,12 @@
 checkpoints of every target family (ragged batch, its prefill padded, and packed into one row for P-EAGLE; K in {1, 3,
 7, 11}, one per family to bound compile time), and with injected drafts (every accepted-prefix length) the KV
 bookkeeping of target and drafter stays exact."""
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import pjax
-from pjax.decode import Sampling
-from tests.engine_utils import AVAILABLE, FAST, FAST_KEY, K_OF, NEW, PROMPTS, V, build
+from tests.engine_utils import AVAILABLE, FAST, K_OF, NEW, PROMPTS, V, build, round_programs
 
 
 @pytest.fixture(scope="module")
@@ -60,17 +58,7 @@ def test_injected_drafts_every_accept_length(llama, drafting):
     spec = pjax.decode.make_spec(target, drafter, pjax.decode.EngineConfig(num_speculative_tokens=k, drafting=drafting),
                                  max_new_tokens=new)
     b = len(PROMPTS)
-    samp = Sampling(jnp.zeros(b), jnp.zeros(b, jnp.int32), jnp.ones(b), jnp.zeros(b, jnp.uint32))
-    prefill = jax.jit(pjax.decode.prefill, static_argnames=("spec", "capacity", "cache_dtype"),
-                      compiler_options=dict(FAST_KEY))
-    round_ = jax.jit(pjax.decode.spec_round, static_argnames=("spec",), compiler_options=dict(FAST_KEY))
-
-    def run_prefill(seqs):
-        pad = np.zeros((b, lp), np.int32)
-        for i, s in enumerate(seqs):
-            pad[i, :len(s)] = s
-        return prefill(target, drafter, jnp.asarray(pad), jnp.asarray([len(s) for s in seqs], jnp.int32), samp,
-                       spec=spec, capacity=cap, cache_dtype=None)
+    samp, run_prefill, round_ = round_programs(target, drafter, spec, b, lp, cap)
 
     state = run_prefill(PROMPTS)
     rng = np.random.default_rng(0)

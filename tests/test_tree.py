@@ -11,10 +11,9 @@ import numpy as np
 import pytest
 
 import pjax
-from pjax.decode import Sampling
 from pjax.decode.tree import Tree, accept_tree_greedy, build_tree
 from pjax.kernels.acceptance.reference import accept as chain_accept
-from tests.engine_utils import FAST, make_drafter, tiny_llama
+from tests.engine_utils import FAST, make_drafter, round_programs, tiny_llama
 
 B, K, V, N = 3, 3, 4, 10
 
@@ -217,17 +216,7 @@ def test_tree_rounds_commit_the_accepted_path(pair, chain_run):
     spec = pjax.decode.make_spec(target, drafter, pjax.decode.EngineConfig(num_speculative_tokens=DK,
                                                                            tree_budget=n_tree), max_new_tokens=new)
     b = len(PROMPTS)
-    samp = Sampling(jnp.zeros(b), jnp.zeros(b, jnp.int32), jnp.ones(b), jnp.zeros(b, jnp.uint32))
-    prefill = jax.jit(pjax.decode.prefill, static_argnames=("spec", "capacity", "cache_dtype"),
-                      compiler_options=FAST)
-    round_ = jax.jit(pjax.decode.spec_round, static_argnames=("spec",), compiler_options=FAST)
-
-    def run_prefill(seqs):
-        pad = np.zeros((b, lp), np.int32)
-        for i, s in enumerate(seqs):
-            pad[i, :len(s)] = s
-        return prefill(target, drafter, jnp.asarray(pad), jnp.asarray([len(s) for s in seqs], jnp.int32), samp,
-                       spec=spec, capacity=cap, cache_dtype=None)
+    samp, run_prefill, round_ = round_programs(target, drafter, spec, b, lp, cap)
 
     state = run_prefill(PROMPTS)
     rng = np.random.default_rng(0)
