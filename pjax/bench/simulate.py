@@ -29,15 +29,16 @@ class SimulatedAcceptance:
         object.__setattr__(self, "probabilities", p)
 
     def __call__(self, logits, drafts, sampling, positions, num_drafts, spec) -> AcceptResult:
-        """logits [B, K+1, V], drafts [B, K], positions [B] (of draft 1), num_drafts [B] -> AcceptResult."""
+        """logits [B, K+1, V], drafts [B, K], positions [B] (of draft 1), num_drafts [B] -> AcceptResult (the first K
+        probabilities: a budget that follows the load gives K_max, each round uses its K)."""
         k = spec.k
-        if len(self.probabilities) != k:
-            raise ValueError(f"simulated acceptance gives {len(self.probabilities)} probabilities for K = {k} draft "
-                             "positions")
+        if len(self.probabilities) < spec.k_max:
+            raise ValueError(f"simulated acceptance gives {len(self.probabilities)} probabilities for K = "
+                             f"{spec.k_max} draft positions")
         idx = jnp.arange(k, dtype=jnp.int32)[None]
         u = rng.uniform(sampling.seed.astype(jnp.uint32)[:, None], positions.astype(jnp.int32)[:, None] + idx, 0,
                         STREAM_SIMULATE)
-        ok = (u < jnp.asarray(self.probabilities, jnp.float32)[None]) & (idx < num_drafts[:, None])
+        ok = (u < jnp.asarray(self.probabilities[:k], jnp.float32)[None]) & (idx < num_drafts[:, None])
         n = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
         nxt = jnp.argmax(jnp.take_along_axis(logits, n[:, None, None], axis=1)[:, 0], axis=-1).astype(jnp.int32)
         j = jnp.arange(k + 1, dtype=jnp.int32)[None]

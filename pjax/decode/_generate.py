@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence, Union
 from pjax.decode import inputs as I
 from pjax.decode.compiled import compile_count
 from pjax.decode.drafting import resolve
-from pjax.decode.engine import STOP_WIDTH, Engine, RequestParams
+from pjax.decode.engine import STOP_WIDTH, Engine, RequestParams, acceptance_stats
 from pjax.decode.settings import EngineConfig, configure
 from pjax.decode.state import STOP_INTERRUPTED, STOP_NAMES, drafting_slack
 from pjax.models.target import Target
@@ -184,8 +184,8 @@ class Generation:
             out = len(self._tokens[i])
             if ev is None:
                 st = {"prompt_tokens": self._lengths[i], "output_tokens": out, "rounds": 0, "num_draft_tokens": 0,
-                      "num_drafts": 0, "num_accepted_tokens": 0, "mean_acceptance_length": 1.0,
-                      "acceptance_rates": [0.0] * k, "ttft_s": self._t_first, "e2e_s": self._wall, "tpot_s": None}
+                      "mean_budget": 0.0, **acceptance_stats(0, 0, [0] * k),
+                      "ttft_s": self._t_first, "e2e_s": self._wall, "tpot_s": None}
                 reason = STOP_NAMES[STOP_INTERRUPTED] if interrupted else None
             else:
                 st = {key: v for key, v in ev.stats.items() if key != "queue_s"}
@@ -197,19 +197,22 @@ class Generation:
             stops.append(reason)
         drafts = sum(r["num_drafts"] for r in reqs)
         accepted = sum(r["num_accepted_tokens"] for r in reqs)
-        accepted_at = [sum(round(r["acceptance_rates"][j] * r["num_drafts"]) for r in reqs) for j in range(k)]
+        total = lambda key: [sum(r[key][j] for r in reqs) for j in range(k)]  # noqa: E731
+        auto = self.spec.state_k is not None
+        acceptance = acceptance_stats(drafts, accepted, total("accepted_per_position"),
+                                      total("tested_per_position") if auto else None)
         out_tokens = sum(r["output_tokens"] for r in reqs)
         rounds = [r["rounds"] for r in reqs]
+        draft_tokens = sum(r["num_draft_tokens"] for r in reqs)
         rows, lp, packed = self._layout
         wall = self._wall - (self._engine.compile_s - self._compile_before)
         t_first = self._t_first or 0.0
         eng = self._engine
         return GenerateResult([list(t) for t in self._tokens], {
             "rounds": max(rounds),
-            "num_drafts": drafts, "num_accepted_tokens": accepted,
-            "mean_acceptance_length": 1.0 + accepted / drafts if drafts else 1.0,
-            "acceptance_rates": [a / drafts if drafts else 0.0 for a in accepted_at],
-            "num_draft_tokens": sum(r["num_draft_tokens"] for r in reqs),
+            **acceptance,
+            "num_draft_tokens": draft_tokens,
+            "mean_budget": draft_tokens / sum(rounds) if sum(rounds) else 0.0,
             "output_tokens": out_tokens,
             "per_request_rounds": rounds,
             "stop_reasons": stops,
@@ -222,7 +225,8 @@ class Generation:
             "wall_time_s": wall,
             "compile_time_s": eng.compile_s,
             "output_tokens_per_s": out_tokens / wall if wall > 0 else float("inf"),
-            "num_speculative_tokens": k,
+            "num_speculative_tokens": "auto" if auto else k,
+            **({"budget_stats": eng.budget_stats()} if auto else {}),
             "drafting": self.spec.drafting.value,
             "tree_budget": self.spec.tree_budget,
             "aux_layer_ids": list(self.spec.aux_layer_ids),
@@ -251,9 +255,11 @@ def generate(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_token
       `.result` holds the output so far.
     config / settings: the decoding settings, an `EngineConfig` and / or its fields by name (drafting,
       num_speculative_tokens, tree_budget, tree_score, draft_sampling, prefill, rounds_per_step, max_len,
-      implementation, cache_dtype, allow_tf32, compiler_options; one set of defaults, `EngineConfig`'s). max_len: KV positions per row
-      (default: longest prompt + max_new_tokens + 2K, or K + N with a tree of N, bucketed); a prompt longer is an
-      error, a row that fills it stops with reason "capacity". prefill: "auto" packs the prompts into one row where
+      implementation, cache_dtype, allow_tf32, compiler_options; one set of defaults, `EngineConfig`'s).
+      num_speculative_tokens="auto": each device chunk of rounds_per_step rounds drafts the K (0 .. 7) of best
+      expected tokens per second (`pjax.decode.budget`); the same tokens as any fixed K at temperature 0.
+      max_len: KV positions per row (default: longest prompt + max_new_tokens + 2K, or K + N with a tree of N,
+      bucketed); a prompt longer is an error, a row that fills it stops with reason "capacity". prefill: "auto" packs the prompts into one row where
       that computes fewer positions. tree_budget N: each round verifies a tree of N draft tokens (greedy and
       sampled rows alike, lossless), its paths ranked by tree_score.
     acceptance: None, or a hashable function replacing the round's acceptance rule (`EngineSpec.acceptance`; the
@@ -265,11 +271,13 @@ def generate(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_token
     A row stops on an EOS id, its max_new_tokens, a full cache, or non-finite target logits (reason "nonfinite": a
     broken checkpoint, nothing emitted from those logits).
     stats: rounds, mean_acceptance_length (1 + accepted / num_drafts, as vLLM), acceptance_rates (per draft
-    position), num_drafts, num_draft_tokens, num_accepted_tokens, output_tokens, stop_reasons, requests (per prompt:
+    position; accepted_per_position and tested_per_position: their counts), num_drafts, num_draft_tokens,
+    mean_budget (draft tokens verified per round), num_accepted_tokens, output_tokens, stop_reasons, requests (per prompt:
     tokens, acceptance, stop reason, ttft_s, e2e_s, tpot_s, output_tokens_per_s), ttft_s, wall_time_s (prefill +
     decode, compilation excluded), prefill ("packed" | "padded": the layout used), prefill_tokens (positions the
     target's prefill computed), prefill_time_s, decode_time_s, compile_time_s, output_tokens_per_s, device_chunks,
-    num_speculative_tokens, drafting, tree_budget, aux_layer_ids, warnings (e.g. a head trained for another verifier).
+    num_speculative_tokens (K, or "auto" with budget_stats: the engine's `Engine.budget_stats`), drafting,
+    tree_budget, aux_layer_ids, warnings (e.g. a head trained for another verifier).
     """
     return Generation(target, drafter, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                       top_p=top_p, seed=seed, eos_token_id=eos_token_id, progress=progress, config=config,

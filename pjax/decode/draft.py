@@ -163,6 +163,16 @@ def draft_round(drafter, cache, comb, verify_tokens, num_accepted, next_token, s
     return drafts, q, None, cache
 
 
+def catch_up(drafter, cache, comb, next_token, start_pos, active, spec: EngineSpec):
+    """The drafter's part of a round with no drafts (a budget of 0, `EngineSpec.state_k`): the slot of the new token
+    only, next_token [B] with the target's feature at start_pos [B] (comb [B, 1, H]), written to the drafter's cache
+    at start_pos as a round with drafts writes it, so that a later round drafts from an exact cache. One drafter
+    position per row and no drafter logits; parallel and sequential drafting alike. Returns the cache."""
+    _, _, cache = _draft_pass(drafter, next_token[:, None].astype(jnp.int32), comb[:, :1], start_pos[:, None],
+                              active[:, None], cache, spec)
+    return cache
+
+
 def prefill_mask_slots(k: int) -> int:
     """Slots the drafter's prefill pass adds after the prompt for K drafts: K - 1 rounded up to a multiple of
     MASK_SLOT_STEP (0 for K = 1), so the pass has the same shapes for K = 2..17 (a K sweep reuses its compiled

@@ -65,6 +65,13 @@ class Drafting(str, enum.Enum):
         depths = None if drafter is None else drafter.config.num_depths
         return 7 if depths is None else min(7, depths)
 
+    def auto_k(self, drafter) -> int:
+        """K_max of a budget that follows the load (`pjax.decode.budget`): P-EAGLE at most the head's trained depth
+        and 7, EAGLE-3 at most 7; 0 without drafting."""
+        if self is Drafting.SEQUENTIAL:
+            return 7
+        return self.default_k(drafter)
+
     def check_pair(self, target, drafter, k: int) -> tuple[int, ...]:
         """Host-side checks of a (target, drafter) pair for this drafting with K drafts (`pjax.models.pairing`, plus
         the parallel-drafting needs); returns the aux layer ids the drafter reads (() without drafting)."""
@@ -89,8 +96,8 @@ class Drafting(str, enum.Enum):
 
 def resolve(drafter, drafting: Optional[str] = None, k: Optional[int] = None,
             k_name: str = "num_speculative_tokens") -> tuple[Drafting, int]:
-    """(drafting, K): drafting None = the head's kind (`Drafting.of_head`); k None = `default_k`. K is 0 without
-    drafting. A ValueError names `drafting` / `k` (as `k_name`) for a bad value or a drafting that needs a missing
+    """(drafting, K): drafting None = the head's kind (`Drafting.of_head`); k None = `default_k`; k "auto" = `auto_k`
+    (the largest budget of a budget that follows the load). K is 0 without drafting. A ValueError names `drafting` / `k` (as `k_name`) for a bad value or a drafting that needs a missing
     head."""
     mode = Drafting.of_head(drafter) if drafting is None else Drafting.parse(drafting)
     if not mode.speculative:
@@ -99,7 +106,9 @@ def resolve(drafter, drafting: Optional[str] = None, k: Optional[int] = None,
         raise ValueError(f"drafting={mode.value!r} needs a drafter (load a head, or pass drafting='none')")
     if k is None:
         return mode, mode.default_k(drafter)
+    if isinstance(k, str) and k == "auto":
+        return mode, mode.auto_k(drafter)
     if not is_int(k) or k < 1:
-        raise ValueError(f"{k_name} must be an integer >= 1 (draft tokens per round, drafting={mode.value!r}), "
-                         f"got {k!r}")
+        raise ValueError(f"{k_name} must be an integer >= 1 (draft tokens per round, drafting={mode.value!r}) or "
+                         f"'auto', got {k!r}")
     return mode, int(k)

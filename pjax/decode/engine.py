@@ -33,7 +33,9 @@ prefill of its rows bucket times its prompt bucket (or of its packed row) plus t
 place into the slots' rows, so an admission of every slot needs no second cache); a waiting step costs one host round
 trip (dispatch, view), a pipelined one none. Programs: the two chunk programs (a fixed trip count; ending early),
 plus one admission program per (rows bucket up to
-max_admit_rows, prompt-length bucket, packed row bucket) used; sampling values, stop ids (a fixed-width table) and
+max_admit_rows, prompt-length bucket, packed row bucket) used; with num_speculative_tokens "auto", the two chunk
+programs of every candidate budget, one of which each chunk runs (`pjax.decode.budget`: the chooser reads each
+view's acceptance counters and the chunks' times; no recompilation); sampling values, stop ids (a fixed-width table) and
 per-request limits are runtime data and never recompile. Every random draw is keyed on (seed, position), so a
 request's output does not depend on which slot it took or on the other requests.
 """
@@ -54,6 +56,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pjax.decode import inputs as I
+from pjax.decode.budget import BudgetChooser, candidates
 from pjax.decode.compiled import COMPILE_THREADS, compiled, matmul_precision, register_program
 from pjax.decode.settings import DEFAULT_MAX_LEN, EngineConfig, make_spec
 from pjax.decode.state import STOP_HOST, STOP_NAMES, DecodeState, EngineSpec, Sampling
@@ -86,9 +89,10 @@ class RequestParams:
 class Event:
     """What one step produced for one request: new_tokens since its previous event (the first event holds the token
     sampled at prefill); when finished, stop_reason ("eos" | "length" | "capacity" | "nonfinite" | "stop") and
-    stats: prompt_tokens, output_tokens, rounds, num_drafts, num_draft_tokens, num_accepted_tokens,
-    mean_acceptance_length, acceptance_rates [K] (per draft position), queue_s, ttft_s, e2e_s, tpot_s (seconds from
-    `submit`)."""
+    stats: prompt_tokens, output_tokens, rounds, num_drafts, num_draft_tokens, mean_budget (draft tokens verified
+    per round), num_accepted_tokens, mean_acceptance_length, acceptance_rates [K] (per draft position),
+    accepted_per_position / tested_per_position [K] (`acceptance_stats`), queue_s, ttft_s, e2e_s, tpot_s (seconds
+    from `submit`)."""
     request_id: int
     new_tokens: list[int]
     finished: bool
@@ -123,20 +127,26 @@ _HOST_FIELDS = ("out", "num_out", "done", "stop", "rounds", "num_drafts", "num_d
 
 def host_view(state: DecodeState):
     """What the host reads of the rows, as one array (one transfer): [B, N + 7 + K] i32, the columns of out [B, N],
-    then num_out, done, stop, rounds, num_drafts, num_draft_tokens, accepted, then accepted_at [B, K]. A fresh array:
-    it stays readable while the next program takes over the (donated) state."""
+    then num_out, done, stop, rounds, num_drafts, num_draft_tokens, accepted, then accepted_at [B, K] (and tested_at
+    [B, K] where the state has it: [B, N + 7 + 2 K]). A fresh array: it stays readable while the next program takes
+    over the (donated) state."""
     cols = [state.out] + [getattr(state, k).astype(jnp.int32)[:, None] for k in _HOST_FIELDS[1:-1]]
-    return jnp.concatenate(cols + [state.accepted_at], axis=1).astype(jnp.int32)
+    cols += [state.accepted_at] + ([] if state.tested_at is None else [state.tested_at])
+    return jnp.concatenate(cols, axis=1).astype(jnp.int32)
 
 
-def unpack_view(view: np.ndarray, out_len: int) -> dict:
-    """`host_view`'s array (on the host) -> {field: writable [B, ...] array}."""
+def unpack_view(view: np.ndarray, out_len: int, tested: bool = False) -> dict:
+    """`host_view`'s array (on the host) -> {field: writable [B, ...] array}; tested: the view holds tested_at."""
     n = out_len
     host = {"out": view[:, :n]}
     for i, k in enumerate(_HOST_FIELDS[1:-1]):
         host[k] = view[:, n + i]
     host["done"] = host["done"].astype(bool)
-    host["accepted_at"] = view[:, n + len(_HOST_FIELDS) - 2:]
+    rest = view[:, n + len(_HOST_FIELDS) - 2:]
+    if tested:
+        host["accepted_at"], host["tested_at"] = np.split(rest, 2, axis=1)
+    else:
+        host["accepted_at"] = rest
     return host
 
 
@@ -202,12 +212,25 @@ class _Request:
     sent: int = 0  # tokens already handed out in events
 
 
-def acceptance_stats(num_drafts: int, accepted: int, accepted_at) -> dict:
+def acceptance_stats(num_drafts: int, accepted: int, accepted_at, tested_at=None) -> dict:
     """num_drafts (rounds that verified >= 1 draft), num_accepted_tokens, mean_acceptance_length (1 + accepted /
-    num_drafts, as vLLM) and acceptance_rates (accepted_at [K]: rounds whose draft i was accepted, over num_drafts)."""
+    num_drafts, as vLLM), acceptance_rates [K] (the share of drafting rounds whose draft i was accepted),
+    accepted_per_position (accepted_at [K]: rounds whose draft i was accepted) and tested_per_position [K] (rounds
+    that verified draft i with drafts 0..i-1 accepted). A fixed K (tested_at None): every drafting round verifies
+    K drafts, so tested = (num_drafts, accepted_at[0], .., accepted_at[K-2]) and the rates are accepted_at /
+    num_drafts (vLLM's). A budget that varies (tested_at given): the rates are the products of the conditional
+    rates accepted_at[j] / tested_at[j], j <= i (vLLM's numbers for a fixed K, and unbiased by rounds that drafted
+    fewer than i + 1 tokens)."""
+    acc = [int(x) for x in accepted_at]
+    if tested_at is None:
+        tested = [num_drafts] + acc[:-1]
+        rates = [float(x) / num_drafts if num_drafts else 0.0 for x in acc]
+    else:
+        tested = [int(x) for x in tested_at]
+        rates = np.cumprod([a / t if t else 0.0 for a, t in zip(acc, tested)]).tolist()
     return {"num_drafts": num_drafts, "num_accepted_tokens": accepted,
             "mean_acceptance_length": 1.0 + accepted / num_drafts if num_drafts else 1.0,
-            "acceptance_rates": [float(x) / num_drafts if num_drafts else 0.0 for x in accepted_at]}
+            "acceptance_rates": rates, "accepted_per_position": acc, "tested_per_position": tested[:len(acc)]}
 
 
 def _check_int(v, name: str, low: int):
@@ -248,9 +271,14 @@ class Engine:
     `load_target(..., mesh=)`, is kept as placed), the drafter replicated, the slots' rows split over "data" (which
     must divide max_slots, rounded up to a power of two) and the KV caches by KV heads over "model". Under a mesh of
     several devices the kernels run their XLA references ("auto" is "xla"; "pallas" is refused).
+    num_speculative_tokens "auto": `budgets` are the candidate K (0 .. K_max), each chunk runs the one `chooser` (a
+    `pjax.decode.budget.BudgetChooser`; given one, e.g. a scripted one in a test, it is used as it is) picks; their
+    round times are measured once before the first admission (`precompile`, or the first `step`). `budget`: the K
+    of the last chunk dispatched; `budget_stats()`: the chooser's view.
     """
 
-    def __init__(self, target, drafter, config: EngineConfig = EngineConfig(), *, acceptance=None, mesh=None):
+    def __init__(self, target, drafter, config: EngineConfig = EngineConfig(), *, acceptance=None, mesh=None,
+                 chooser=None):
         if not isinstance(config, EngineConfig):
             raise TypeError(f"config must be a pjax.decode.EngineConfig, got {type(config).__name__}")
         c = config
@@ -303,7 +331,20 @@ class Engine:
         self._admitted_last = False  # the previous step admitted (the next one runs a chunk)
         self._ids = itertools.count()
         self._admit_exe: dict[tuple[int, int, Optional[int]], object] = {}
-        self._chunk_exe: dict[bool, object] = {}
+        self._chunk_exe: dict[tuple[bool, int], object] = {}
+        auto = spec.state_k is not None
+        self.budgets = candidates(spec.state_k) if auto else (spec.k,)
+        self._round_specs = {k: dataclasses.replace(spec, num_speculative_tokens=k) for k in self.budgets}
+        self.chooser = (chooser or BudgetChooser(self.budgets)) if auto else None
+        if chooser is not None and not auto:
+            raise ValueError("chooser: only an engine with num_speculative_tokens='auto' chooses budgets")
+        self.budget = spec.k
+        self._timed = not auto  # the budgets' round times are measured (before the first admission)
+        self._host_fields = _HOST_FIELDS + (("tested_at",) if auto else ())
+        self._dispatched: dict[int, tuple[Optional[int], int]] = {}  # view seq -> (fixed-trip chunk's K or None, rounds)
+        self._last_end: Optional[tuple[int, float]] = None  # (view seq, when its blocking read returned)
+        self._owner = np.full(self.max_slots, -1)  # request whose counters the last view read held, by slot
+        self._seen = None  # those counters (accepted_at, tested_at) [B, K_max] each
         self.compile_s = 0.0
         self.chunks = 0  # device chunks run so far
         self._compile_lock = threading.Lock()  # precompile's threads add to compile_s
@@ -376,17 +417,49 @@ class Engine:
         args = (self._target, self._drafter, self._state, self._sampling)
         return args if fixed else args + (np.int32(rounds),)
 
-    def _chunk_program(self, fixed: bool):
-        """The chunk program: a fixed trip count of rounds_per_step rounds (pipelined), or ending early."""
-        exe = self._chunk_exe.get(fixed)
+    def _chunk_program(self, fixed: bool, k: Optional[int] = None):
+        """The chunk program of budget k (None: the engine's K): a fixed trip count of rounds_per_step rounds
+        (pipelined), or ending early."""
+        k = self.spec.k if k is None else k
+        exe = self._chunk_exe.get((fixed, k))
         if exe is None:
-            name, statics = ("chunk", dict(spec=self.spec, rounds=self.rounds_per_step, mesh=self.mesh)) if fixed \
-                else ("chunk_ending", dict(spec=self.spec, mesh=self.mesh))
+            spec = self._round_specs[k]
+            name, statics = ("chunk", dict(spec=spec, rounds=self.rounds_per_step, mesh=self.mesh)) if fixed \
+                else ("chunk_ending", dict(spec=spec, mesh=self.mesh))
             exe, c = compiled(name, self._chunk_args(fixed), statics, self._options, self._precision)
             with self._compile_lock:
                 self.compile_s += c
-                self._chunk_exe[fixed] = exe
+                self._chunk_exe[(fixed, k)] = exe
         return exe
+
+    def _time_budgets(self, chunks: int = 4):
+        """Seconds per round of every budget's fixed-trip chunk, run on the empty state (a round computes every slot
+        whatever the occupancy, so this is its cost at max_slots; attention over longer contexts costs more, which
+        the chooser learns from the chunks it sees): after one untimed chunk, `chunks` chunks dispatched back to
+        back, as the pipelined steps run them, from the first one's dispatch to the last one's end."""
+        times = {}
+        for k in self.budgets:
+            exe = self._chunk_program(True, k)
+            self._state, view = exe(*self._chunk_args(True))
+            jax.block_until_ready(view)
+            t0 = time.perf_counter()
+            for _ in range(chunks):
+                self._state, view = exe(*self._chunk_args(True))
+            jax.block_until_ready(view)
+            times[k] = (time.perf_counter() - t0) / (chunks * self.rounds_per_step)
+        self.chooser.set_warm_times(times)
+        self._timed = True
+
+    def budget_stats(self) -> dict:
+        """budget (the K of the last chunk), budgets (the candidates), chunks_by_budget {K: chunks run}; with "auto"
+        also alpha [K_max] (the conditional acceptance per draft position as estimated now) and round_seconds {K:
+        t(K)} (`pjax.decode.budget`)."""
+        out = {"budget": self.budget, "budgets": list(self.budgets)}
+        if self.chooser is None:
+            return {**out, "chunks_by_budget": {self.spec.k: self.chunks}}
+        return {**out, "chunks_by_budget": dict(sorted(self.chooser.chunks.items())),
+                "alpha": [round(float(a), 4) for a in self.chooser.alpha],
+                "round_seconds": {k: self.chooser.round_seconds(k) for k in self.budgets}}
 
     def precompile(self, rows: Sequence[int], prompt_lengths: Sequence[int], *, warm: bool = False) -> float:
         """Compile the chunk program and the admission programs of every admission in the buckets of n in `rows`
@@ -419,7 +492,8 @@ class Engine:
             a = self.max_admit_rows
             keys += [I.prefill_buckets(lengths[i:i + a], self.max_len, self.prefill)
                      for i in range(0, len(lengths), a)]
-        fixed = max_new_tokens is None or max_new_tokens > self.rounds_per_step * (self.spec.k + 1)
+        fixed = max_new_tokens is None or max_new_tokens > self.rounds_per_step * (self.spec.k + 1) \
+            or not self._timed  # (an "auto" engine times its budgets' fixed-trip chunks)
         return self._precompile(keys, warm, fixed)
 
     def _precompile(self, keys: Sequence[tuple[int, int, Optional[int]]], warm: bool, fixed: bool = True) -> float:
@@ -427,14 +501,16 @@ class Engine:
         packed_len) buckets), compiled in threads, then (warm) each run once in order."""
         before = self.compile_s
         keys = list(dict.fromkeys(keys))
-        chunks = (True, False) if fixed else (False,)
-        jobs = [lambda fixed=fixed: self._chunk_program(fixed) for fixed in chunks]
+        chunks = [(f, k) for f in ((True, False) if fixed else (False,)) for k in self.budgets]
+        jobs = [lambda chunk=chunk: self._chunk_program(*chunk) for chunk in chunks]
         jobs += [lambda key=key: self._admit_program(*key, self._admission_args([], [], *key[:2]))
                  for key in keys if key not in self._admit_exe]
         with ThreadPoolExecutor(max_workers=min(len(jobs), COMPILE_THREADS)) as pool:
             list(pool.map(lambda job: job(), jobs))
-        for fixed in chunks if warm and not self._slots else ():
-            self._state = self._chunk_program(fixed)(*self._chunk_args(fixed, 1))[0]
+        if not self._timed and not self._slots:
+            self._time_budgets()
+        for f, k in chunks if warm and not self._slots else ():
+            self._state = self._chunk_program(f, k)(*self._chunk_args(f, 1))[0]
         for key in keys if warm else ():
             args = self._admission_args([], [], *key[:2])
             self._state, self._sampling = self._admit_program(*key, args)(*args)[:2]
@@ -504,7 +580,7 @@ class Engine:
         if req.seq > self._host_seq:  # admitted after the last view read: nothing of it was read, none is reported
             self._ended.append((req, None, t_end))
             return
-        row = {k: np.array(self._host[k][slot]) for k in _HOST_FIELDS}  # (the device may be a chunk ahead)
+        row = {k: np.array(self._host[k][slot]) for k in self._host_fields}  # (the device may be a chunk ahead)
         if keep is not None:
             row["num_out"] = np.minimum(row["num_out"], keep)
         row["done"], row["stop"] = np.True_, np.int32(STOP_HOST)
@@ -551,7 +627,7 @@ class Engine:
             rows, lp, packed_len = I.prefill_buckets([len(r.prompt) for r in group], self.max_len, self.prefill)
             args = self._admission_args(group, slots, rows, lp)
             self._state, self._sampling, view = self._admit_program(rows, lp, packed_len, args)(*args)
-            seq = self._push(view)
+            seq = self._push(view, None, 0)
             for r, slot in zip(group, slots):
                 del self._queue[r.id]
                 r.slot, r.t_admit, r.seq = slot, now, seq
@@ -573,11 +649,14 @@ class Engine:
             self._sampling = dataclasses.replace(s, top_k=s.top_k.at[idx].set(0), top_p=s.top_p.at[idx].set(1.0))
             self._unfilter.clear()
 
-    def _push(self, view) -> int:
-        """Queue a dispatched program's view for reading (its copy to the host starts when the program ends)."""
+    def _push(self, view, k: Optional[int], rounds: int) -> int:
+        """Queue a dispatched program's view for reading (its copy to the host starts when the program ends); k /
+        rounds: a fixed-trip chunk's budget and rounds (None / 0 otherwise)."""
         seq = next(self._seq)
         view.copy_to_host_async()
         self._views.append((seq, view))
+        if self.chooser is not None:
+            self._dispatched[seq] = (k, rounds)
         return seq
 
     def _read(self, upto: int):
@@ -586,8 +665,36 @@ class Engine:
         i = upto % len(self._views)
         seq, view = self._views[i]
         del self._views[:i + 1]
-        self._host = unpack_view(np.array(view), self.spec.out_len)
+        waited = self.chooser is not None and not view.is_ready()
+        self._host = unpack_view(np.array(view), self.spec.out_len, self.chooser is not None)
+        if self.chooser is not None:
+            self._observe(seq, waited, time.perf_counter())
         self._host_seq = seq
+
+    def _observe(self, seq: int, waited: bool, now: float):
+        """Feed the chooser what view `seq` (just read) tells: the drafts tested and accepted since the previous view
+        read (per slot: the counters' growth, or all of them for a request admitted since), and, for a fixed-trip
+        chunk whose read waited for it and whose program before it was read the same way, its seconds per round:
+        the time between the two reads' returns (its share of the pipeline, the host's part included where the
+        host is slower than the device, as in the warm-up timing)."""
+        k, rounds = self._dispatched.pop(seq)
+        for s in [s for s in self._dispatched if s < seq]:
+            del self._dispatched[s]
+        if waited and k is not None and self._last_end is not None and self._last_end[0] == seq - 1:
+            self.chooser.observe_time(k, (now - self._last_end[1]) / rounds)
+        self._last_end = (seq, now) if waited else None
+        owner = self._owner.copy()
+        for slot, r in self._slots.items():
+            if r.seq <= seq:
+                owner[slot] = r.id
+        h = self._host
+        if self._seen is None:
+            self._seen = (np.zeros_like(h["accepted_at"]), np.zeros_like(h["tested_at"]))
+        same = (owner == self._owner)[:, None]
+        grown = [np.where(same, now_ - seen, now_) for now_, seen in zip((h["accepted_at"], h["tested_at"]),
+                                                                          self._seen)]
+        self.chooser.observe_acceptance(grown[0].sum(axis=0), grown[1].sum(axis=0))
+        self._owner, self._seen = owner, (h["accepted_at"].copy(), h["tested_at"].copy())
 
     def _can_pipeline(self) -> bool:
         """Whether a fixed-trip chunk may be dispatched before the host reads the chunk in flight: some running
@@ -607,9 +714,11 @@ class Engine:
         """Queue one chunk of rounds on the device (fixed trip count, or ending early: every round left when
         `final`, rows' limits ending it sooner) and its view."""
         rounds = self.max_len if final else self.rounds_per_step
-        self._state, view = self._chunk_program(fixed)(*self._chunk_args(fixed, rounds))
+        if self.chooser is not None:
+            self.budget = self.chooser.choose()
+        self._state, view = self._chunk_program(fixed, self.budget)(*self._chunk_args(fixed, rounds))
         self.chunks += 1
-        self._push(view)
+        self._push(view, self.budget if fixed else None, self.rounds_per_step)
 
     def step(self, *, final: bool = False) -> list[Event]:
         """One step of device work, then this step's events: one per request with new tokens or that finished
@@ -623,6 +732,8 @@ class Engine:
         chunk, which ends once every row is done (a step that admits then runs no chunk: its first tokens come back
         at once). final: no request will be submitted before the running ones finish (a static batch): such a
         waiting chunk runs every round left, in one device call."""
+        if not self._timed and not self._slots:
+            self._time_budgets()
         t0 = time.perf_counter()
         self._clear_filters()
         starved = self._admitted_last and self._slots  # a step after an admission runs a chunk
@@ -651,7 +762,7 @@ class Engine:
             r.sent = num
             if h["done"][slot]:
                 self._free(slot)
-                events.append(self._finished(r, {k: h[k][slot] for k in _HOST_FIELDS}, now, new))
+                events.append(self._finished(r, {k: h[k][slot] for k in self._host_fields}, now, new))
             elif new:
                 events.append(Event(r.id, new, False))
         return events
@@ -662,16 +773,18 @@ class Engine:
         k = self.spec.k
         if row is None:
             stats = {"prompt_tokens": len(r.prompt), "output_tokens": 0, "rounds": 0, "num_draft_tokens": 0,
-                     **acceptance_stats(0, 0, [0] * k),
+                     "mean_budget": 0.0, **acceptance_stats(0, 0, [0] * k),
                      "queue_s": e2e, "ttft_s": None, "e2e_s": e2e, "tpot_s": None}
             return Event(r.id, [], True, STOP_NAMES[STOP_HOST], stats)
         num = int(row["num_out"])
         if new is None:  # cancelled: what the snapshot holds beyond the tokens sent (and within `keep`)
             new = row["out"][r.sent:num].tolist()
         ttft = r.t_first - r.t_submit
-        stats = {"prompt_tokens": len(r.prompt), "output_tokens": num, "rounds": int(row["rounds"]),
-                 "num_draft_tokens": int(row["num_draft_tokens"]),
-                 **acceptance_stats(int(row["num_drafts"]), int(row["accepted"]), row["accepted_at"]),
+        rounds, drafted = int(row["rounds"]), int(row["num_draft_tokens"])
+        stats = {"prompt_tokens": len(r.prompt), "output_tokens": num, "rounds": rounds, "num_draft_tokens": drafted,
+                 "mean_budget": drafted / rounds if rounds else 0.0,
+                 **acceptance_stats(int(row["num_drafts"]), int(row["accepted"]), row["accepted_at"],
+                                    row.get("tested_at")),
                  "queue_s": r.t_admit - r.t_submit, "ttft_s": ttft, "e2e_s": e2e,
                  "tpot_s": (e2e - ttft) / (num - 1) if num > 1 else None}
         return Event(r.id, new, True, STOP_NAMES[int(row["stop"])], stats)

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 from pjax.decode import inputs as I
+from pjax.decode.budget import is_auto
 from pjax.decode.drafting import Drafting, resolve
 from pjax.decode.state import DRAFT_SAMPLING, EngineSpec
 from pjax.decode.tree import SCORES, path_count
@@ -27,7 +28,10 @@ class EngineConfig:
 
     drafting: "parallel" (P-EAGLE) | "sequential" (EAGLE-3) | "none" (plain decoding); None = the head's kind
       (none without a head). num_speculative_tokens: K drafts per round; None = the drafting's default (7 for
-      parallel, at most the head's trained depth; 3 for sequential).
+      parallel, at most the head's trained depth; 3 for sequential); "auto" = a budget that follows the load: each
+      device chunk runs the K of best expected tokens per second, 0 (plain decoding) to 7 (at most the head's
+      trained depth for parallel drafting), from round times measured at warm-up and while running and the
+      acceptance seen so far (`pjax.decode.budget`; one compiled program per budget, none after warm-up).
     draft_sampling: "argmax" (vLLM's default) | "sample" (drafts sampled from the drafter's distribution).
     tree_budget: None (each round verifies a chain of K drafts), or N >= K: each round verifies a tree of N draft
       tokens of depth <= K, the N most probable paths of the drafter's per-position distributions, in one target
@@ -48,7 +52,7 @@ class EngineConfig:
     allow_tf32: float32 models run full-precision products unless True. compiler_options: XLA options.
     """
     drafting: Optional[str] = None
-    num_speculative_tokens: Optional[int] = None
+    num_speculative_tokens: Optional[Union[int, str]] = None
     draft_sampling: str = "argmax"
     tree_budget: Optional[int] = None
     tree_score: str = "product"
@@ -84,7 +88,8 @@ def configure(config: Optional[EngineConfig] = None, **settings) -> EngineConfig
 def make_spec(target, drafter, config: EngineConfig, *, max_new_tokens: int,
               acceptance: Optional[Callable] = None) -> EngineSpec:
     """Check `config`'s drafting settings and the (target, drafter) pair; returns the static EngineSpec (output
-    buffer for `max_new_tokens`). acceptance: None, or a hashable function replacing the acceptance rule of a round
+    buffer for `max_new_tokens`; num_speculative_tokens "auto": K = state_k = K_max, the spec of admissions, whose
+    rounds' specs replace K by each budget). acceptance: None, or a hashable function replacing the acceptance rule of a round
     (`EngineSpec.acceptance`)."""
     if not isinstance(target, Target):
         raise TypeError(f"target must be a pjax Target (load one with pjax.load_target(path)), got "
@@ -104,12 +109,16 @@ def make_spec(target, drafter, config: EngineConfig, *, max_new_tokens: int,
         mask_id = drafter.config.mask_token_id
     if acceptance is not None and not drafting.speculative:
         raise ValueError("an acceptance rule needs drafting='parallel' or 'sequential'")
+    auto = is_auto(c.num_speculative_tokens) and drafting.speculative
     if c.tree_budget is not None:
+        if auto:
+            raise ValueError("num_speculative_tokens='auto' takes chains only (tree_budget must be None)")
         check_tree(c, drafting, k, drafter, acceptance)
     return EngineSpec(num_speculative_tokens=k, drafting=drafting, max_new_tokens=int(max_new_tokens),
                       draft_sampling=c.draft_sampling, aux_layer_ids=aux, mask_token_id=int(mask_id),
                       implementation=c.implementation, acceptance=acceptance,
-                      tree_budget=None if c.tree_budget is None else int(c.tree_budget), tree_score=c.tree_score)
+                      tree_budget=None if c.tree_budget is None else int(c.tree_budget), tree_score=c.tree_score,
+                      state_k=k if auto else None)
 
 
 def check_tree(c: EngineConfig, drafting: Drafting, k: int, drafter, acceptance) -> None:
@@ -159,12 +168,21 @@ def number_flag(kind, low=None, high=None, low_open=False, high_open=False):
 _positive = number_flag(int, low=1)
 
 
+def _budget(text):
+    """--k: a positive integer, or "auto" (a budget that follows the load)."""
+    return text if text == "auto" else _positive(text)
+
+
+_budget.__name__ = "K"
+
+
 # field -> (flag, argparse keywords, help); the help's "(default ...)" is added from EngineConfig
 FLAGS: dict[str, tuple[str, dict, str]] = {
     "drafting": ("--drafting", dict(choices=Drafting.names()),
                  "parallel (P-EAGLE), sequential (EAGLE-3) or none (plain decoding); default: the head's kind"),
-    "num_speculative_tokens": ("--k", dict(type=_positive, metavar="K"),
-                               "draft tokens per round; default: 7 parallel (at most the head's trained depth), "
+    "num_speculative_tokens": ("--k", dict(type=_budget, metavar="K"),
+                               "draft tokens per round, or auto (each device chunk picks 0..7 by measured round "
+                               "times and acceptance); default: 7 parallel (at most the head's trained depth), "
                                "3 sequential"),
     "draft_sampling": ("--draft-sampling", dict(choices=DRAFT_SAMPLING),
                        "argmax drafts, or drafts sampled from the drafter's distribution"),

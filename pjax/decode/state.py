@@ -1,7 +1,8 @@
 """Decode state and static engine settings (pytrees / hashable dataclasses).
 
-Shapes: B rows (requests), K speculative tokens per round (0 for plain decoding), S cache capacity,
-N output buffer length (max_new_tokens + K + 1), V target vocabulary.
+Shapes: B rows (requests), K speculative tokens per round (0 for plain decoding; an "auto" engine's state holds
+K_max = `EngineSpec.state_k` and each round uses its own K <= K_max), S cache capacity, N output buffer length
+(max_new_tokens + K_max + 1), V target vocabulary.
 """
 from __future__ import annotations
 
@@ -45,6 +46,10 @@ class EngineSpec:
     tree_budget: None (a chain of K drafts), or N >= K: each round verifies a tree of N draft nodes of depth <= K
       built from the drafter's per-position distributions (`pjax.decode.tree`; parallel drafting).
     tree_score: the tree's path score, "product" | "min" (`pjax.decode.tree.build_tree`).
+    state_k: None (the state holds K drafts), or K_max >= K: a budget that follows the load (`pjax.decode.budget`):
+      the state is sized for K_max drafts (drafts, accepted_at, tested_at, the output buffer, the cache slack) and
+      this round verifies drafts[:, :K] (K = 0: no draft, the drafter only takes the new token) and drafts K for
+      the next round, leaving drafts K.. as they are; every budget's round takes and returns the same state.
     """
     num_speculative_tokens: int
     drafting: str
@@ -57,6 +62,7 @@ class EngineSpec:
     acceptance: Optional[Callable] = None
     tree_budget: Optional[int] = None
     tree_score: str = "product"
+    state_k: Optional[int] = None
 
     def __post_init__(self):
         object.__setattr__(self, "drafting", Drafting.parse(self.drafting, "EngineSpec.drafting"))
@@ -66,14 +72,19 @@ class EngineSpec:
         return self.num_speculative_tokens
 
     @property
+    def k_max(self) -> int:
+        """The drafts the state holds: state_k, or K."""
+        return self.k if self.state_k is None else self.state_k
+
+    @property
     def slack(self) -> int:
-        """Cache positions a row keeps free past its last token (`drafting_slack`)."""
-        return drafting_slack(self.k, self.tree_budget)
+        """Cache positions a row keeps free past its last token (`drafting_slack` of K_max)."""
+        return drafting_slack(self.k_max, self.tree_budget)
 
     @property
     def out_len(self) -> int:
-        """Output buffer length: a round may emit up to K + 1 tokens past max_new_tokens - 1."""
-        return self.max_new_tokens + self.k + 1
+        """Output buffer length: a round may emit up to K_max + 1 tokens past max_new_tokens - 1."""
+        return self.max_new_tokens + self.k_max + 1
 
 
 def drafting_slack(k: int, tree_budget: Optional[int] = None) -> int:
@@ -112,7 +123,8 @@ class DecodeState:
     drafter_cache: list[LayerKV] [B, S, ...] or None (drafting == "none")
     last [B] i32: the pending token (emitted, not yet in the target cache), at absolute position pos
     pos [B] i32: position of `last`; the target cache holds positions 0..pos-1
-    drafts [B, K] i32: target-vocabulary drafts for positions pos+1..pos+K ([B, 0] with a tree)
+    drafts [B, K] i32: target-vocabulary drafts for positions pos+1..pos+K ([B, 0] with a tree; [B, K_max] with
+      EngineSpec.state_k, of which the first `ready` were drafted for this pos)
     draft_probs [B, K, V] f32 or None: q of each draft (draft_sampling == "sample")
     out [B, N] i32: generated tokens (-1 padded); num_out [B] i32 valid entries
     done [B] bool; stop [B] i32 stop code (see STOP_NAMES)
@@ -121,6 +133,11 @@ class DecodeState:
     num_draft_tokens [B] i32: drafts (tree nodes) verified; accepted [B] i32: drafts accepted
     accepted_at [B, K] i32: rounds in which draft position i (tree: depth i + 1) was accepted
     tree: the `pjax.decode.tree.Tree` of N nodes the next round verifies (EngineSpec.tree_budget), or None
+    ready [B] i32 or None (EngineSpec.state_k only): the leading drafts proposed for the current pos (the budget of
+      the round that drafted them); a round verifies at most these (a switch to a larger budget verifies the fresh
+      drafts only, once)
+    tested_at [B, K_max] i32 or None (EngineSpec.state_k only): rounds in which draft position i was verified with
+      drafts 0..i-1 accepted (accepted_at[i] / tested_at[i] is the conditional acceptance of position i)
     """
     target_cache: Any
     drafter_cache: Any
@@ -138,12 +155,15 @@ class DecodeState:
     accepted: Any
     accepted_at: Any
     tree: Optional[Any] = None
+    ready: Optional[Any] = None
+    tested_at: Optional[Any] = None
 
 
 jax.tree_util.register_dataclass(
     DecodeState,
     data_fields=["target_cache", "drafter_cache", "last", "pos", "drafts", "draft_probs", "out", "num_out",
-                 "done", "stop", "rounds", "num_drafts", "num_draft_tokens", "accepted", "accepted_at", "tree"],
+                 "done", "stop", "rounds", "num_drafts", "num_draft_tokens", "accepted", "accepted_at", "tree",
+                 "ready", "tested_at"],
     meta_fields=[])
 
 

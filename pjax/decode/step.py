@@ -201,8 +201,9 @@ def prefill_drafter(drafter, state: DecodeState, aux, prompts, lengths, sampling
     drafter's cache (parallel drafting only). Returns the fields to replace in `state`
     (drafter_cache, drafts [B, K], draft_probs, and out / accepted_at widened to K): nothing of the target's state
     passes through, so the compiled program neither copies nor donates its KV cache; with spec.tree_budget also the
-    first tree, and drafts [B, 0])."""
-    b, k = prompts.shape[0], spec.k
+    first tree, and drafts [B, 0]; with spec.state_k the drafts widened to [B, K_max], ready [B] = K and tested_at
+    [B, K_max] zeros)."""
+    b, k = prompts.shape[0], spec.k_max
     widen = lambda x, n, v: jnp.pad(x, ((0, 0), (0, n - x.shape[1])), constant_values=v)  # noqa: E731
     if cache is None:
         dcache, rows = init_drafter_cache(drafter, b, capacity, cache_dtype or drafter.dtype), None
@@ -213,8 +214,14 @@ def prefill_drafter(drafter, state: DecodeState, aux, prompts, lengths, sampling
     drafts, q, tree, dcache = D.draft_prefill(drafter, dcache, comb, prompts.astype(jnp.int32),
                                               lengths.astype(jnp.int32), state.last, ~state.done, sampling, spec,
                                               packed_len, rows)
-    return dict(drafter_cache=dcache, drafts=drafts, draft_probs=q, tree=tree, out=widen(state.out, spec.out_len, -1),
-                accepted_at=widen(state.accepted_at, k, 0))
+    fields = dict(drafter_cache=dcache, drafts=drafts, draft_probs=q, tree=tree,
+                  out=widen(state.out, spec.out_len, -1), accepted_at=widen(state.accepted_at, k, 0))
+    if spec.state_k is not None:
+        fields.update(drafts=widen(drafts, k, 0), ready=jnp.full((b,), spec.k, jnp.int32),
+                      tested_at=jnp.zeros((b, k), jnp.int32))
+        if q is not None:
+            fields["draft_probs"] = jnp.pad(q, ((0, 0), (0, k - q.shape[1]), (0, 0)))
+    return fields
 
 
 def prefill(target, drafter, prompts, lengths, sampling: Sampling, *, spec: EngineSpec, capacity: int,
@@ -239,9 +246,10 @@ def prefill(target, drafter, prompts, lengths, sampling: Sampling, *, spec: Engi
 
 def verify(target, state: DecodeState, num_drafts, active, spec: EngineSpec):
     """Target pass over [last, d_1..d_K] at positions pos..pos+K (rows beyond num_drafts or inactive
-    write no KV). Returns (logits [B, K+1, V] f32, aux [B, K+1, A*Ht] or None, cache, tokens [B, K+1])."""
+    write no KV; the state's first K drafts, of K_max with spec.state_k). Returns (logits [B, K+1, V] f32, aux
+    [B, K+1, A*Ht] or None, cache, tokens [B, K+1])."""
     k = spec.k
-    tokens = jnp.concatenate([state.last[:, None], state.drafts], axis=1)
+    tokens = jnp.concatenate([state.last[:, None], state.drafts[:, :k]], axis=1)
     idx = jnp.arange(k + 1, dtype=jnp.int32)[None]
     positions = state.pos[:, None] + idx
     valid = active[:, None] & (idx <= num_drafts[:, None])
@@ -273,12 +281,16 @@ def _verify_accept(target, state: DecodeState, sampling: Sampling, active, capac
     k = spec.k
     width = k if spec.tree_budget is None else spec.tree_budget
     num_drafts = jnp.where(active, jnp.clip(capacity - 1 - state.pos, 0, width), 0).astype(jnp.int32)
+    if state.ready is not None:  # a budget that follows the load: only the drafts proposed for this pos
+        num_drafts = jnp.minimum(num_drafts, state.ready)
     if spec.tree_budget is None:
         logits, aux, tcache, vtokens = verify(target, state, num_drafts, active, spec)
+        drafts = state.drafts[:, :k]
         if spec.acceptance is None:
-            res = _accept(logits, state.drafts, state.draft_probs, sampling, state.pos + 1, num_drafts, spec)
+            q = None if state.draft_probs is None else state.draft_probs[:, :k]
+            res = _accept(logits, drafts, q, sampling, state.pos + 1, num_drafts, spec)
         else:
-            res = spec.acceptance(logits, state.drafts, sampling, state.pos + 1, num_drafts, spec)
+            res = spec.acceptance(logits, drafts, sampling, state.pos + 1, num_drafts, spec)
         return res, _finite_rows(logits, num_drafts + 1), num_drafts, aux, tcache, vtokens
     logits, aux, tcache, vtokens = verify_tree(target, state, num_drafts, active, spec)
     finite = _finite_rows(logits, num_drafts + 1)
@@ -295,7 +307,7 @@ def spec_round(target, drafter, state: DecodeState, sampling: Sampling, *, spec:
     """One round for every row still running: verify -> accept -> draft. Pure; jit / vmap as is. With a tree
     (spec.tree_budget) the accepted path is compacted into chain form (its K/V, features and tokens), so the drafting
     that follows is the chain's."""
-    k = spec.k
+    k, k_max = spec.k, spec.k_max
     capacity = state.target_cache[0].k.shape[1]
     active = ~state.done
     res, finite, num_drafts, aux, tcache, vtokens = _verify_accept(target, state, sampling, active, capacity, spec)
@@ -305,7 +317,11 @@ def spec_round(target, drafter, state: DecodeState, sampling: Sampling, *, spec:
     out, num_out, done, stop = _emit(state, res.tokens, n + 1, new_pos, active, spec, capacity, sampling.eos,
                                      sampling.max_new, finite)
     has = active_ok & (num_drafts > 0)
-    acc_at = (jnp.arange(k, dtype=jnp.int32)[None] < n[:, None]) & has[:, None]
+    i = jnp.arange(k_max, dtype=jnp.int32)[None]
+    acc_at = (i < n[:, None]) & has[:, None]
+    tested = None
+    if state.tested_at is not None:  # position i verified with the drafts before it accepted
+        tested = state.tested_at + ((i < num_drafts[:, None]) & (i <= n[:, None]) & has[:, None]).astype(jnp.int32)
     new = dataclasses.replace(
         state, target_cache=tcache, out=out, num_out=num_out, done=done, stop=stop,
         last=jnp.where(active_ok, res.next_token, state.last).astype(jnp.int32),
@@ -314,20 +330,27 @@ def spec_round(target, drafter, state: DecodeState, sampling: Sampling, *, spec:
         num_drafts=state.num_drafts + has.astype(jnp.int32),
         num_draft_tokens=state.num_draft_tokens + jnp.where(has, num_drafts, 0),
         accepted=state.accepted + jnp.where(has, n, 0),
-        accepted_at=state.accepted_at + acc_at.astype(jnp.int32))
+        accepted_at=state.accepted_at + acc_at.astype(jnp.int32), tested_at=tested)
     if not spec.drafting.speculative:
         return new
     comb = combine(drafter, aux)
-    drafts, q, tree, dcache = D.draft_round(drafter, state.drafter_cache, comb, vtokens, n, res.next_token,
-                                            state.pos, active & ~done, sampling, spec)
     keep = active & ~done
+    if k == 0:  # no drafts: the drafter only takes the new token (one slot), so that drafting resumes exactly
+        dcache = D.catch_up(drafter, state.drafter_cache, comb, res.next_token, state.pos, keep, spec)
+        return dataclasses.replace(new, drafter_cache=dcache, ready=jnp.where(keep, 0, state.ready))
+    drafts, q, tree, dcache = D.draft_round(drafter, state.drafter_cache, comb, vtokens, n, res.next_token,
+                                            state.pos, keep, sampling, spec)
+    if k < k_max:  # the state's drafts k.. stay as they are
+        drafts = state.drafts.at[:, :k].set(drafts)
+        q = None if q is None else state.draft_probs.at[:, :k].set(q)
     held = lambda new, old: jnp.where(keep.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)  # noqa: E731
     drafts = held(drafts, state.drafts)
     if q is not None:
         q = held(q, state.draft_probs)
     if tree is not None:
         tree = jax.tree.map(held, tree, state.tree)
-    return dataclasses.replace(new, drafter_cache=dcache, drafts=drafts, draft_probs=q, tree=tree)
+    ready = None if state.ready is None else jnp.where(keep, k, state.ready)
+    return dataclasses.replace(new, drafter_cache=dcache, drafts=drafts, draft_probs=q, tree=tree, ready=ready)
 
 
 def decode_loop(target, drafter, state: DecodeState, sampling: Sampling, max_rounds=None, *, spec: EngineSpec):

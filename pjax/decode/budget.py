@@ -1,0 +1,126 @@
+"""A draft budget that follows the load: which K each device chunk of an "auto" engine runs
+(`EngineConfig.num_speculative_tokens="auto"`).
+
+The best K depends on the concurrency and on the acceptance: a round computes every slot of the engine, so at high
+concurrency its cost grows with the positions verified and long drafts stop paying, and where no draft pays plain
+decoding (K = 0) wins. The engine compiles one chunk program per candidate budget (`candidates`), all on one state
+sized for K_max (`EngineSpec.state_k`), and before each chunk asks a `BudgetChooser` for K (host side; nothing
+recompiles). The chooser's model:
+
+- cost: t(k), seconds per round of budget k at the engine's slots, timed at warm-up on the compiled chunk programs
+  (`set_warm_times`), then an exponentially weighted average of the chunk times seen while running
+  (`observe_time`); a budget not run since warm-up is scaled by the average ratio of observed to warm-up times.
+- gain: E(k) = 1 + sum_{i<=k} prod_{j<=i} alpha_j tokens per row and round, alpha_j the conditional acceptance of
+  draft position j (accepted given drafts 1..j-1 were), from decayed counts of the rows' tested / accepted drafts
+  (`observe_acceptance`); a position above the budgets in use keeps its last estimate (at first an optimistic
+  prior), and every `explore_every` chunks the next larger budget runs once to refresh it.
+- choice: argmax_k E(k) / t(k), switching only for a gain above `hysteresis`.
+"""
+from __future__ import annotations
+
+import collections
+from typing import Optional, Sequence
+
+import numpy as np
+
+__all__ = ["AUTO", "BudgetChooser", "candidates", "expected_tokens", "is_auto"]
+
+AUTO = "auto"
+CANDIDATES = (0, 1, 2, 3, 5, 7)  # the budgets an "auto" engine compiles, up to its K_max (which is always one)
+
+
+def is_auto(value) -> bool:
+    """Whether a num_speculative_tokens setting asks for a budget that follows the load."""
+    return isinstance(value, str) and value == AUTO
+
+
+def candidates(k_max: int) -> tuple[int, ...]:
+    """The budgets of an "auto" engine drafting at most k_max tokens: CANDIDATES up to k_max, and k_max."""
+    return tuple(sorted({k for k in CANDIDATES if k <= k_max} | {int(k_max)}))
+
+
+def expected_tokens(alpha: Sequence[float], k: int) -> float:
+    """E(k) = 1 + sum_{i<=k} prod_{j<=i} alpha_j: the expected tokens a row emits in a round of k drafts, alpha [>= k]
+    the conditional acceptance of each draft position (the first rejection ends the chain; the round's own token
+    counts 1)."""
+    return 1.0 + float(np.sum(np.cumprod(np.asarray(alpha, np.float64)[:k])))
+
+
+class BudgetChooser:
+    """The budget of each chunk (module docstring). budgets: the candidates (0 allowed); prior: the acceptance
+    assumed at every position before any is seen, worth `prior_weight` tested drafts; decay: the weight kept by the
+    counts at each `observe_acceptance` (per chunk); smoothing: the weight of a new chunk time; hysteresis: the
+    relative gain a switch needs; explore_every: chunks between two runs of the next larger budget (0: never).
+    Host-side state only; `choose` is called once per chunk."""
+
+    def __init__(self, budgets: Sequence[int], *, prior: float = 0.8, prior_weight: float = 4.0, decay: float = 0.8,
+                 smoothing: float = 0.2, hysteresis: float = 0.03, explore_every: int = 16):
+        budgets = tuple(sorted({int(k) for k in budgets}))
+        if not budgets or budgets[0] < 0:
+            raise ValueError(f"BudgetChooser: budgets must be integers >= 0, got {budgets}")
+        self.budgets, self.k_max = budgets, budgets[-1]
+        self.decay, self.smoothing, self.hysteresis, self.explore_every = decay, smoothing, hysteresis, explore_every
+        self._accepted = np.full(self.k_max, prior * prior_weight, np.float64)
+        self._tested = np.full(self.k_max, prior_weight, np.float64)
+        self._warm: dict[int, float] = {}
+        self._seconds: dict[int, float] = {}  # observed seconds per round, by budget (EWMA)
+        self._ratio = 1.0  # observed / warm-up seconds (EWMA over every observed budget)
+        self.current = self.k_max
+        self._chunks = 0
+        self.chunks = collections.Counter()  # chunks run, by budget
+
+    # -- observations ----------------------------------------------------------------------------------------------
+    def set_warm_times(self, seconds: dict[int, float]) -> None:
+        """Seconds per round of each budget, timed at warm-up (every budget: a missing one is a ValueError)."""
+        missing = set(self.budgets) - set(seconds)
+        if missing:
+            raise ValueError(f"BudgetChooser.set_warm_times: no time for budget(s) {sorted(missing)}")
+        self._warm = {k: max(float(seconds[k]), 1e-9) for k in self.budgets}
+
+    def observe_time(self, k: int, seconds_per_round: float) -> None:
+        """A chunk of budget k ran at this many seconds per round."""
+        s = self.smoothing
+        before = self.round_seconds(k)
+        self._seconds[k] = seconds_per_round if before is None else (1 - s) * before + s * seconds_per_round
+        if k in self._warm:
+            self._ratio = (1 - s) * self._ratio + s * seconds_per_round / self._warm[k]
+
+    def observe_acceptance(self, accepted, tested) -> None:
+        """Drafts since the last call, summed over rows: accepted [K_max] (rounds whose draft i was accepted) and
+        tested [K_max] (rounds that verified draft i with drafts 0..i-1 accepted). The counts of a position tested
+        here decay by `decay` first; a position not tested keeps its counts (its last estimate)."""
+        accepted = np.asarray(accepted, np.float64)[:self.k_max]
+        tested = np.asarray(tested, np.float64)[:self.k_max]
+        keep = np.where(tested > 0, self.decay, 1.0)  # a position not tested keeps its estimate
+        self._accepted = keep * self._accepted + accepted
+        self._tested = keep * self._tested + tested
+
+    # -- the model -------------------------------------------------------------------------------------------------
+    @property
+    def alpha(self) -> np.ndarray:
+        """[K_max] the conditional acceptance of each draft position, as estimated now."""
+        return np.clip(self._accepted / self._tested, 0.0, 1.0)
+
+    def round_seconds(self, k: int) -> Optional[float]:
+        """t(k): seconds per round of budget k (None before warm-up timing)."""
+        if k in self._seconds:
+            return self._seconds[k]
+        return self._warm[k] * self._ratio if k in self._warm else None
+
+    def score(self, k: int) -> float:
+        """E(k) / t(k): tokens per row and second (per round when no time is known)."""
+        t = self.round_seconds(k)
+        return expected_tokens(self.alpha, k) / (1.0 if t is None else t)
+
+    def choose(self) -> int:
+        """The budget of the next chunk: the best by `score` if it beats the current one by the hysteresis (then it
+        becomes current), else the current one; every explore_every-th chunk the next larger budget once."""
+        best = max(self.budgets, key=self.score)
+        if best != self.current and self.score(best) > (1.0 + self.hysteresis) * self.score(self.current):
+            self.current = best
+        self._chunks += 1
+        k = self.current
+        if self.explore_every and self._chunks % self.explore_every == 0 and k < self.k_max:
+            k = min(b for b in self.budgets if b > k)
+        self.chunks[k] += 1
+        return k
