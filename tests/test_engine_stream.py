@@ -182,7 +182,7 @@ def test_pipelined_chunks_stop_exactly(models):
     kw = dict(max_new_tokens=40, eos_token_id=eos, compiler_options=FAST, num_speculative_tokens=3, **SAMPLED)
     g = Generation(target, drafter, PROMPTS, rounds_per_step=8, **kw)
     piped = g.result()
-    assert True in g._engine._chunk_exe  # the fixed-trip chunk ran ahead of the host
+    assert (True, 3) in g._engine._chunk_exe  # the fixed-trip chunk (K = 3) ran ahead of the host
     one = gen(target, drafter, PROMPTS, rounds_per_step=1, max_new_tokens=40, eos_token_id=eos, **SAMPLED)
     assert piped.tokens == one.tokens and piped.stats["stop_reasons"] == one.stats["stop_reasons"] == ["eos"] * 3
     assert [t[:len(p)] for t, p in zip(ref.tokens, piped.tokens)] == piped.tokens
