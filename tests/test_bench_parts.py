@@ -208,6 +208,37 @@ def test_sweep_order_speedups_and_exactness():
     assert "| scheduling | stand-in |" in md and "best sequential K: c=1: K=1, c=2: K=1" in md  # ties: the smaller K
 
 
+class AutoStandIn(StandIn):
+    """StandIn, and under --k auto requests whose budget varied: 2 drafting rounds of 4 (3 verified draft 1, 2 of
+    them draft 2 after an accepted draft 1; drafts 1 and 2 accepted once each)."""
+
+    def run(self, requests, settings, on_progress=None):
+        if settings.k != "auto":
+            return super().run(requests, settings, on_progress)
+        self.calls.append(("run", settings.drafting, settings.k, settings.concurrency))
+        out = [RequestResult([1, 2, 3, 4], 0.01, 0.04, 4, 3, [2, 1], "length", num_draft_tokens=5,
+                             tested_per_position=[3, 2]) for _ in requests]
+        return RunResult(out, 0.5, 0.0)
+
+
+def test_auto_budget_rows():
+    s = BenchSettings(drafting=("parallel", "none"), ks=(2,), auto=True, concurrency=(1,), max_new_tokens=4)
+    backend = AutoStandIn()
+    res = run_bench(backend, [prompt_set()], s, meta={}, progress=False)
+    assert [(r["drafting"], r["k"]) for r in res.rows] == [("none", 0), ("parallel", 2), ("parallel", "auto")]
+    assert [c for c in backend.calls if c[0] == "prepare"][0][-1] == 3 + 4 + 2 * 7  # the cache of K_max = 7
+    auto = res.rows[-1]
+    assert auto["num_draft_tokens"] == 15 and auto["mean_budget"] == pytest.approx(5 / 4)
+    assert auto["acceptance_rates"] == pytest.approx([2 / 3, 2 / 3 * 1 / 2]) and auto["exact_matches"] == 3
+    md = markdown(res, {}, plots={})
+    assert "| parallel | auto (mean 1.2) | 1 | 3 |" in md
+    from pjax.bench.cli import _settings, build_parser
+    parsed = _settings(build_parser().parse_args(["--target", "t", "--out", "o", "--k", "3,auto"]))
+    assert parsed.ks == (3,) and parsed.auto
+    only = _settings(build_parser().parse_args(["--target", "t", "--out", "o", "--k", "auto"]))
+    assert only.ks == () and only.auto
+
+
 def test_exactness_off_for_sampling_and_without_reference():
     s = BenchSettings(drafting=("parallel",), ks=(1,), concurrency=(1,), max_new_tokens=4)
     (row,) = run_bench(StandIn(), [prompt_set()], s, meta={}, progress=False).rows

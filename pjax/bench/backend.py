@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Mapping, Optional, Protocol, Sequence
+from typing import Callable, Mapping, Optional, Protocol, Sequence, Union
 
 from pjax.bench.errors import BenchError
 from pjax.bench.simulate import SimulatedAcceptance
@@ -38,14 +38,15 @@ class Request:
 class RunSettings:
     """One benchmark configuration.
 
-    drafting: "parallel" | "sequential" | "none"; k: drafts per round (0 for "none"); concurrency: requests in
+    drafting: "parallel" | "sequential" | "none"; k: drafts per round (0 for "none"), or "auto" (the engine's
+    budget that follows the load, `pjax.decode.budget`); concurrency: requests in
     flight; max_positions: KV positions the longest request can need (prompt + new tokens + drafting slack), the
     same for every configuration of a dataset so that every mode reads the same cache size; eos_token_ids: ids
     that end a request (empty: every request runs max_new_tokens); simulate_acceptance: K probabilities (the
-    engine's simulated verdicts) or None; tree_budget: a tree of N draft tokens per round, or None (a chain).
+    engine's simulated verdicts; K_max of them with "auto") or None; tree_budget: a tree of N draft tokens per round, or None (a chain).
     """
     drafting: str
-    k: int
+    k: Union[int, str]
     concurrency: int
     max_new_tokens: int
     max_positions: int
@@ -60,7 +61,8 @@ class RequestResult:
     """What one request produced: tokens (generated ids), ttft_s / e2e_s (from the moment it was started, i.e. got
     a slot: its batch started or it was admitted into an engine slot, to its first token / its last), rounds (target
     verify passes), num_drafts (rounds with drafts), accepted_per_position [K] (rounds whose draft i was accepted),
-    stop_reason (the engine's)."""
+    stop_reason (the engine's); num_draft_tokens (drafts verified) and tested_per_position [K] (rounds that verified
+    draft i with drafts 0..i-1 accepted) where the budget varies (None: K drafts every drafting round)."""
     tokens: list[int]
     ttft_s: float
     e2e_s: float
@@ -68,6 +70,8 @@ class RequestResult:
     num_drafts: int
     accepted_per_position: list[int]
     stop_reason: str
+    num_draft_tokens: Optional[int] = None
+    tested_per_position: Optional[list[int]] = None
 
     @property
     def output_tokens(self) -> int:
@@ -143,7 +147,8 @@ class EngineBackend:
         if self._engine is None or self._engine[0] != key:
             self._engine = None  # release the previous engine's device state first
             cfg = dataclasses.replace(self.config, max_slots=s.concurrency, max_len=bucket_capacity(s.max_positions),
-                                      num_speculative_tokens=max(s.k, 1), drafting=s.drafting,
+                                      num_speculative_tokens=s.k if s.k == "auto" else max(s.k, 1),
+                                      drafting=s.drafting,
                                       tree_budget=s.tree_budget,
                                       **({"max_admit_rows": None} if self.static else {}))
             self._engine = (key, Engine(self.target, self.drafters.get(s.drafting), cfg, acceptance=_acceptance(s),
@@ -204,11 +209,11 @@ class EngineBackend:
 
     def prepare(self, requests: Sequence[Request], settings: RunSettings) -> float:
         """Compile and run once the chunk program and every admission program the run can use, then serve the first
-        `concurrency` requests for K + 2 new tokens (warm-up)."""
+        `concurrency` requests for K + 2 new tokens (warm-up; K_max + 2 with "auto")."""
         eng = self.engine(settings)
         before = eng.compile_s
         eng.precompile_admissions(self._admission_runs(eng, requests, settings), warm=True)
-        self._serve(eng, requests[:settings.concurrency], settings, min(settings.max_new_tokens, settings.k + 2))
+        self._serve(eng, requests[:settings.concurrency], settings, min(settings.max_new_tokens, eng.spec.k + 2))
         return eng.compile_s - before
 
     def run(self, requests: Sequence[Request], settings: RunSettings,
@@ -220,14 +225,15 @@ class EngineBackend:
         compile_s = eng.compile_s - compile_before
         duration = time.perf_counter() - t0 - compile_s
         out = []
+        auto = settings.k == "auto"
         for tokens, ev in done:
             st = ev.stats
-            nd = st["num_drafts"]
             out.append(RequestResult(
                 tokens=tokens, ttft_s=st["ttft_s"] - st["queue_s"], e2e_s=st["e2e_s"] - st["queue_s"],
-                rounds=st["rounds"], num_drafts=nd,
-                accepted_per_position=[int(round(a * nd)) for a in st["acceptance_rates"]][:settings.k],
-                stop_reason=ev.stop_reason))
+                rounds=st["rounds"], num_drafts=st["num_drafts"],
+                accepted_per_position=list(st["accepted_per_position"])[:eng.spec.k], stop_reason=ev.stop_reason,
+                num_draft_tokens=st["num_draft_tokens"] if auto else None,
+                tested_per_position=list(st["tested_per_position"]) if auto else None))
         return RunResult(out, duration, compile_s)
 
 

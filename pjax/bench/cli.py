@@ -66,6 +66,7 @@ from pjax.command import run_command
 from pjax.config import ConfigError
 from pjax.bench.simulate import SimulatedAcceptance
 from pjax.decode import EngineConfig, make_spec
+from pjax.decode.drafting import resolve
 from pjax.decode.settings import add_flags, add_mesh_flag, config_from_flags, mesh_from_flags
 from pjax.decode.compiled import use_compilation_cache
 from pjax.models.families import config_from_hf
@@ -77,12 +78,14 @@ SETTINGS_FLAGS = ("cache_dtype", "implementation", "prefill", "rounds_per_step",
                   "tree_score")
 
 
-def _ints(flag: str):
-    def parse(text: str) -> tuple[int, ...]:
+def _ints(flag: str, auto: bool = False):
+    """Comma-separated integers (and "auto" where `auto`: kept as the string)."""
+    def parse(text: str) -> tuple:
         try:
-            return tuple(int(x) for x in text.split(",") if x.strip())
+            return tuple(x.strip() if auto and x.strip() == "auto" else int(x) for x in text.split(",") if x.strip())
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} {text!r}: expected comma-separated integers") from None
+            raise argparse.ArgumentTypeError(f"{flag} {text!r}: expected comma-separated integers"
+                                             + (" or auto" if auto else "")) from None
     return parse
 
 
@@ -131,8 +134,9 @@ def build_parser(prog: str = "python -m pjax bench") -> argparse.ArgumentParser:
     s.add_argument("--drafting", default="parallel,sequential,none",
                    help="comma-separated modes: parallel (P-EAGLE), sequential (EAGLE-3), none (plain decoding; "
                         "the reference of speedups and exactness); default all three")
-    s.add_argument("--k", type=_ints("--k"), default=(3, 7, 11), help="drafts per round, comma-separated "
-                                                                      "(default 3,7,11)")
+    s.add_argument("--k", type=_ints("--k", auto=True), default=(3, 7, 11),
+                   help="drafts per round, comma-separated (default 3,7,11); auto: also each speculative mode with "
+                        "a budget that follows the load (K from 0 to 7 chosen per device chunk)")
     s.add_argument("--tree-budget", type=_ints("--tree-budget"), default=(), metavar="N1,N2",
                    help="parallel drafting also runs, at each K, a tree of N draft tokens per round for each N >= K, "
                         "comma-separated (default: chains only)")
@@ -170,7 +174,8 @@ def build_parser(prog: str = "python -m pjax bench") -> argparse.ArgumentParser:
 def _settings(args) -> BenchSettings:
     """The sweep as given (EOS ids are added once the tokenizer is known)."""
     drafting = tuple(x.strip() for x in args.drafting.split(",") if x.strip())
-    return BenchSettings(drafting=drafting, ks=tuple(args.k), tree_budgets=tuple(args.tree_budget),
+    return BenchSettings(drafting=drafting, ks=tuple(k for k in args.k if k != "auto"), auto="auto" in args.k,
+                         tree_budgets=tuple(args.tree_budget),
                          concurrency=tuple(args.concurrency),
                          num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
                          temperature=args.temperature, seed=args.seed,
@@ -242,6 +247,11 @@ def _heads(args, settings: BenchSettings, target, dtype, shape: Optional[str]) -
                 except (ValueError, TypeError) as e:
                     tree = "" if n is None else f" --tree-budget {n}"
                     raise BenchError(f"{flag} {spec} with --drafting {mode} --k {k}{tree}: {e}") from None
+        k_max = resolve(heads[mode], mode, "auto")[1]
+        sim = settings.simulated("auto")
+        if settings.auto and sim is not None and len(sim) < k_max:
+            raise BenchError(f"--simulate-acceptance gives {len(sim)} values but --k auto with --drafting {mode} "
+                             f"drafts up to {k_max}: give one probability per draft position up to {k_max}")
     return heads
 
 

@@ -36,20 +36,31 @@ def latency(requests: Sequence[RequestResult]) -> dict:
             **_stats([r.e2e_s for r in requests], "e2el")}
 
 
-def acceptance(requests: Sequence[RequestResult], k: int) -> dict:
-    """Acceptance of the drafts of `requests` (K drafts per round)."""
+def acceptance(requests: Sequence[RequestResult], k) -> dict:
+    """Acceptance of the drafts of `requests` (K drafts per round; "auto": a budget that varies, whose requests
+    carry their drafts verified and tested per position: the rates per position are then the products of the
+    conditional rates, `pjax.decode.engine.acceptance_stats`)."""
+    auto = k == "auto"
+    if auto:
+        k = max((len(r.accepted_per_position) for r in requests), default=0)
     drafts = sum(r.num_drafts for r in requests)
     accepted = sum(r.num_accepted_tokens for r in requests)
-    per_pos = np.zeros(k, np.int64)
+    per_pos, tested = np.zeros(k, np.int64), np.zeros(k, np.int64)
     for r in requests:
         per_pos += np.asarray(r.accepted_per_position[:k], np.int64)
-    out = {"num_drafts": drafts, "num_draft_tokens": drafts * k, "num_accepted_tokens": accepted}
+        if auto:
+            tested += np.asarray(r.tested_per_position[:k], np.int64)
+    draft_tokens = sum(r.num_draft_tokens for r in requests) if auto else drafts * k
+    rounds = sum(r.rounds for r in requests)
+    out = {"num_drafts": drafts, "num_draft_tokens": draft_tokens, "num_accepted_tokens": accepted,
+           "mean_budget": draft_tokens / rounds if rounds else None}
     if k == 0 or drafts == 0:
         return {**out, "mean_acceptance_length": None, "acceptance_rate": None, "acceptance_rates": None,
                 "acceptance_length_p10": None, "acceptance_length_p90": None}
     each = [1.0 + r.num_accepted_tokens / r.num_drafts for r in requests if r.num_drafts]
-    return {**out, "mean_acceptance_length": 1.0 + accepted / drafts, "acceptance_rate": accepted / (drafts * k),
-            "acceptance_rates": [float(x) / drafts for x in per_pos],
+    rates = (np.cumprod(np.where(tested > 0, per_pos / np.maximum(tested, 1), 0.0)) if auto else per_pos / drafts)
+    return {**out, "mean_acceptance_length": 1.0 + accepted / drafts, "acceptance_rate": accepted / draft_tokens,
+            "acceptance_rates": [float(x) for x in rates],
             "acceptance_length_p10": float(np.percentile(each, 10)),
             "acceptance_length_p90": float(np.percentile(each, 90))}
 

@@ -34,19 +34,30 @@ def _f(x, digits=1) -> str:
 
 
 def _order(rows: Iterable[dict]) -> list[dict]:
-    return sorted(rows, key=lambda r: (r["concurrency"], MODES.index(r["drafting"]), r["k"], r.get("tree_budget") or 0))
+    return sorted(rows, key=lambda r: (r["concurrency"], MODES.index(r["drafting"]), r["k"] == "auto",
+                                       0 if r["k"] == "auto" else r["k"], r.get("tree_budget") or 0))
 
 
 def _k(r: dict) -> str:
-    """A row's K cell: "K", "K, tree N" (a tree of N draft tokens), "-" without drafting."""
+    """A row's K cell: "K", "K, tree N" (a tree of N draft tokens), "auto (mean B)" (a budget that follows the
+    load: B drafts verified per round on average), "-" without drafting."""
     if not r["k"]:
         return "-"
+    if r["k"] == "auto":
+        return f"auto (mean {_f(r.get('mean_budget'), 1)})"
     return f"{r['k']}" + (f", tree {r['tree_budget']}" if r.get("tree_budget") else "")
 
 
 def _mode(r: dict) -> str:
-    """A row's line in the plots: its drafting, "parallel tree N" for a tree of N."""
-    return r["drafting"] + (f" tree {r['tree_budget']}" if r.get("tree_budget") else "")
+    """A row's line in the plots: its drafting, "parallel tree N" for a tree of N, "parallel auto"."""
+    return r["drafting"] + (f" tree {r['tree_budget']}" if r.get("tree_budget") else "") + \
+        (" auto" if r["k"] == "auto" else "")
+
+
+def _shade(r: dict, rows: Sequence[dict]) -> float:
+    """A line's opacity: larger K darker ("auto" as the largest)."""
+    top = max([x["k"] for x in rows if x["k"] != "auto"] or [1])
+    return 0.35 + 0.65 * min(1.0, (top if r["k"] == "auto" else r["k"]) / top)
 
 
 def best_per_mode(rows: Iterable[dict]) -> dict[int, dict[str, dict]]:
@@ -194,8 +205,9 @@ def write_plots(rows: Sequence[dict], directory: Path) -> dict[str, list[str]]:
         for (mode, k), pts in series.items():
             base = pts[0]["drafting"]
             ax.plot([p["concurrency"] for p in pts], [p["output_tokens_per_s"] for p in pts], marker="o",
-                    color=COLORS[base], alpha=1.0 if base == "none" else 0.35 + 0.65 * k / max(r["k"] for r in rs),
-                    linestyle="--" if mode != base else "-", label=mode if base == "none" else f"{mode} K={k}")
+                    color=COLORS[base], alpha=1.0 if base == "none" else _shade(pts[0], rs),
+                    linestyle="--" if mode != base else "-",
+                    label=mode if base == "none" or k == "auto" else f"{mode} K={k}")
         cs = sorted({r["concurrency"] for r in rs})
         ax.set_xscale("log", base=2)
         ax.set_xticks(cs, [str(c) for c in cs])
@@ -207,7 +219,7 @@ def write_plots(rows: Sequence[dict], directory: Path) -> dict[str, list[str]]:
         files.append(f"{slug}-otps-vs-concurrency.png")
         fig.savefig(directory / files[-1], dpi=120, bbox_inches="tight")
 
-        spec = [r for r in rs if r["drafting"] != "none"]
+        spec = [r for r in rs if r["drafting"] != "none" and r["k"] != "auto"]  # (K sweeps: "auto" has no K)
         if spec:
             c0 = min(r["concurrency"] for r in spec)
             fig = Figure(figsize=(11, 4.5))
@@ -245,12 +257,13 @@ def write_plots(rows: Sequence[dict], directory: Path) -> dict[str, list[str]]:
 
             fig = Figure(figsize=(7, 4.5))
             ax = fig.add_subplot()
-            for r in spec:
-                if r["concurrency"] == c0 and r["acceptance_rates"]:
+            for r in rs:
+                if r["drafting"] != "none" and r["concurrency"] == c0 and r["acceptance_rates"]:
                     ax.plot(range(1, len(r["acceptance_rates"]) + 1), r["acceptance_rates"], marker="o",
-                            color=COLORS[r["drafting"]], alpha=0.35 + 0.65 * r["k"] / max(x["k"] for x in spec),
-                            linestyle="--" if r.get("tree_budget") else "-", label=f"{_mode(r)} K={r['k']}")
-            ax.set_xticks(range(1, max(ks) + 1))
+                            color=COLORS[r["drafting"]], alpha=_shade(r, spec),
+                            linestyle="--" if r.get("tree_budget") or r["k"] == "auto" else "-",
+                            label=_mode(r) if r["k"] == "auto" else f"{_mode(r)} K={r['k']}")
+            ax.set_xticks(range(1, max(len(r["acceptance_rates"] or ()) for r in rs) + 1))
             ax.set(xlabel="draft position (a tree's: depth)", ylabel="acceptance rate (accepted / drafts)",
                    ylim=(0, 1.02),
                    title=f"{name}: acceptance per position (concurrency {c0}){sim}")

@@ -22,6 +22,7 @@ from pjax.bench.errors import BenchError
 from pjax.bench.metrics import by_category, summarize
 from pjax.decode.compiled import compile_stats
 from pjax.decode.inputs import check_sampling
+from pjax.decode.budget import K_MAX
 from pjax.decode.drafting import Drafting
 from pjax.decode.state import drafting_slack
 
@@ -30,7 +31,9 @@ __all__ = ["BenchResult", "BenchSettings", "PromptSet", "build_prompt_set", "env
 
 @dataclasses.dataclass(frozen=True)
 class BenchSettings:
-    """The sweep. drafting: modes to run; ks: drafts per round (speculative modes); concurrency: requests in flight;
+    """The sweep. drafting: modes to run; ks: drafts per round (speculative modes); auto: also each speculative mode
+    with the budget that follows the load (`EngineConfig.num_speculative_tokens="auto"`); concurrency: requests in
+    flight;
     num_prompts: None (every prompt), one count, or one count per concurrency; tree_budgets: parallel drafting also
     runs a tree of each N >= K per K (`EngineConfig.tree_budget`); simulate_acceptance: None or at
     least max(ks) probabilities, the first K used at K (the engine's simulated verdicts: outputs are then not the
@@ -48,6 +51,7 @@ class BenchSettings:
     simulate_acceptance: Optional[tuple[float, ...]] = None
     eos_token_ids: tuple[int, ...] = ()
     time_budget_s: Optional[float] = None
+    auto: bool = False
 
     @property
     def speculative(self) -> tuple[str, ...]:
@@ -62,8 +66,8 @@ class BenchSettings:
             raise BenchError(f"--drafting {','.join(bad)}: expected parallel, sequential and / or none")
         if len(set(self.drafting)) != len(self.drafting):
             raise BenchError(f"--drafting {','.join(self.drafting)}: a mode is repeated")
-        if not self.ks or any(k <= 0 for k in self.ks):
-            raise BenchError(f"--k {','.join(map(str, self.ks))}: K must be integers >= 1")
+        if not (self.ks or self.auto) or any(k <= 0 for k in self.ks):
+            raise BenchError(f"--k {','.join(map(str, self.ks))}: K must be integers >= 1 or auto")
         if not self.concurrency or any(c <= 0 for c in self.concurrency):
             raise BenchError(f"--concurrency {','.join(map(str, self.concurrency))}: concurrency must be integers "
                              ">= 1")
@@ -86,7 +90,7 @@ class BenchSettings:
                                  "sequential)")
             if not all(0.0 <= x <= 1.0 for x in p):
                 raise BenchError(f"--simulate-acceptance {','.join(map(str, p))}: probabilities must lie in [0, 1]")
-            if len(p) < max(self.ks):
+            if len(p) < max(self.ks, default=0):
                 raise BenchError(f"--simulate-acceptance gives {len(p)} value{'s' * (len(p) != 1)} but --k goes up "
                                  f"to {max(self.ks)}: give one probability per draft position up to the largest K")
         if self.tree_budgets:
@@ -110,8 +114,11 @@ class BenchSettings:
             return self.num_prompts[0]
         return self.num_prompts[self.concurrency.index(concurrency)]
 
-    def simulated(self, k: int) -> Optional[tuple[float, ...]]:
-        return None if self.simulate_acceptance is None else tuple(self.simulate_acceptance[:k])
+    def simulated(self, k) -> Optional[tuple[float, ...]]:
+        """The simulated verdicts of K drafts (all of them for "auto", which uses the first K_max)."""
+        if self.simulate_acceptance is None:
+            return None
+        return tuple(self.simulate_acceptance if k == "auto" else self.simulate_acceptance[:k])
 
 
 @dataclasses.dataclass
@@ -183,7 +190,7 @@ def environment() -> dict:
 
 
 def _configurations(sets: Sequence[PromptSet], s: BenchSettings) -> list[tuple]:
-    """(prompt set, drafting, K, concurrency, tree budget or None) in run order."""
+    """(prompt set, drafting, K, concurrency, tree budget or None) in run order ("auto" after every K)."""
     out = []
     for ps in sets:
         for c in s.concurrency:
@@ -193,6 +200,8 @@ def _configurations(sets: Sequence[PromptSet], s: BenchSettings) -> list[tuple]:
                 out += [(ps, d, k, c, None) for d in ("sequential", "parallel") if d in s.drafting]
                 if "parallel" in s.drafting:
                     out += [(ps, "parallel", k, c, n) for n in s.tree_budgets if n >= k]
+            if s.auto:
+                out += [(ps, d, "auto", c, None) for d in ("sequential", "parallel") if d in s.drafting]
     return out
 
 
@@ -205,7 +214,7 @@ def _requests_for(ps: PromptSet, s: BenchSettings, c: int) -> tuple[list[Request
 def _max_positions(ps: PromptSet, s: BenchSettings) -> int:
     """KV positions of the longest request of the set with its new tokens and drafting slack (2 K, K + N with a
     tree): one value for every configuration of a dataset, so every mode and K reads the same cache size."""
-    k = max(s.ks) if s.speculative else 0
+    k = max(s.ks + ((K_MAX,) if s.auto else ()), default=0) if s.speculative else 0
     return max(len(r.tokens) for r in ps.requests) + s.max_new_tokens + drafting_slack(k, max(s.tree_budgets + (k,)))
 
 

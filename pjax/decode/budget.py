@@ -23,9 +23,10 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-__all__ = ["AUTO", "BudgetChooser", "candidates", "expected_tokens", "is_auto"]
+__all__ = ["AUTO", "K_MAX", "BudgetChooser", "candidates", "expected_tokens", "is_auto"]
 
 AUTO = "auto"
+K_MAX = 7  # the largest budget: P-EAGLE heads peak at K = 7 at concurrency 1, EAGLE-3 heads below it
 CANDIDATES = (0, 1, 2, 3, 5, 7)  # the budgets an "auto" engine compiles, up to its K_max (which is always one)
 
 

@@ -9,6 +9,7 @@ import enum
 import warnings
 from typing import Optional
 
+from pjax.decode.budget import K_MAX
 from pjax.decode.inputs import is_int
 from pjax.models.drafter import Drafter, no_parallel_reason
 from pjax.models.pairing import check_pair
@@ -66,11 +67,12 @@ class Drafting(str, enum.Enum):
         return 7 if depths is None else min(7, depths)
 
     def auto_k(self, drafter) -> int:
-        """K_max of a budget that follows the load (`pjax.decode.budget`): P-EAGLE at most the head's trained depth
-        and 7, EAGLE-3 at most 7; 0 without drafting."""
-        if self is Drafting.SEQUENTIAL:
-            return 7
-        return self.default_k(drafter)
+        """K_max of a budget that follows the load (`pjax.decode.budget`): `budget.K_MAX`, for P-EAGLE at most the
+        head's trained depth; 0 without drafting."""
+        if not self.speculative:
+            return 0
+        depths = None if drafter is None or self is Drafting.SEQUENTIAL else drafter.config.num_depths
+        return K_MAX if depths is None else min(K_MAX, depths)
 
     def check_pair(self, target, drafter, k: int) -> tuple[int, ...]:
         """Host-side checks of a (target, drafter) pair for this drafting with K drafts (`pjax.models.pairing`, plus

@@ -198,13 +198,16 @@ def _load(args):
     drafting, k = _checked("--drafting / --k", resolve, drafter, args.drafting, args.num_speculative_tokens)
     mpe = target.config.max_position_embeddings
     max_len = args.max_len or (min(DEFAULT_MAX_LEN, mpe) if mpe else DEFAULT_MAX_LEN)
-    config = config_from_flags(args, drafting=drafting, num_speculative_tokens=k or None, max_len=max_len)
+    auto = args.num_speculative_tokens == "auto"
+    config = config_from_flags(args, drafting=drafting, num_speculative_tokens="auto" if auto else k or None,
+                               max_len=max_len)
     engine = _checked("", Engine, target, drafter if drafting.speculative else None, config, mesh=mesh)
     slack = engine.slack
     if max_len - slack < 2:
         raise InputError(f"--max-len {max_len}: leaves no room for a prompt and a new token beside the {slack} "
                          f"positions kept for drafting (K = {k})")
-    _log(f"loaded {args.target} ({drafting.value} drafting, K = {engine.spec.k}) in {time.perf_counter() - t0:.1f} s")
+    budget = f"K = auto ({', '.join(map(str, engine.budgets))})" if auto else f"K = {engine.spec.k}"
+    _log(f"loaded {args.target} ({drafting.value} drafting, {budget}) in {time.perf_counter() - t0:.1f} s")
     model = ServedModel(name=args.served_model_name or args.target, tokenizer=tokenizer, vocab_size=vocab,
                         max_len=max_len, slack=slack, drafting=drafting.value, num_speculative_tokens=engine.spec.k,
                         root=str(args.target))

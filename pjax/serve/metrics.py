@@ -7,6 +7,8 @@
     vllm:spec_decode_num_accepted_tokens_per_pos_total{position}   speculative decoding (only with drafting)
     vllm:time_to_first_token_seconds, vllm:time_per_output_token_seconds, vllm:e2e_request_latency_seconds
                                                                    histograms (vLLM's buckets)
+    pjax:spec_decode_budget                                        gauge: the drafts per round of the engine's last
+                                                                   device chunk (with drafting; it varies with --k auto)
 
 Each `Metrics` owns its `CollectorRegistry` (several apps in one process do not collide); `observe(stats,
 finish_reason)` records one finished request from its engine statistics (thread-safe: called on the engine thread).
@@ -30,9 +32,10 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 
 class Metrics:
     """Prometheus metrics of one served model. running / waiting: zero-argument callables (the engine's counts);
-    num_speculative_tokens: K, 0 without drafting (no spec_decode metrics then)."""
+    num_speculative_tokens: K (K_max for a budget that follows the load), 0 without drafting (no spec_decode metrics
+    then); budget: a zero-argument callable, the K of the engine's last chunk (None: K)."""
 
-    def __init__(self, model_name: str, num_speculative_tokens: int, running, waiting):
+    def __init__(self, model_name: str, num_speculative_tokens: int, running, waiting, budget=None):
         self.registry = CollectorRegistry(auto_describe=True)
         names, values = ["model_name", "engine"], [model_name, "0"]
 
@@ -66,6 +69,8 @@ class Metrics:
             per_pos = make(Counter, "vllm:spec_decode_num_accepted_tokens_per_pos",
                            "Accepted tokens per draft position.", ["position"])
             self.accepted_per_pos = [per_pos.labels(*values, str(i)) for i in range(self.k)]
+            make(Gauge, "pjax:spec_decode_budget", "Draft tokens per round of the last device chunk.").labels(
+                *values).set_function(budget or (lambda: self.k))
 
     def observe(self, stats: dict, finish_reason: str):
         """One finished request: its engine statistics (`Event.stats`) and OpenAI finish reason."""
@@ -79,12 +84,11 @@ class Metrics:
             self.tpot.observe(stats["tpot_s"])
         self.e2e.observe(stats["e2e_s"])
         if self.k:
-            drafts = stats["num_drafts"]
-            self.drafts.inc(drafts)
-            self.draft_tokens.inc(drafts * self.k)
+            self.drafts.inc(stats["num_drafts"])
+            self.draft_tokens.inc(stats["num_draft_tokens"])
             self.accepted.inc(stats["num_accepted_tokens"])
-            for counter, rate in zip(self.accepted_per_pos, stats["acceptance_rates"]):
-                counter.inc(round(rate * drafts))  # the engine reports per-position shares of num_drafts
+            for counter, n in zip(self.accepted_per_pos, stats["accepted_per_position"]):
+                counter.inc(n)
 
     def exposition(self) -> bytes:
         """The registry in Prometheus' text format."""

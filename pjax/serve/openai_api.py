@@ -20,8 +20,8 @@ stop_token_ids id that ended it, null for EOS, as vLLM), "length" (max_tokens, o
 target's logits turned NaN / inf), "abort" (the server cancelled it). Every finished choice comes with the pjax
 extension key "pjax" beside "usage" (a final stream chunk carries it too): the request's speculative-decoding
 statistics, {"drafting", "num_speculative_tokens", "num_drafts", "num_accepted_tokens", "mean_acceptance_length",
-"acceptance_rates" (per draft position), "rounds", "queue_s", "ttft_s", "e2e_s", "tpot_s"}. Clients that do not know
-the key ignore it.
+"acceptance_rates" (per draft position), "mean_budget" (draft tokens verified per round: K, or what --k auto
+chose), "rounds", "queue_s", "ttft_s", "e2e_s", "tpot_s"}. Clients that do not know the key ignore it.
 
 Errors are OpenAI's JSON: {"error": {"message", "type": "invalid_request_error", "param": FIELD, "code": null}} with
 400 for a bad field (the message says what was expected) or a body that is not JSON text (deep nesting, lone
@@ -65,8 +65,8 @@ _log = logging.getLogger("pjax.serve")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the legacy completions API's (and vLLM's) default; chat fills the context
 # engine stop reasons -> OpenAI finish reasons ("stop" here is a cancel the text layer did not ask for)
 FINISH = {"eos": "stop", "length": "length", "capacity": "length", "nonfinite": "error", "stop": "abort"}
-STATS_KEYS = ("num_drafts", "num_accepted_tokens", "mean_acceptance_length", "acceptance_rates", "rounds", "queue_s",
-              "ttft_s", "e2e_s", "tpot_s")
+STATS_KEYS = ("num_drafts", "num_accepted_tokens", "mean_acceptance_length", "acceptance_rates", "mean_budget",
+              "rounds", "queue_s", "ttft_s", "e2e_s", "tpot_s")
 # accepted and ignored: bookkeeping fields of the OpenAI API that do not change the output
 IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
 SAMPLING_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
@@ -501,7 +501,8 @@ class _API:
         self.draining = False
         self.aborted = asyncio.Event()  # set when the shutdown's grace period is over
         self.metrics = Metrics(model.name, model.num_speculative_tokens if model.drafting != "none" else 0,
-                               running=lambda: bridge.num_running, waiting=lambda: bridge.num_waiting)
+                               running=lambda: bridge.num_running, waiting=lambda: bridge.num_waiting,
+                               budget=lambda: bridge.engine.budget)
         bridge.add_listener(lambda event, stream: self.metrics.observe(event.stats, finish_reason(event, stream)))
 
     def begin_shutdown(self, grace_s: float):

@@ -13,6 +13,7 @@ from typing import Any, Iterator, Optional, Sequence, Union
 
 from pjax.checkpoint import load_drafter, load_target
 from pjax.decode import EngineConfig, Generation, GenerationInterrupted
+from pjax.decode.budget import is_auto
 from pjax.decode.settings import configure
 from pjax.decode.inputs import check_prefill, is_int
 from pjax.decode.drafting import resolve
@@ -209,12 +210,15 @@ class TextGenerator:
                             + (" (empty)" if isinstance(prompts, (list, tuple)) else ""))
         return [one(p, f"prompts[{i}]") for i, p in enumerate(prompts)], False
 
-    def _drafting(self, drafting: Optional[str], k: Optional[int]) -> tuple[str, int]:
-        return resolve(self.drafter, drafting, k, k_name="k")
+    def _drafting(self, drafting: Optional[str], k: Union[int, str, None]) -> tuple[str, Union[int, str]]:
+        """(drafting, K or "auto"): k None = the config's num_speculative_tokens, then the drafting's default."""
+        k = self.config.num_speculative_tokens if k is None else k
+        mode, resolved = resolve(self.drafter, drafting, k, k_name="k")
+        return mode, k if is_auto(k) and mode.speculative else max(resolved, 1)
 
     # -- generation ----------------------------------------------------------------------------------------------
     def stream(self, prompts, *, max_new_tokens: Union[int, Sequence[int]], drafting: Optional[str] = None,
-               k: Optional[int] = None, temperature=None, top_p=None, top_k=None, seed=0,
+               k: Union[int, str, None] = None, temperature=None, top_p=None, top_k=None, seed=0,
                stop: Union[str, Sequence[str], None] = None, stop_token_ids: Optional[Sequence[int]] = None,
                include_stop_str_in_output: bool = False, ignore_eos: bool = False, skip_special_tokens: bool = True,
                chat: Optional[bool] = None, chat_template_kwargs: Optional[dict] = None,
@@ -232,13 +236,13 @@ class TextGenerator:
         generation = Generation(self.target, self.drafter if drafting.speculative else None, ids,
                                 max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                 seed=seed, eos_token_id=stop_ids, progress=progress, config=self.config,
-                                num_speculative_tokens=max(k, 1), drafting=drafting)
+                                num_speculative_tokens=k, drafting=drafting)
         requests = [_Request(p, OutputText(self.tokenizer, p, stop=stops, skip_special_tokens=skip_special_tokens,
                                            include_stop_str_in_output=include_stop_str_in_output)) for p in ids]
         return TextStream(generation, requests, single=single, eos=frozenset(eos), stop_token_ids=frozenset(user_ids))
 
     def generate(self, prompts, *, max_new_tokens: Union[int, Sequence[int]], drafting: Optional[str] = None,
-                 k: Optional[int] = None, temperature=None, top_p=None, top_k=None, seed=0,
+                 k: Union[int, str, None] = None, temperature=None, top_p=None, top_k=None, seed=0,
                  stop: Union[str, Sequence[str], None] = None, stop_token_ids: Optional[Sequence[int]] = None,
                  include_stop_str_in_output: bool = False, ignore_eos: bool = False, skip_special_tokens: bool = True,
                  chat: Optional[bool] = None, chat_template_kwargs: Optional[dict] = None,
@@ -250,8 +254,8 @@ class TextGenerator:
           or a list of those. chat=True wraps strings as one user message; chat_template_kwargs: extra template
           variables (e.g. {"enable_thinking": False}).
         drafting: "parallel" (P-EAGLE) | "sequential" (EAGLE-3) | "none"; default: "none" without a drafter, else
-          the head's kind. k: draft tokens per round (default 7 parallel, capped by the head's trained depth; 3
-          sequential).
+          the head's kind. k: draft tokens per round (default: the config's, else 7 parallel, capped by the head's
+          trained depth, and 3 sequential), or "auto" (a budget that follows the load, `pjax.generate`).
         max_new_tokens, temperature, top_p, top_k, seed: as `pjax.generate` (one value, or one per prompt).
         stop: strings that end an output (cut before the first one, or after it with include_stop_str_in_output);
           stop_token_ids: ids that end an output besides EOS (the tokenizer's and generation_config.json's; none
