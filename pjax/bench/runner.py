@@ -67,7 +67,7 @@ class BenchSettings:
         if len(set(self.drafting)) != len(self.drafting):
             raise BenchError(f"--drafting {','.join(self.drafting)}: a mode is repeated")
         if not (self.ks or self.auto) or any(k <= 0 for k in self.ks):
-            raise BenchError(f"--k {','.join(map(str, self.ks))}: K must be integers >= 1 or auto")
+            raise BenchError(f"--k {','.join(map(str, self.ks))}: K must be integers >= 1")
         if not self.concurrency or any(c <= 0 for c in self.concurrency):
             raise BenchError(f"--concurrency {','.join(map(str, self.concurrency))}: concurrency must be integers "
                              ">= 1")
