@@ -170,7 +170,12 @@ _positive = number_flag(int, low=1)
 
 def _budget(text):
     """--k: a positive integer, or "auto" (a budget that follows the load)."""
-    return text if text == "auto" else _positive(text)
+    if text == "auto":
+        return text
+    try:
+        return _positive(text)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{e} (or auto)") from None
 
 
 _budget.__name__ = "K"
