@@ -364,3 +364,14 @@ def test_simulated_acceptance_checks_its_probabilities():
     for bad in ((), (0.5, 1.5), (-0.1,)):
         with pytest.raises(ValueError, match="one probability in \\[0, 1\\] per draft position"):
             SimulatedAcceptance(bad)
+    # a budget that follows the load: K_max probabilities, each round uses its first K (none at K = 0)
+    from pjax.decode import EngineSpec, Sampling
+    sim, b = SimulatedAcceptance((1.0, 1.0, 0.0)), 2
+    samp = Sampling(jnp.zeros(b), jnp.zeros(b, jnp.int32), jnp.ones(b), jnp.arange(b, dtype=jnp.uint32))
+    logits = jnp.tile(jnp.eye(4)[None, :3], (b, 1, 1))  # the target's argmax after i tokens: i
+    spec = lambda k: EngineSpec(num_speculative_tokens=k, drafting="parallel", max_new_tokens=8, state_k=3)  # noqa
+    cases = jax.jit(lambda: [sim(logits[:, :k + 1], jnp.full((b, k), 3, jnp.int32), samp, jnp.zeros(b, jnp.int32),
+                                 jnp.full((b,), k, jnp.int32), spec(k)) for k in (0, 2, 3)], compiler_options=FAST)()
+    for res, k, n in zip(cases, (0, 2, 3), (0, 2, 2)):  # (one program)
+        assert res.tokens.shape == (b, k + 1) and res.num_accepted.tolist() == [n] * b
+        assert res.next_token.tolist() == [n] * b

@@ -42,6 +42,6 @@ class SimulatedAcceptance:
         n = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
         nxt = jnp.argmax(jnp.take_along_axis(logits, n[:, None, None], axis=1)[:, 0], axis=-1).astype(jnp.int32)
         j = jnp.arange(k + 1, dtype=jnp.int32)[None]
-        padded = jnp.concatenate([drafts, jnp.zeros_like(drafts[:, :1])], axis=1)
+        padded = jnp.concatenate([drafts, jnp.zeros((drafts.shape[0], 1), drafts.dtype)], axis=1)
         tokens = jnp.where(j < n[:, None], padded, jnp.where(j == n[:, None], nxt[:, None], -1))
         return AcceptResult(tokens.astype(jnp.int32), n, nxt)
