@@ -1,7 +1,8 @@
 """Speculative decoding: the engine (`Engine`: continuous batching over device slots; `generate` and the streaming
 `Generation` run a static batch on it), its one settings object (`EngineConfig`), drafting strategy (`Drafting`) and
 chooser of a budget that follows the load (`BudgetChooser`), and the pure device functions: prefill (`prefill_target`
-then `prefill_drafter`) and jitted rounds (verify -> accept -> draft); `prefill_single` / `round_single` are the single-sequence research API (jax.vmap them)."""
+then `prefill_drafter`) and jitted rounds (verify -> accept -> draft); `prefill_single` / `round_single` are the
+single-sequence research API (jax.vmap them)."""
 from pjax.decode._generate import Chunk, GenerateResult, Generation, GenerationInterrupted, compile_count, generate
 from pjax.decode.budget import BudgetChooser
 from pjax.decode.drafting import Drafting
