@@ -189,8 +189,9 @@ def test_rounds_of_every_budget_with_injected_drafts(models, reference, drafting
         done, num_out, ready = (np.asarray(x) for x in (state.done, state.num_out, state.ready))
         live = ~done
         fresh = run_prefill([PROMPTS[i] + reference[i][:max(num_out[i] - 1, 0)] for i in range(b)])
+        have, want = np.asarray(state.drafts), np.asarray(fresh.drafts)
         for i in np.flatnonzero(live):
-            np.testing.assert_array_equal(np.asarray(state.drafts)[i, :ready[i]], np.asarray(fresh.drafts)[i, :ready[i]])
+            np.testing.assert_array_equal(have[i, :ready[i]], want[i, :ready[i]])
         drafts, cut = np.asarray(state.drafts).copy(), np.zeros(b, int)
         for i in range(b):
             m = min(k, ready[i], NEW - num_out[i]) if live[i] else 0

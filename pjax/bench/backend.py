@@ -43,7 +43,8 @@ class RunSettings:
     flight; max_positions: KV positions the longest request can need (prompt + new tokens + drafting slack), the
     same for every configuration of a dataset so that every mode reads the same cache size; eos_token_ids: ids
     that end a request (empty: every request runs max_new_tokens); simulate_acceptance: K probabilities (the
-    engine's simulated verdicts; K_max of them with "auto") or None; tree_budget: a tree of N draft tokens per round, or None (a chain).
+    engine's simulated verdicts; K_max of them with "auto") or None; tree_budget: a tree of N draft tokens per
+    round, or None (a chain).
     """
     drafting: str
     k: Union[int, str]

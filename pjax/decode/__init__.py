@@ -12,7 +12,7 @@ from pjax.decode.state import STOP_NAMES, DecodeState, EngineSpec, Sampling
 from pjax.decode.step import (decode_loop, prefill, prefill_drafter, prefill_single, prefill_target, round_single,
                               spec_round, verify)
 
-__all__ = ["STOP_NAMES", "BudgetChooser", "Chunk", "DecodeState", "Drafting", "Engine", "EngineConfig", "EngineSpec", "Event",
-           "GenerateResult", "Generation", "GenerationInterrupted", "RequestParams", "Sampling", "compile_count",
-           "decode_loop", "generate", "make_spec", "prefill", "prefill_drafter", "prefill_single", "prefill_target",
-           "round_single", "spec_round", "verify"]
+__all__ = ["STOP_NAMES", "BudgetChooser", "Chunk", "DecodeState", "Drafting", "Engine", "EngineConfig", "EngineSpec",
+           "Event", "GenerateResult", "Generation", "GenerationInterrupted", "RequestParams", "Sampling",
+           "compile_count", "decode_loop", "generate", "make_spec", "prefill", "prefill_drafter", "prefill_single",
+           "prefill_target", "round_single", "spec_round", "verify"]

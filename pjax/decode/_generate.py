@@ -259,9 +259,9 @@ def generate(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_token
       num_speculative_tokens="auto": each device chunk of rounds_per_step rounds drafts the K (0 .. 7) of best
       expected tokens per second (`pjax.decode.budget`); the same tokens as any fixed K at temperature 0.
       max_len: KV positions per row (default: longest prompt + max_new_tokens + 2K, or K + N with a tree of N,
-      bucketed); a prompt longer is an error, a row that fills it stops with reason "capacity". prefill: "auto" packs the prompts into one row where
-      that computes fewer positions. tree_budget N: each round verifies a tree of N draft tokens (greedy and
-      sampled rows alike, lossless), its paths ranked by tree_score.
+      bucketed); a prompt longer is an error, a row that fills it stops with reason "capacity". prefill: "auto"
+      packs the prompts into one row where that computes fewer positions. tree_budget N: each round verifies a tree
+      of N draft tokens (greedy and sampled rows alike, lossless), its paths ranked by tree_score.
     acceptance: None, or a hashable function replacing the round's acceptance rule (`EngineSpec.acceptance`; the
       benchmark's simulated acceptance); the stats then say "acceptance_replaced": True.
     mesh: None (one device), or a `jax.sharding.Mesh` with axes "data" and "model" (`pjax.make_mesh`): the target
@@ -272,8 +272,8 @@ def generate(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_token
     broken checkpoint, nothing emitted from those logits).
     stats: rounds, mean_acceptance_length (1 + accepted / num_drafts, as vLLM), acceptance_rates (per draft
     position; accepted_per_position and tested_per_position: their counts), num_drafts, num_draft_tokens,
-    mean_budget (draft tokens verified per round), num_accepted_tokens, output_tokens, stop_reasons, requests (per prompt:
-    tokens, acceptance, stop reason, ttft_s, e2e_s, tpot_s, output_tokens_per_s), ttft_s, wall_time_s (prefill +
+    mean_budget (draft tokens verified per round), num_accepted_tokens, output_tokens, stop_reasons, requests (per
+    prompt: tokens, acceptance, stop reason, ttft_s, e2e_s, tpot_s, output_tokens_per_s), ttft_s, wall_time_s (prefill +
     decode, compilation excluded), prefill ("packed" | "padded": the layout used), prefill_tokens (positions the
     target's prefill computed), prefill_time_s, decode_time_s, compile_time_s, output_tokens_per_s, device_chunks,
     num_speculative_tokens (K, or "auto" with budget_stats: the engine's `Engine.budget_stats`), drafting,

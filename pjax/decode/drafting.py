@@ -99,8 +99,8 @@ class Drafting(str, enum.Enum):
 def resolve(drafter, drafting: Optional[str] = None, k: Optional[int] = None,
             k_name: str = "num_speculative_tokens") -> tuple[Drafting, int]:
     """(drafting, K): drafting None = the head's kind (`Drafting.of_head`); k None = `default_k`; k "auto" = `auto_k`
-    (the largest budget of a budget that follows the load). K is 0 without drafting. A ValueError names `drafting` / `k` (as `k_name`) for a bad value or a drafting that needs a missing
-    head."""
+    (the largest budget of a budget that follows the load). K is 0 without drafting. A ValueError names `drafting` /
+    `k` (as `k_name`) for a bad value or a drafting that needs a missing head."""
     mode = Drafting.of_head(drafter) if drafting is None else Drafting.parse(drafting)
     if not mode.speculative:
         return mode, 0

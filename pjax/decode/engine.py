@@ -341,7 +341,7 @@ class Engine:
         self.budget = spec.k
         self._timed = not auto  # the budgets' round times are measured (before the first admission)
         self._host_fields = _HOST_FIELDS + (("tested_at",) if auto else ())
-        self._dispatched: dict[int, tuple[Optional[int], int]] = {}  # view seq -> (fixed-trip chunk's K or None, rounds)
+        self._dispatched: dict[int, tuple[Optional[int], int]] = {}  # view seq -> (a fixed-trip chunk's K, rounds)
         self._last_end: Optional[tuple[int, float]] = None  # (view seq, when its blocking read returned)
         self._owner = np.full(self.max_slots, -1)  # request whose counters the last view read held, by slot
         self._seen = None  # those counters (accepted_at, tested_at) [B, K_max] each

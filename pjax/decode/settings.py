@@ -89,8 +89,8 @@ def make_spec(target, drafter, config: EngineConfig, *, max_new_tokens: int,
               acceptance: Optional[Callable] = None) -> EngineSpec:
     """Check `config`'s drafting settings and the (target, drafter) pair; returns the static EngineSpec (output
     buffer for `max_new_tokens`; num_speculative_tokens "auto": K = state_k = K_max, the spec of admissions, whose
-    rounds' specs replace K by each budget). acceptance: None, or a hashable function replacing the acceptance rule of a round
-    (`EngineSpec.acceptance`)."""
+    rounds' specs replace K by each budget). acceptance: None, or a hashable function replacing the acceptance rule
+    of a round (`EngineSpec.acceptance`)."""
     if not isinstance(target, Target):
         raise TypeError(f"target must be a pjax Target (load one with pjax.load_target(path)), got "
                         f"{type(target).__name__}" + (" (a path? use pjax.load_target)" if isinstance(target, str)
