@@ -51,7 +51,7 @@ def choose(q, k, implementation: str = "auto", config: AttentionConfig = DEFAULT
     if tree:
         supported = tree_kernel_supported(q, window, has_kv_len, config)
     else:
-        if implementation == "auto" and dispatch.on_gpu():
+        if implementation == "auto" and dispatch.on_gpu() and not dispatch.on_mesh():
             from pjax.kernels.cache_attention import mosaic
             if mosaic.available() and mosaic_preferred(q, k, config):
                 return "mosaic"
