@@ -245,7 +245,7 @@ PALLAS = [("llama", (1, 2), None, "expert"), ("qwen3_moe", (2, 4), None, "expert
           ("llama", (2, 4), 12, "expert"), ("qwen3_moe", (1, 2), 12, "expert"), ("qwen3_moe", (1, 8), None, "expert"),
           ("qwen3_moe", (2, 4), None, "intermediate"), ("gpt_oss", (1, 8), None, "expert"),
           ("gemma4", (1, 4), None, "expert"), ("qwen3", (2, 4), 12, "expert")]
-PALLAS_DEFAULT = PALLAS[:2]  # KV heads split (1 x 2); rows split, KV heads replicated, experts split (2 x 4)
+PALLAS_DEFAULT = PALLAS[1:2]  # rows split, KV heads replicated, experts split (KV heads split: the test below)
 
 
 @inner
@@ -256,11 +256,49 @@ def test_pallas_per_shard(family, mesh_shape, tree_budget, experts):
     """implementation="pallas" on the mesh (the kernels per shard, interpret mode) == plain single-device greedy
     decoding with the XLA ops, token for token; tree_budget: each round verifies a draft tree (the tree mask);
     experts "intermediate": the MoE runs its XLA reference, the attention per shard."""
+    data, _ = mesh_shape
     mesh = pjax.make_mesh(*mesh_shape)
     target = pjax.models.place_target(tp_target(family), mesh, experts)
     res = pjax.generate(target, tp_drafter(family), PROMPTS, max_new_tokens=NEW, num_speculative_tokens=K, mesh=mesh,
-                        compiler_options=FAST, implementation="pallas", tree_budget=tree_budget)
+                        compiler_options=FAST, implementation="pallas", tree_budget=tree_budget,
+                        prefill="padded" if data > 1 else "auto")  # both prefill layouts' flash attention
     assert res.tokens == plain_greedy(family)
+
+
+@inner
+def test_cache_attention_per_shard():
+    """Cache attention per shard on a 2 x 2 mesh (rows on "data", query and KV heads on "model") over a draft tree with
+    sinks and a sliding window, traced under the mesh as the engine traces its programs == the one-device
+    reference."""
+    from jax.sharding import NamedSharding
+    from pjax.kernels.cache_attention import TreeMask, reference
+    from pjax.models import per_shard
+    mesh = pjax.make_mesh(2, 2)
+    b, t, s, nh, nkv, hd = 2, 5, 24, 4, 2, 16
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal(shape).astype(np.float32) for shape in ((b, t, nh, hd), (b, s, nkv, hd),
+                                                                           (b, s, nkv, hd)))
+    start = np.array([9, 14], np.int32)
+    parent = np.array([-1, 0, 0, 1, 2])  # a root, two children, a grandchild under each
+    depth = np.array([0, 1, 1, 2, 2])
+    visible = np.zeros((t, t), bool)
+    for i in range(t):
+        j = i
+        while j >= 0:
+            visible[i, j], j = True, parent[j]
+    args = dict(q=q, k=k, v=v, q_pos=start[:, None] + depth[None], sinks=rng.standard_normal(nh).astype(np.float32),
+                tree=TreeMask(start, np.broadcast_to(visible, (b, t, t))))
+    kw = dict(scale=hd ** -0.5, window=8)
+
+    def sharded(a):
+        with per_shard.traced_on(mesh):
+            return per_shard.cache_attention(a.pop("q"), a.pop("k"), a.pop("v"), a.pop("q_pos"),
+                                             implementation="pallas", **a, **kw)
+    placed = jax.device_put(args, NamedSharding(mesh, P()))
+    got = jax.jit(sharded)(placed)
+    want = reference.cache_attention(**{n: jnp.asarray(x) for n, x in args.items() if n != "tree"},
+                                     tree=jax.tree.map(jnp.asarray, args["tree"]), **kw)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 @inner

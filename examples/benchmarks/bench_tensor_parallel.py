@@ -16,9 +16,9 @@ Weights are random (acceptance ~0: every round emits one token), so a round cost
 One JSON line per measurement: device count, batch, mode, ms per round, speedup and scaling efficiency against the
 one-device run of the same mode and batch (speedup / n) when that ran first.
 
-Under a mesh of several devices the engine runs the kernels' XLA references (`pjax.decode.Engine`); the one-device
-run uses --implementation (default "auto": the Pallas kernels where they are faster); pass --implementation xla to
-compare like with like.
+Every device count runs the kernels of --implementation (default "auto": the Pallas kernels where they are faster on
+a GPU): on several devices the same kernels as on one, per shard (`pjax.models.per_shard`); pass --implementation
+xla to time XLA's partitioned references instead.
 """
 from __future__ import annotations
 
@@ -102,7 +102,7 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=2, help="untimed chunk calls first (default 2)")
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--implementation", default="auto", choices=IMPLEMENTATIONS,
-                    help="kernels of the one-device run (a mesh of several devices runs xla)")
+                    help="the kernel switch of every run (several devices run the kernels per shard)")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test: the tiny shape, small batches and context")
     a = ap.parse_args(argv)
     if a.tiny:
