@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Callable, Optional
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
