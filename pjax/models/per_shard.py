@@ -17,7 +17,9 @@ Each shard picks its kernel (`implementation`) for its own shapes. Collectives a
 unsharded kernels' up to the order of the psum's additions. Off a mesh, with implementation "xla", or with "auto"
 off a GPU (no kernel runs), the layers call the ops as they are and XLA's partitioner (GSPMD) splits the references.
 The drafter, replicated over "model", goes through the same calls: each shard takes its heads' slice of the
-replicated q / K / V (no communication in) and XLA gathers the heads' outputs.
+replicated q / K / V (no communication in) and XLA gathers the heads' outputs. Kernel ops called on whole arrays
+under the mesh (acceptance and sampling over the split vocabulary, the drafter's inputs) run their XLA references
+(`pjax.kernels.dispatch.on_mesh`).
 """
 from __future__ import annotations
 
