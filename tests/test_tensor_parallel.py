@@ -1,7 +1,7 @@
 """Tensor- and expert-parallel decoding on a ("data", "model") mesh of 8 fake CPU devices: the weights are placed as
 planned (per-device bytes = 1/n of each split weight), loading never copies a whole split tensor to a device, and the
 sharded engine emits the single-device tokens (greedy: plain greedy decoding, token for token; sampled: the same
-seeds give the same tokens).
+seeds give the same tokens), also with the Pallas kernels running per shard (`pjax.models.per_shard`).
 
 The suite's process has 4 devices (conftest.py), and JAX fixes the device count when it starts: `test_on_8_devices`
 runs this module again in one subprocess with 8 (the tests below it skip in the 4-device process, the subprocess
