@@ -30,6 +30,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import os
 import re
 import statistics
 import sys
@@ -195,6 +196,7 @@ def main(argv=None):
                        "speedup": None if one is None else round(one / ms, 3),
                        "scaling_efficiency": None if one is None else round(one / ms / n, 3),
                        "backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
+                       "xla_flags": os.environ.get("XLA_FLAGS"),
                        "date": time.strftime("%Y-%m-%d")}
                 print(json.dumps(row), flush=True)
 

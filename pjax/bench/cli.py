@@ -322,9 +322,9 @@ def run(args, argv) -> int:
     if args.compilation_cache is not None:
         use_compilation_cache(args.compilation_cache)
     shape = parse_random(args.target, "--target")
-    if shape is not None and shape not in RANDOM_SHAPES:
+    if shape is not None and geometry(shape) not in RANDOM_SHAPES:
         raise BenchError(f"--target {args.target}: unknown shape (expected one of "
-                         f"{', '.join('random:' + s for s in RANDOM_SHAPES)})")
+                         f"{', '.join('random:' + s for s in [*RANDOM_SHAPES, *PACKED_SHAPES])})")
     if shape is None and args.prompt_len is not None:
         raise BenchError("--prompt-len applies to random targets only (a real target's prompts are the dataset's)")
     names = [n.strip() for value in (args.dataset or ["mt-bench"]) for n in value.split(",") if n.strip()]
