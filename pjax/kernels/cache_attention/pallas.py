@@ -181,10 +181,12 @@ def smem_budget(config: AttentionConfig = DEFAULT) -> int:
 def block_size(block_k: int, s_len: int, hdp: int, m_rows: int, itemsize: int, stages: int,
                config: AttentionConfig = DEFAULT) -> int:
     """Keys per tile: block_k, capped by the cache length and halved (down to min_block_k) until the K/V pipeline
-    buffers and the query tile fit in `smem_budget` (f32 or head_dim 256 tiles are 2x larger)."""
+    buffers, the query tile and the probabilities tile of the P @ V product ([m_rows, bk], staged in shared memory)
+    fit in `smem_budget` (f32 or head_dim 256 tiles are 2x larger). On an H200, 128 rows of head_dim 128 in bf16
+    take 128-key tiles 2 stages deep or 64-key tiles 3 deep: 128 x 3 asks Triton for 256 KiB."""
     lo = config.min_block_k
     bk = max(lo, min(block_k, next_pow2(s_len)))
-    while bk > lo and (stages * 2 * bk + m_rows) * hdp * itemsize > smem_budget(config):
+    while bk > lo and ((stages * 2 * bk + m_rows) * hdp + m_rows * bk) * itemsize > smem_budget(config):
         bk //= 2
     return bk
 
