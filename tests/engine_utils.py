@@ -1,7 +1,7 @@
 """Shared pieces of the engine tests: tiny checkpoints of every target family (written by transformers, configs
-from `pjax.check.families`, which `python -m pjax check` compares against transformers), a random
-P-EAGLE or EAGLE-3 head for a target, transformers' greedy continuations, and the numpy law of processed logits (temperature,
-top-k, top-p). torch and transformers are imported by the helpers that use them (`build`, `hf_greedy`), so the engine
+from `pjax.check.families`, which `python -m pjax check` compares against transformers), a random P-EAGLE or EAGLE-3
+head for a target, transformers' greedy continuations, and the numpy law of processed logits (temperature, top-k,
+top-p). torch and transformers are imported by the helpers that use them (`build`, `hf_greedy`), so the engine
 tests that do not compare against transformers never import them."""
 import dataclasses
 import functools

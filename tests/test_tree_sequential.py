@@ -17,7 +17,8 @@ from pjax.decode.draft import feedback, sequential_tree
 from pjax.decode.tree import beam_width, candidate_count, grow_tree
 from pjax.models.drafter import draft_logits_from_hidden, draft_to_target, drafter_forward, init_drafter_cache
 from tests.engine_utils import FAST, PROMPTS, make_eagle3
-from tests.test_distribution_engine import PROMPT, chi_square_pvalue, joint_law
+from tests.test_distribution_engine import ALPHA, PROMPT, chi_square_pvalue, joint_law
+from tests.test_distribution_engine import V as SMALL_V
 from tests.test_tree import paths
 
 
@@ -171,3 +172,33 @@ def test_sequential_tree_is_the_procedure_on_the_drafter(qwen3):
             np.testing.assert_array_equal(np.asarray(z)[r, :lengths[r]], np.asarray(a)[r, :lengths[r]])
             scratch = slice(lengths[r], lengths[r] + w)
             assert not np.array_equal(np.asarray(z)[r, scratch], np.asarray(a)[r, scratch])
+
+
+GREEDY = [[3, 1, 4], [1, 5, 2, 6, 5, 3, 5, 0, 7], [2, 7, 1, 0]]  # ragged
+SAMPLED = 2000
+
+
+def test_generate_greedy_and_sampled_rows_with_a_tree():
+    """One batch through `pjax.generate` with an EAGLE-3 head (draft vocabulary of 6 of the 8 ids) and trees of
+    N = 5 > K = 2 on a tiny qwen3: the ragged greedy rows emit plain greedy's tokens (each one the target's argmax
+    after the ones before it: one forward over prompt and output), and 2000 rows of one prompt at temperature 1
+    (seeds 0..1999) emit first two tokens (the prefill's, then the first tree round's) that follow the target's law
+    (chi-square, as tests/test_distribution_engine.py)."""
+    target = tiny_target("qwen3", vocab=SMALL_V, qk_norm=True)
+    drafter = make_eagle3(target, draft_vocab_size=6, sharpen=3.0)
+    g, new = len(GREEDY), 6
+    res = pjax.generate(target, drafter, GREEDY + [PROMPT] * SAMPLED, max_new_tokens=[new] * g + [2] * SAMPLED,
+                        temperature=[0.0] * g + [1.0] * SAMPLED, seed=[0] * g + list(range(SAMPLED)),
+                        drafting="sequential", num_speculative_tokens=2, tree_budget=5, compiler_options=FAST)
+    seqs = [p + t for p, t in zip(GREEDY, res.tokens[:g])]
+    ids = np.zeros((g, max(map(len, seqs))), np.int32)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = s
+    amax = np.asarray(jnp.argmax(pjax.models.target_logits(target, jnp.asarray(ids)), axis=-1))
+    for i, p in enumerate(GREEDY):
+        assert len(res.tokens[i]) == new and res.tokens[i] == amax[i, len(p) - 1:len(p) - 1 + new].tolist()
+    toks = np.array(res.tokens[g:])
+    counts = np.zeros((SMALL_V, SMALL_V), np.int64)
+    np.add.at(counts, (toks[:, 0], toks[:, 1]), 1)
+    assert chi_square_pvalue(counts, joint_law(target, 1.0, 0, 1.0)) > ALPHA
+    print("stats", {k: res.stats[k] for k in ("num_accepted_tokens", "acceptance_rates", "mean_acceptance_length")})
