@@ -208,8 +208,8 @@ def grow_tree(log_probs, expand, carry, budget: int, depths: int, width: int, sc
     if k > 1:
         state = (first, lp, lp, rows, carry)
         (*_, carry), outs = jax.lax.scan(step, state, jnp.arange(1, k, dtype=jnp.int32))
-        for acc, x in zip((sc, lg, tok, par), outs):  # [K-1, B, W^2] -> [B, (K-1) W^2]
-            acc.append(jnp.moveaxis(x, 0, 1).reshape(b, m * w))
+        for parts, x in zip((sc, lg, tok, par), outs):  # [K-1, B, W^2] -> [B, (K-1) W^2]
+            parts.append(jnp.moveaxis(x, 0, 1).reshape(b, m * w))
     depth_of = jnp.asarray([1] * w + [d for d in range(2, k + 1) for _ in range(w * w)], jnp.int32)
     sel = _best(jnp.concatenate(sc, axis=1), jnp.concatenate(lg, axis=1), n)
     return _selected(sel, jnp.concatenate(tok, axis=1), jnp.concatenate(par, axis=1), depth_of, k), carry
