@@ -1,4 +1,4 @@
-"""Drafting: parallel (P-EAGLE, one drafter pass) and sequential (EAGLE-3, K passes) proposals.
+"""Drafting: parallel (P-EAGLE, one drafter pass) and sequential (EAGLE-3, K passes) proposals, chains or trees.
 
 Pairing convention (EAGLE shift): the drafter slot at absolute position p holds (token x_{p+1},
 combined target feature g_p); its output predicts x_{p+2}. Drafter KV index = absolute position.

@@ -132,11 +132,12 @@ def check_tree(c: EngineConfig, drafting: Drafting, k: int, drafter, acceptance)
     if acceptance is not None:
         raise ValueError("tree_budget: a replaced acceptance rule (simulated acceptance) takes chains only")
     vd = drafter.config.draft_vocab_size
-    if drafting.one_pass and path_count(k, vd, n) < n:
-        raise ValueError(f"tree_budget={n} exceeds the {path_count(k, vd, n)} paths of depth <= {k} over the "
-                         f"draft vocabulary of {vd} tokens")
-    w = beam_width(n, k, vd)
-    if not drafting.one_pass and candidate_count(w, k) < n:
+    if drafting.one_pass:
+        if path_count(k, vd, n) < n:
+            raise ValueError(f"tree_budget={n} exceeds the {path_count(k, vd, n)} paths of depth <= {k} over the "
+                             f"draft vocabulary of {vd} tokens")
+    elif candidate_count(beam_width(n, k, vd), k) < n:
+        w = beam_width(n, k, vd)
         raise ValueError(f"tree_budget={n} exceeds the {candidate_count(w, k)} nodes a sequential tree of depth {k} "
                          f"generates over the draft vocabulary of {vd} tokens (frontier width {w})")
 
