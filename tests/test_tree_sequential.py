@@ -47,7 +47,7 @@ def procedure(root_lp, child_lp, n, k, w, score):
 
 # ----------------------------------------------------------------------------------------- the toy drafter
 
-B, V, K, W, N, P = 2, 7, 3, 3, 12, 211  # P: the toy's table of distributions, indexed by a hash of (row, path)
+B, V, W, P = 2, 7, 3, 211  # P: the toy's table of distributions, indexed by a hash of (row, path)
 
 
 def path_hash(row, path):
@@ -57,12 +57,12 @@ def path_hash(row, path):
     return h
 
 
-@pytest.mark.parametrize("score", ["product", "min"])
-def test_grow_tree_is_the_procedure(score):
+@pytest.mark.parametrize("score,k,n", [("product", 3, 12), ("min", 3, 12), ("product", 1, 3)])
+def test_grow_tree_is_the_procedure(score, k, n):
     """Toy drafter: the distribution after a path is a random table's row at a hash of (row, path), so every child
     depends on its whole path; the frontiers' ancestor slots and the tree (paths, best first, structure) are the
-    procedure's."""
-    assert candidate_count(W, K) == 21 > N
+    procedure's (K = 3 from 21 candidates; K = 1: the root's best W)."""
+    assert candidate_count(W, k) >= n
     keys = jax.random.split(jax.random.key(0), 2)
     table = jax.nn.log_softmax(jax.random.normal(keys[0], (P, V)) * 2, axis=-1)
     root = jax.nn.log_softmax(jax.random.normal(keys[1], (B, V)) * 2, axis=-1)
@@ -71,26 +71,26 @@ def test_grow_tree_is_the_procedure(score):
         prev, seen = carry
         p = jnp.take_along_axis(prev, jnp.maximum(front.parent, 0)[..., None], axis=1)
         p = jnp.where(front.parent[..., None] >= 0, p, -1)
-        p = jnp.where(jnp.arange(K) == front.depth - 1, front.tokens[..., None], p)
+        p = jnp.where(jnp.arange(k) == front.depth - 1, front.tokens[..., None], p)
         h = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None] + 1, (B, W))
-        for j in range(K):
+        for j in range(k):
             h = jnp.where(p[..., j] >= 0, (h * 31 + p[..., j] + 1) % P, h)
         seen = jax.lax.dynamic_update_index_in_dim(seen, front.visible, front.depth - 1, 0)
         return table[h], (p, seen)
 
-    carry = (jnp.full((B, W, K), -1, jnp.int32), jnp.zeros((K - 1, B, W, (K - 1) * W), bool))
-    grow = jax.jit(lambda r, c: grow_tree(r, expand, c, N, K, W, score), compiler_options=FAST)
+    carry = (jnp.full((B, W, k), -1, jnp.int32), jnp.zeros((k - 1, B, W, (k - 1) * W), bool))
+    grow = jax.jit(lambda r, c: grow_tree(r, expand, c, n, k, W, score), compiler_options=FAST)
     tree, (_, seen) = grow(root, carry)
     tab = np.asarray(table)
     want, fronts = procedure(np.asarray(root), lambda ps: np.stack([[tab[path_hash(r, p)] for p in row]
-                                                                    for r, row in enumerate(ps)]), N, K, W, score)
+                                                                    for r, row in enumerate(ps)]), n, k, W, score)
     seen = np.asarray(seen)
     for r in range(B):
         assert paths(tree, r) == want[r]
         for d, front in enumerate(fronts):
             for i, (_, slots) in enumerate(front[r]):
                 assert set(np.flatnonzero(seen[d, r, i])) == slots
-    assert int(tree.depth.max()) == K
+    assert int(tree.depth.max()) == k
 
 
 # ----------------------------------------------------------------------------------------- the drafter

@@ -119,7 +119,7 @@ def _selected(sel, tokens, parent, depth, depths: int) -> Tree:
     node_parent = jnp.where(gpar >= 0, jnp.take_along_axis(slot, jnp.maximum(gpar, 0), axis=1), -1)
     # ancestor-or-self by walking up at most K - 1 parents
     node = jnp.arange(n, dtype=jnp.int32)
-    anc = node[None, :, None] == node[None, None, :]
+    anc = jnp.broadcast_to(node[None, :, None] == node[None, None, :], (b, n, n))
     cur = node_parent
     for _ in range(depths - 1):
         anc |= (cur[:, :, None] == node[None, None, :])
