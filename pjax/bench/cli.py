@@ -5,8 +5,9 @@ defines them), and exactness against plain decoding at temperature 0.
     python -m pjax bench --target DIR --head DIR --dataset mt-bench --drafting parallel,sequential,none \\
         --k 3,7,11 --concurrency 1,8,64 --max-new-tokens 256 --out DIR
 
---tree-budget 8,16,32 adds, for parallel drafting at each K, a run that verifies a tree of N draft tokens per round
-(the N most probable paths of the head's per-position distributions) for each N >= K.
+--tree-budget 8,16,32 adds, for each speculative mode at each K, a run that verifies a tree of N draft tokens per
+round for each N >= K (parallel: the N most probable paths of the head's per-position distributions; sequential:
+EAGLE-2's dynamic tree, grown depth by depth).
 
 Targets: a Hugging Face or pjax-native directory, or `random:llama3.1-8b|gpt-oss-20b|qwen3-30b-a3b` (random
 weights of that geometry: time large shapes with --simulate-acceptance; `random:gpt-oss-20b-mxfp4|gpt-oss-120b|
@@ -134,8 +135,8 @@ def build_parser(prog: str = "python -m pjax bench") -> argparse.ArgumentParser:
     s.add_argument("--k", type=_ints("--k"), default=(3, 7, 11), help="drafts per round, comma-separated "
                                                                       "(default 3,7,11)")
     s.add_argument("--tree-budget", type=_ints("--tree-budget"), default=(), metavar="N1,N2",
-                   help="parallel drafting also runs, at each K, a tree of N draft tokens per round for each N >= K, "
-                        "comma-separated (default: chains only)")
+                   help="each speculative mode also runs, at each K, a tree of N draft tokens per round for each "
+                        "N >= K, comma-separated (default: chains only)")
     s.add_argument("--concurrency", type=_ints("--concurrency"), default=(1,),
                    help="requests in flight, comma-separated (default 1)")
     s.add_argument("--scheduling", choices=SCHEDULING, default="continuous",
@@ -231,7 +232,7 @@ def _heads(args, settings: BenchSettings, target, dtype, shape: Optional[str]) -
                                         check_finite=not args.no_finite_check)
         heads[mode] = loaded[(spec, own)]
         for k in settings.ks:
-            trees = [n for n in settings.tree_budgets if n >= k] if mode == "parallel" else []
+            trees = [n for n in settings.tree_budgets if n >= k]
             for n in [None] + trees:
                 try:
                     sim = settings.simulated(k)
