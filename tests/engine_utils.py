@@ -1,8 +1,9 @@
 """Shared pieces of the engine tests: tiny checkpoints of every target family (written by transformers, configs
-from `pjax.check.families`, which `python -m pjax check` compares against transformers), a random
-P-EAGLE head for a target, transformers' greedy continuations, and the numpy law of processed logits (temperature,
-top-k, top-p). torch and transformers are imported by the helpers that use them (`build`, `hf_greedy`), so the engine
+from `pjax.check.families`, which `python -m pjax check` compares against transformers), a random P-EAGLE or EAGLE-3
+head for a target, transformers' greedy continuations, and the numpy law of processed logits (temperature, top-k,
+top-p). torch and transformers are imported by the helpers that use them (`build`, `hf_greedy`), so the engine
 tests that do not compare against transformers never import them."""
+import dataclasses
 import functools
 
 import jax
@@ -57,6 +58,13 @@ def make_drafter(target, seed=1, aux=(1, 0, 2), mask_token_id="last", num_layers
                         draft_vocab_size=kw.pop("draft_vocab_size", target.config.vocab_size),
                         mask_token_id=mask_token_id, aux_layer_ids=tuple(aux), **kw)
     return init_drafter(cfg, jax.random.key(seed), jnp.float32, scale=0.2)
+
+
+def make_eagle3(target, sharpen: float = 6.0, **kw):
+    """A random EAGLE-3 head for `target` (`make_drafter` without mask token and mask feature; sequential drafting
+    only) whose lm_head is scaled by `sharpen` (peaked distributions: draft trees several levels deep)."""
+    d = make_drafter(target, mask_token_id=None, has_mask_hidden=False, model_kind="eagle3", **kw)
+    return dataclasses.replace(d, params={**d.params, "lm_head": {"kernel": d.params["lm_head"]["kernel"] * sharpen}})
 
 
 def processed(logits, temperature, top_k, top_p):

@@ -102,11 +102,12 @@ def test_cache_attention_kernel_matches_reference(b, t, nh, nkv, hd, s, dtype, w
 
 
 def test_cache_attention_block_size_fits_shared_memory():
-    """128-key tiles for bf16 head_dim 128 (verify and 22-query draft shapes); halved for f32 or head_dim 256."""
-    for rows, hdp, itemsize, want in ((32, 128, 2, 128), (128, 128, 2, 128), (32, 128, 4, 64), (128, 128, 4, 32),
+    """128-key tiles for bf16 head_dim 128 (verify and 22-query draft shapes); halved for f32, head_dim 256, or 128
+    rows of head_dim 128 (tree blocks: 128 x 3 asked Triton for 256 KiB on an H200)."""
+    for rows, hdp, itemsize, want in ((32, 128, 2, 128), (128, 128, 2, 64), (32, 128, 4, 64), (128, 128, 4, 32),
                                       (128, 256, 2, 32), (16, 64, 2, 128)):
         bk = attn_pallas.block_size(128, 16384, hdp, rows, itemsize, 3)
-        assert bk == want and (3 * 2 * bk + rows) * hdp * itemsize <= attn_pallas.smem_budget()
+        assert bk == want and ((3 * 2 * bk + rows) * hdp + rows * bk) * itemsize <= attn_pallas.smem_budget()
     assert attn_pallas.smem_budget() == 224 * 1024  # off GPU: the reference H200's 227 KiB less Triton's scratch
     assert attn_pallas.block_size(128, 40, 128, 32, 2, 3) == 64  # short caches: next power of two of the length
     # default tiles: 128 keys x 3 stages; 64 x 4 for 64-row programs; 64 x 3 where 128-key blocks are too few to

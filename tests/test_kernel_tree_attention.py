@@ -1,5 +1,6 @@
 """The Triton cache-attention kernel with a token-tree mask (interpret mode on CPU) vs a brute-force masked
-attention: keys below the tree's first slot by the position rules, the tree's slots by the ancestor mask, none after.
+attention: keys below the tree's first slot by the position rules, the tree's slots by the ancestor mask, none after;
+a tree of more slots than queries (a tree drafted depth by depth: the last pass's nodes see the earlier passes').
 Also the query-block programs (T x g past 128 rows) and the kernel's Pallas -> Triton lowering with a tree."""
 import jax
 import jax.numpy as jnp
@@ -31,9 +32,10 @@ def _brute_force(q, k, v, q_pos, start, visible, *, scale, window, sinks, kv_len
         committed = committed & (slot < kv_len[:, None, None])
     if window is not None:
         committed = committed & (slot > np.asarray(q_pos)[:, :, None] - window)
+    m = visible.shape[2]  # tree slots (>= T; M > T: no window below M, the slots' positions are not needed)
     j = slot - start[:, None, None]
-    in_tree = (j >= 0) & (j < t)
-    tree = in_tree & np.take_along_axis(visible, np.broadcast_to(np.clip(j, 0, t - 1), (b, t, s)), axis=2)
+    in_tree = (j >= 0) & (j < m)
+    tree = in_tree & np.take_along_axis(visible, np.broadcast_to(np.clip(j, 0, m - 1), (b, t, s)), axis=2)
     vis = jnp.asarray(committed | tree)[:, None, None]  # [B, 1, 1, T, S]
     f32 = lambda x: jnp.asarray(x, jnp.float32)
     qg = f32(q).reshape(b, t, nkv, nh // nkv, hd)
@@ -42,15 +44,16 @@ def _brute_force(q, k, v, q_pos, start, visible, *, scale, window, sinks, kv_len
     return jnp.einsum("bkgts,bskd->btkgd", w, f32(v)).reshape(b, t, nh, hd)
 
 
-def _case(seed, b, n, nh, nkv, hd, s, dtype, starts, *, chain=False, kv_len=False, sinks=False):
+def _case(seed, b, n, nh, nkv, hd, s, dtype, starts, *, chain=False, kv_len=False, sinks=False, extra=0):
+    """extra > 0: the tree has n + 1 + extra slots and the queries are its last n + 1 nodes."""
     rs = np.random.default_rng(seed)
     t = n + 1
     q, k, v = (jnp.asarray(rs.normal(size=sh), dtype) for sh in ((b, t, nh, hd), (b, s, nkv, hd), (b, s, nkv, hd)))
-    trees = [(np.arange(t, dtype=np.int32), np.tril(np.ones((t, t), bool))) if chain else _tree(rs, n)
+    trees = [(np.arange(t, dtype=np.int32), np.tril(np.ones((t, t), bool))) if chain else _tree(rs, n + extra)
              for _ in range(b)]
     start = np.asarray(starts, np.int32)
-    q_pos = start[:, None] + np.stack([d for d, _ in trees])
-    visible = np.stack([m for _, m in trees])
+    q_pos = start[:, None] + np.stack([d[extra:] for d, _ in trees])
+    visible = np.stack([m[extra:] for _, m in trees])
     # kv_len: the committed length start plus the tree (the row's cache holds the tree's K/V), or cut below start
     lens = np.where(rs.random(b) < 0.5, start + t, np.maximum(start - rs.integers(1, 9, b), 0)) if kv_len else None
     kw = dict(sinks=jnp.asarray(rs.normal(size=nh), jnp.float32) if sinks else None,
@@ -75,27 +78,29 @@ def test_chain_tree_equals_no_tree():
     _check(out, _brute_force(q, k, v, q_pos, start, visible, scale=0.25, window=24, **kw), jnp.bfloat16)
 
 
-# (seed, b, nodes, nh, nkv, hd, s, dtype, tree starts, window, kv_len, sinks, block_k, splits)
+# (seed, b, nodes, nh, nkv, hd, s, dtype, tree starts, window, kv_len, sinks, block_k, splits, extra tree slots)
 TREE_CASES = [
     # GQA 4 (36 rows), float32: start near 0, starts not on a tile, mask-free tiles inside the window, kv_len
     # both past the tree and cut below its start, sinks
-    (1, 3, 8, 8, 2, 16, 100, jnp.float32, [1, 37, 70], 40, True, True, 16, None),
-    # g = 8, 16 nodes: 136 rows in two query blocks; the tree at slot 0 and mid-cache, no window
-    (2, 2, 16, 8, 1, 16, 80, jnp.bfloat16, [0, 45], None, False, False, 16, None),
+    (1, 3, 8, 8, 2, 16, 100, jnp.float32, [1, 37, 70], 40, True, True, 16, None, 0),
+    # g = 8, 16 nodes: 136 rows in two query blocks; the tree at slot 0 and mid-cache, no window; 20 more tree slots
+    # than queries (the tree reaches past the queries' tiles)
+    (2, 2, 16, 8, 1, 16, 80, jnp.bfloat16, [0, 45], None, False, False, 16, None, 20),
     # extra coverage (--full): MHA, head_dim not a power of two, a tree ending at the cache end
-    pytest.param(3, 2, 12, 4, 4, 24, 64, jnp.bfloat16, [51, 20], 8, True, True, 16, None, marks=pytest.mark.full),
+    pytest.param(3, 2, 12, 4, 4, 24, 64, jnp.bfloat16, [51, 20], 8, True, True, 16, None, 0, marks=pytest.mark.full),
     # g = 8 with 64 nodes: 520 rows in five query blocks, float32, window
-    pytest.param(4, 1, 64, 8, 1, 32, 200, jnp.float32, [101], 64, True, False, 16, None, marks=pytest.mark.full),
+    pytest.param(4, 1, 64, 8, 1, 32, 200, jnp.float32, [101], 64, True, False, 16, None, 0, marks=pytest.mark.full),
     # g = 2 with 32 nodes (66 rows: one 128-row program), tiles of 32 keys, three splits
-    pytest.param(5, 2, 32, 4, 2, 16, 160, jnp.bfloat16, [3, 97], None, True, True, 32, 3, marks=pytest.mark.full),
+    pytest.param(5, 2, 32, 4, 2, 16, 160, jnp.bfloat16, [3, 97], None, True, True, 32, 3, 0, marks=pytest.mark.full),
 ]
 
 
-@pytest.mark.parametrize("seed,b,n,nh,nkv,hd,s,dtype,starts,window,kv_len,sinks,bk,splits", TREE_CASES)
+@pytest.mark.parametrize("seed,b,n,nh,nkv,hd,s,dtype,starts,window,kv_len,sinks,bk,splits,extra", TREE_CASES)
 def test_tree_kernel_matches_brute_force(seed, b, n, nh, nkv, hd, s, dtype, starts, window, kv_len, sinks, bk,
-                                         splits):
-    q, k, v, q_pos, start, visible, kw = _case(seed, b, n, nh, nkv, hd, s, dtype, starts, kv_len=kv_len, sinks=sinks)
-    assert (np.asarray(q_pos) - start[:, None]).max() < n  # a tree, not a chain: some node has siblings
+                                         splits, extra):
+    q, k, v, q_pos, start, visible, kw = _case(seed, b, n, nh, nkv, hd, s, dtype, starts, kv_len=kv_len, sinks=sinks,
+                                               extra=extra)
+    assert (np.asarray(q_pos) - start[:, None]).max() < n + extra  # a tree, not a chain: some node has siblings
     out = jax.jit(lambda *a: attn_pallas.cache_attention(*a[:4], scale=hd ** -0.5, window=window, **kw,
                                                          tree_start=a[4], tree_visible=a[5], block_k=bk,
                                                          splits=splits))(q, k, v, q_pos, jnp.asarray(start),
@@ -109,10 +114,17 @@ def test_tree_arguments_are_checked():
     call = lambda **kw: attn_pallas.cache_attention(q, k, k, pos, scale=0.25, **kw)
     with pytest.raises(ValueError, match="tree_start and tree_visible must be given together"):
         call(tree_start=start)
-    with pytest.raises(ValueError, match=r"tree_visible must be bool \(2, 3, 3\)"):
-        call(tree_start=start, tree_visible=jnp.ones((2, 3, 4), bool))
+    with pytest.raises(ValueError, match=r"tree_visible must be bool \(2, 3\) \+ \(n,\) with n >= 3"):
+        call(tree_start=start, tree_visible=jnp.ones((2, 3, 2), bool))
     with pytest.raises(ValueError, match="tree_start must have shape"):
         call(tree_start=start[:1], tree_visible=jnp.ones((2, 3, 3), bool))
+    # more tree slots than queries: the slots have no positions, so no window may hide one
+    from pjax.kernels.cache_attention import TreeMask, reference
+    wide = jnp.ones((2, 3, 5), bool)
+    for check in (lambda: call(tree_start=start, tree_visible=wide, window=4),
+                  lambda: reference.cache_attention(q, k, k, pos, scale=0.25, window=4, tree=TreeMask(start, wide))):
+        with pytest.raises(ValueError, match="a tree of 5 slots seen by 3 queries needs window None or >= 5"):
+            check()
 
 
 def test_tree_kernel_lowers_for_cuda():

@@ -1,7 +1,7 @@
 """Tensor- and expert-parallel decoding on a ("data", "model") mesh of 8 fake CPU devices: the weights are placed as
 planned (per-device bytes = 1/n of each split weight), loading never copies a whole split tensor to a device, and the
 sharded engine emits the single-device tokens (greedy: plain greedy decoding, token for token; sampled: the same
-seeds give the same tokens).
+seeds give the same tokens), also with the Pallas kernels running per shard (`pjax.models.per_shard`).
 
 The suite's process has 4 devices (conftest.py), and JAX fixes the device count when it starts: `test_on_8_devices`
 runs this module again in one subprocess with 8 (the tests below it skip in the 4-device process, the subprocess
@@ -241,6 +241,96 @@ def test_sharded_greedy(family, mesh_shape, experts):
     assert res.tokens == plain_greedy(family)
 
 
+PALLAS = [("llama", (1, 2), None, "expert"), ("qwen3_moe", (2, 4), None, "expert"), ("llama", (1, 2), 12, "expert"),
+          ("llama", (2, 4), 12, "expert"), ("qwen3_moe", (1, 2), 12, "expert"), ("qwen3_moe", (1, 8), None, "expert"),
+          ("qwen3_moe", (2, 4), None, "intermediate"), ("gpt_oss", (1, 8), None, "expert"),
+          ("gemma4", (1, 4), None, "expert"), ("qwen3", (2, 4), 12, "expert")]
+PALLAS_DEFAULT = PALLAS[1:2]  # rows split, KV heads replicated, experts split (KV heads split: the test below)
+
+
+@inner
+@pytest.mark.parametrize("family,mesh_shape,tree_budget,experts", [
+    pytest.param(*c, marks=() if c in PALLAS_DEFAULT else pytest.mark.full,
+                 id=f"{c[0]}-{c[1][0]}x{c[1][1]}-{c[2]}-{c[3]}") for c in PALLAS])
+def test_pallas_per_shard(family, mesh_shape, tree_budget, experts):
+    """implementation="pallas" on the mesh (the kernels per shard, interpret mode) == plain single-device greedy
+    decoding with the XLA ops, token for token; tree_budget: each round verifies a draft tree (the tree mask);
+    experts "intermediate": the MoE runs its XLA reference, the attention per shard."""
+    data, _ = mesh_shape
+    mesh = pjax.make_mesh(*mesh_shape)
+    target = pjax.models.place_target(tp_target(family), mesh, experts)
+    res = pjax.generate(target, tp_drafter(family), PROMPTS, max_new_tokens=NEW, num_speculative_tokens=K, mesh=mesh,
+                        compiler_options=FAST, implementation="pallas", tree_budget=tree_budget,
+                        prefill="padded" if data > 1 else "auto")  # both prefill layouts' flash attention
+    assert res.tokens == plain_greedy(family)
+
+
+@inner
+def test_cache_attention_per_shard():
+    """Cache attention per shard on a 2 x 2 mesh (rows on "data", query and KV heads on "model") over a draft tree with
+    sinks and a sliding window, traced under the mesh as the engine traces its programs == the one-device
+    reference."""
+    from jax.sharding import NamedSharding
+    from pjax.kernels.cache_attention import TreeMask, reference
+    from pjax.models import per_shard
+    mesh = pjax.make_mesh(2, 2)
+    b, t, s, nh, nkv, hd = 2, 5, 24, 4, 2, 16
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal(shape).astype(np.float32) for shape in ((b, t, nh, hd), (b, s, nkv, hd),
+                                                                           (b, s, nkv, hd)))
+    start = np.array([9, 14], np.int32)
+    parent = np.array([-1, 0, 0, 1, 2])  # a root, two children, a grandchild under each
+    depth = np.array([0, 1, 1, 2, 2])
+    visible = np.zeros((t, t), bool)
+    for i in range(t):
+        j = i
+        while j >= 0:
+            visible[i, j], j = True, parent[j]
+    args = dict(q=q, k=k, v=v, q_pos=start[:, None] + depth[None], sinks=rng.standard_normal(nh).astype(np.float32),
+                tree=TreeMask(start, np.broadcast_to(visible, (b, t, t))))
+    kw = dict(scale=hd ** -0.5, window=8)
+
+    def sharded(a):
+        with per_shard.traced_on(mesh):
+            return per_shard.cache_attention(a.pop("q"), a.pop("k"), a.pop("v"), a.pop("q_pos"),
+                                             implementation="pallas", **a, **kw)
+    placed = jax.device_put(args, NamedSharding(mesh, P()))
+    got = jax.jit(sharded)(placed)
+    want = reference.cache_attention(**{n: jnp.asarray(x) for n, x in args.items() if n != "tree"},
+                                     tree=jax.tree.map(jnp.asarray, args["tree"]), **kw)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@inner
+def test_kernels_run_per_shard():
+    """Traced under a 2 x 4 mesh with implementation="pallas", the engine's chunk program runs cache attention and
+    the expert matmul inside shard_map, the prefill the flash attention and grouped matmul kernels; no kernel runs on
+    whole arrays (acceptance and the drafter's inputs run their references over the split vocabulary)."""
+    from pjax.decode import Sampling, make_spec, prefill
+    from pjax.decode.engine import fixed_chunk
+    from pjax.models.per_shard import traced_on
+    from kernel_jaxpr import shard_kernel_names
+    mesh = pjax.make_mesh(2, 4)
+    target, drafter = pjax.models.place_target(tp_target("qwen3_moe"), mesh), tp_drafter("qwen3_moe")
+    spec = make_spec(target, drafter, EngineConfig(num_speculative_tokens=3, implementation="pallas"),
+                     max_new_tokens=8)
+    rows = 4
+    sampling = Sampling(jnp.zeros((rows,)), jnp.zeros((rows,), jnp.int32), jnp.ones((rows,)),
+                        jnp.zeros((rows,), jnp.uint32))
+    prompts, lengths = jnp.ones((rows, 16), jnp.int32), jnp.full((rows,), 16, jnp.int32)
+
+    def prefilled(t, d, p, n, s):
+        with traced_on(mesh, t.experts):
+            return prefill(t, d, p, n, s, spec=spec, capacity=32)
+    inside, outside = shard_kernel_names(prefilled, target, drafter, prompts, lengths, sampling)
+    assert {"pjax_flash_attention_fwd", "pjax_grouped_matmul"} <= inside and not outside, (inside, outside)
+    state = jax.eval_shape(prefilled, target, drafter, prompts, lengths, sampling)
+    chunk = functools.partial(fixed_chunk, spec=spec, rounds=1, mesh=mesh)
+    inside, outside = shard_kernel_names(chunk, target, drafter, state, sampling)
+    assert {"pjax_cache_attention", "pjax_cache_attention_merge", "pjax_expert_matmul"} <= inside and not outside, (
+        inside, outside)
+
+
 @inner
 def test_engine_sharded_requests():
     """The serving engine on a 2 x 4 mesh (2 slots, one per data row; 4 requests joining as slots free, greedy and
@@ -269,7 +359,7 @@ def test_engine_sharded_requests():
 @inner
 def test_mesh_settings_and_errors():
     """--tensor-parallel N of the server and the benchmark is a 1 x N mesh of the first N devices; an engine refuses
-    a data axis that does not divide its slots and the Pallas kernels under a mesh, naming the setting."""
+    a data axis that does not divide its slots and a mesh without the axes "data" and "model", naming them."""
     from pjax.bench.cli import build_parser as bench_parser
     from pjax.decode.settings import mesh_from_flags
     from pjax.serve.cli import build_parser as serve_parser
@@ -285,8 +375,6 @@ def test_mesh_settings_and_errors():
     target = tp_target("llama")
     with pytest.raises(ValueError, match="max_slots: the mesh's 3 data-parallel rows must divide the 4 slots"):
         Engine(target, None, EngineConfig(max_slots=4, drafting="none"), mesh=pjax.make_mesh(3, 2))
-    with pytest.raises(ValueError, match="implementation='pallas' with a mesh of 2 devices"):
-        Engine(target, None, EngineConfig(drafting="none", implementation="pallas"), mesh=pjax.make_mesh(1, 2))
     with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh with axes 'data' and 'model'"):
         Engine(target, None, EngineConfig(drafting="none"), mesh=jax.make_mesh((2,), ("x",)))
 

@@ -1,7 +1,8 @@
 """Draft trees: `build_tree` is the exact best-N by path probability (brute force over every token path of a tiny
 vocabulary), `accept_tree_greedy` equals a step-by-step walk of the tree and, on a chain, the chain's greedy
 acceptance; cache attention under a tree mask equals a brute-force masked attention and, for a chain, the position
-rule; greedy decoding with a tree equals plain greedy decoding token for token."""
+rule; greedy decoding with a tree (P-EAGLE's, and EAGLE-3's grown depth by depth) equals plain greedy decoding token
+for token."""
 import dataclasses
 import itertools
 
@@ -13,7 +14,7 @@ import pytest
 import pjax
 from pjax.decode.tree import Tree, accept_tree_greedy, build_tree
 from pjax.kernels.acceptance.reference import accept as chain_accept
-from tests.engine_utils import FAST, make_drafter, round_programs, tiny_llama
+from tests.engine_utils import FAST, make_drafter, make_eagle3, round_programs, tiny_llama
 
 B, K, V, N = 3, 3, 4, 10
 
@@ -199,22 +200,31 @@ def pair():
 
 
 @pytest.fixture(scope="module")
+def heads(pair):
+    """The head of each drafting mode: `pair`'s P-EAGLE head, and an EAGLE-3 head with the same draft vocabulary."""
+    target, drafter = pair
+    return {"parallel": drafter, "sequential": make_eagle3(target, draft_vocab_size=48)}
+
+
+@pytest.fixture(scope="module")
 def chain_run(pair):
     """Chain decoding of PROMPTS: plain greedy's tokens (tests/test_engine_greedy.py holds the chain to them)."""
     return pjax.generate(*pair, PROMPTS, max_new_tokens=NEW + DK, drafting="parallel", num_speculative_tokens=DK,
                          compiler_options=FAST)
 
 
-def test_tree_rounds_commit_the_accepted_path(pair, chain_run):
+@pytest.mark.parametrize("drafting", ["parallel", "sequential"])
+def test_tree_rounds_commit_the_accepted_path(pair, heads, chain_run, drafting):
     """Rounds driven with injected trees (the engine's own tree shape, the true continuation placed along the path
     to a chosen node, every other node wrong): the accepted count is that node's depth, the output is plain greedy's,
     and before each round the engine's tree equals the tree a fresh prefill over everything accepted so far drafts
-    (so the accepted path's K/V, features and tokens were committed in chain form)."""
-    target, drafter = pair
+    (so the accepted path's K/V, features and tokens were committed in chain form, and a sequential tree's scratch
+    K/V from earlier rounds is never read)."""
+    target, drafter = pair[0], heads[drafting]
     ref = chain_run.tokens
     n_tree, cap, lp, new = 8, 64, 48, NEW
-    spec = pjax.decode.make_spec(target, drafter, pjax.decode.EngineConfig(num_speculative_tokens=DK,
-                                                                           tree_budget=n_tree), max_new_tokens=new)
+    spec = pjax.decode.make_spec(target, drafter, pjax.decode.EngineConfig(
+        drafting=drafting, num_speculative_tokens=DK, tree_budget=n_tree), max_new_tokens=new)
     b = len(PROMPTS)
     samp, run_prefill, round_ = round_programs(target, drafter, spec, b, lp, cap)
 
@@ -251,14 +261,19 @@ def test_tree_rounds_commit_the_accepted_path(pair, chain_run):
     assert seen == set(range(DK + 1))
 
 
-def test_generate_with_a_tree_equals_plain_greedy(pair, chain_run):
+@pytest.mark.parametrize("drafting,cases", [
+    ("parallel", ((DK, "product"), (10, "product"), (10, "min"))), ("sequential", ((DK, "product"),)),
+    # a sequential tree of N > K: in the default run, decoded by hand above and by generate on a second family
+    # (tests/test_tree_sequential.py)
+    pytest.param("sequential", ((10, "product"),), marks=pytest.mark.full)])
+def test_generate_with_a_tree_equals_plain_greedy(pair, heads, chain_run, drafting, cases):
     """generate(tree_budget=N): plain greedy's tokens (ragged batch) for N = K and N > K (the acceptance lengths of
     chain and trees are printed: a random head's trees rarely meet the target, so they are recorded, not compared)."""
     chain = [t[:NEW] for t in chain_run.tokens]
     als = {}
-    for n, score in ((DK, "product"), (10, "product"), (10, "min")):
-        res = pjax.generate(*pair, PROMPTS, max_new_tokens=NEW, drafting="parallel", num_speculative_tokens=DK,
-                            tree_budget=n, tree_score=score, compiler_options=FAST)
+    for n, score in cases:
+        res = pjax.generate(pair[0], heads[drafting], PROMPTS, max_new_tokens=NEW, drafting=drafting,
+                            num_speculative_tokens=DK, tree_budget=n, tree_score=score, compiler_options=FAST)
         assert res.tokens == chain
         st = res.stats
         assert st["stop_reasons"] == ["length"] * len(PROMPTS) and len(st["acceptance_rates"]) == DK
@@ -272,7 +287,7 @@ def test_tree_settings_errors(pair):
     target, drafter = pair
     gen = lambda **kw: pjax.generate(target, drafter, PROMPTS, max_new_tokens=4,  # noqa: E731
                                      **{"num_speculative_tokens": DK, "tree_budget": 8, **kw})
-    for kw, match in [(dict(drafting="sequential"), "tree_budget needs drafting='parallel'"),
+    for kw, match in [(dict(drafting="none"), "tree_budget needs drafting='parallel' or 'sequential'"),
                       (dict(tree_budget=2), "tree_budget=2 must be >= num_speculative_tokens=3"),
                       (dict(tree_budget=0), "tree_budget must be an integer >= 1"),
                       (dict(tree_score="max"), r"tree_score='max': expected one of \('product', 'min'\)"),
@@ -286,11 +301,14 @@ def test_tree_settings_errors(pair):
     with pytest.raises(ValueError, match="tree_budget=20 exceeds the 14 paths"):  # 2 + 4 + 8
         pjax.decode.make_spec(target, make_drafter(target, draft_vocab_size=2),
                               dataclasses.replace(cfg, tree_budget=20), max_new_tokens=4)
+    with pytest.raises(ValueError, match="tree_budget=20 exceeds the 10 nodes a sequential tree"):  # 2 + 2 x 2^2
+        pjax.decode.make_spec(target, make_drafter(target, draft_vocab_size=2),
+                              dataclasses.replace(cfg, tree_budget=20, drafting="sequential"), max_new_tokens=4)
 
 
 def test_bench_sweeps_tree_budgets():
-    """`pjax bench --tree-budget`: parallel drafting also runs a tree of each N >= K per K (after its chain), each
-    row and request line says which, bench.md labels the K cell; the settings' errors name the flag."""
+    """`pjax bench --tree-budget`: each speculative mode also runs a tree of each N >= K per K (after the chains),
+    each row and request line says which, bench.md labels the K cell; the settings' errors name the flag."""
     from pjax.bench.errors import BenchError
     from pjax.bench.report import markdown
     from pjax.bench.runner import BenchSettings, run_bench
@@ -300,12 +318,14 @@ def test_bench_sweeps_tree_budgets():
     backend = StandIn()
     res = run_bench(backend, [prompt_set()], s, meta={}, progress=False)
     assert [(r["drafting"], r["k"], r["tree_budget"]) for r in res.rows] == [
-        ("none", 0, None), ("sequential", 1, None), ("parallel", 1, None), ("parallel", 1, 2), ("parallel", 1, 4),
-        ("sequential", 3, None), ("parallel", 3, None), ("parallel", 3, 4)]
-    assert {c[4] for c in backend.calls if c[0] == "prepare"} == {3 + 4 + 3 + 4}  # prompt + new + max K + max N
+        ("none", 0, None), ("sequential", 1, None), ("parallel", 1, None), ("sequential", 1, 2), ("sequential", 1, 4),
+        ("parallel", 1, 2), ("parallel", 1, 4), ("sequential", 3, None), ("parallel", 3, None), ("sequential", 3, 4),
+        ("parallel", 3, 4)]
+    # prompt + new + max K + a sequential tree's drafter scratch at K = 3, N = 4: (K - 1) x 4 frontier slots > N
+    assert {c[4] for c in backend.calls if c[0] == "prepare"} == {3 + 4 + 3 + 8}
     assert {line["tree_budget"] for line in res.requests} == {None, 2, 4}
     md = markdown(res, {}, plots={})
-    assert "| parallel | 1, tree 2 | 1 |" in md and "| parallel | 3, tree 4 | 1 |" in md
+    assert "| parallel | 1, tree 2 | 1 |" in md and "| sequential | 3, tree 4 | 1 |" in md
     base = dict(drafting=("parallel", "none"), ks=(3,), tree_budgets=(4,))
     BenchSettings(**base, temperature=0.5).validate()  # trees sample too
     for kw, needle in [(dict(tree_budgets=(2,)), "no budget is >= a K"), (dict(drafting=("none",)), "parallel"),

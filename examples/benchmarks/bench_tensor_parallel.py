@@ -14,11 +14,15 @@ the engine places it) is timed on a state whose caches hold `--context` position
 Timing: warm-up, then `--groups` groups of `--calls` chunk calls dispatched back to back; the median per round.
 Weights are random (acceptance ~0: every round emits one token), so a round costs what it costs at any acceptance.
 One JSON line per measurement: device count, batch, mode, ms per round, speedup and scaling efficiency against the
-one-device run of the same mode and batch (speedup / n) when that ran first.
+one-device run of the same mode and batch (speedup / n) when that ran first; the HBM roofline of the round (the
+bytes one device reads: its weight shards, MoE experts only as far as the round's tokens reach them in expectation,
+its KV heads of the cache; over the device's HBM bandwidth) and the fraction of it reached; with --profile, the
+share of the first device's kernel time spent in collectives (NCCL kernels in a profiler trace of two chunks).
+MoE targets: --experts expert | intermediate picks how the experts are split (`pjax.models.sharding`).
 
-Under a mesh of several devices the engine runs the kernels' XLA references (`pjax.decode.Engine`); the one-device
-run uses --implementation (default "auto": the Pallas kernels where they are faster); pass --implementation xla to
-compare like with like.
+Every device count runs the kernels of --implementation (default "auto": the Pallas kernels where they are faster on
+a GPU): on several devices the same kernels as on one, per shard (`pjax.models.per_shard`); pass --implementation
+xla to time XLA's partitioned references instead.
 """
 from __future__ import annotations
 
@@ -26,6 +30,8 @@ import argparse
 import dataclasses
 import functools
 import json
+import os
+import re
 import statistics
 import sys
 import time
@@ -43,11 +49,16 @@ from pjax.decode.engine import fixed_chunk, mesh_config, state_shardings  # noqa
 from pjax.dtypes import parse_dtype  # noqa: E402
 from pjax.kernels import IMPLEMENTATIONS  # noqa: E402
 from pjax.models import place_drafter  # noqa: E402
+from pjax.models.sharding import EXPERT_SHARDING  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import synthetic_state  # noqa: E402
+from devtime import gpu_kernel_events, trace_calls  # noqa: E402
 
 DONATE = jax.default_backend() != "cpu"
+HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}  # peak HBM bandwidth by device kind (vendor data sheets)
+COLLECTIVE = re.compile(r"nccl|all.?reduce|all.?gather|reduce.?scatter|all.?to.?all|collective", re.I)
+EXPERT_LEAVES = ("gate_up", "down", "gate_up_bias", "down_bias")
 
 
 def ints(text: str) -> list[int]:
@@ -63,8 +74,43 @@ def placed_state(target, head, spec, batch: int, capacity: int, context: int, me
     return jax.jit(make, out_shardings=state_shardings(jax.eval_shape(make), mesh))()
 
 
-def time_chunks(target, head, spec, batch: int, a, mesh) -> float:
-    """Median ms per round of the engine's fixed-trip chunk program."""
+def device_bytes(x, device) -> int:
+    """Bytes of array `x` held by `device`."""
+    return sum(s.data.nbytes for s in x.addressable_shards if s.device == device)
+
+
+def round_bytes(target, head, spec, batch: int, context: int, device, n: int, itemsize: int) -> float:
+    """HBM bytes `device` (one of n on the "model" axis) reads in one round: its weight shards (MoE experts scaled by
+    the expected share of experts the round's tokens reach), the drafter's weights (speculative rounds), and its KV
+    heads (all of them where n does not divide them) of `context` cached positions per row (sliding-window layers:
+    at most their window) at `itemsize` bytes."""
+    cfg = target.config
+    tokens = batch * (spec.k + 1)
+    moe = cfg.moe
+    reach = 1.0 if moe is None else 1.0 - (1.0 - moe.top_k / moe.num_experts) ** tokens
+    total = 0.0
+    for path, x in jax.tree_util.tree_flatten_with_path(target.params)[0]:
+        names = [str(getattr(p, "key", getattr(p, "idx", p))) for p in path]
+        expert = "mlp" in names and any(name in EXPERT_LEAVES for name in names)
+        total += (reach if expert else 1.0) * device_bytes(x, device)
+    if spec.drafting.speculative:
+        total += sum(device_bytes(x, device) for x in jax.tree.leaves(head.params))
+    for layer in cfg.layers:
+        seen = context if layer.sliding_window is None else min(context, layer.sliding_window)
+        kv_heads = layer.num_kv_heads // n if layer.num_kv_heads % n == 0 else layer.num_kv_heads
+        total += batch * seen * 2 * kv_heads * layer.head_dim * itemsize
+    return total
+
+
+def collective_share(events) -> float:
+    """The share of kernel time spent in collective kernels, from `devtime.gpu_kernel_events`."""
+    busy = sum(e - s for s, e, _ in events)
+    return sum(e - s for s, e, name in events if COLLECTIVE.search(name)) / max(busy, 1)
+
+
+def time_chunks(target, head, spec, batch: int, a, mesh) -> tuple[float, float | None]:
+    """(median ms per round of the engine's fixed-trip chunk program, with a.profile on a GPU the share of the first
+    device's kernel time in collectives over two traced chunks, else None)."""
     capacity = a.context + (a.warmup + a.groups * a.calls) * a.rounds * (spec.k + 1) + 2 * spec.k + 8
     state = placed_state(target, head, spec, batch, capacity, a.context, mesh)
     drafter = head if spec.drafting.speculative else None
@@ -83,7 +129,16 @@ def time_chunks(target, head, spec, batch: int, a, mesh) -> float:
             state, view = fn(target, drafter, state, sampling)
         jax.block_until_ready((state, view))
         per_round.append((time.perf_counter() - t0) * 1e3 / (a.calls * a.rounds))
-    return statistics.median(per_round)
+    share = None
+    if a.profile and jax.default_backend() == "gpu":
+        box = [state]
+
+        def call():
+            box[0], out = fn(target, drafter, box[0], sampling)
+            return out
+        events = gpu_kernel_events(trace_calls(call, (), 2))
+        share = None if not events else round(collective_share(events), 4)
+    return statistics.median(per_round), share
 
 
 def main(argv=None):
@@ -102,7 +157,10 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=2, help="untimed chunk calls first (default 2)")
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--implementation", default="auto", choices=IMPLEMENTATIONS,
-                    help="kernels of the one-device run (a mesh of several devices runs xla)")
+                    help="the kernel switch of every run (several devices run the kernels per shard)")
+    ap.add_argument("--experts", default="expert", choices=EXPERT_SHARDING,
+                    help="MoE targets: experts split by expert (expert parallel) or by intermediate dimension")
+    ap.add_argument("--profile", action="store_true", help="GPU: also the share of kernel time in collectives")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test: the tiny shape, small batches and context")
     a = ap.parse_args(argv)
     if a.tiny:
@@ -115,7 +173,7 @@ def main(argv=None):
     base = {}
     for n in devices:
         mesh = pjax.make_mesh(1, n, devices=jax.devices()[:n])
-        target = random_target(a.shape, dtype, mesh=mesh)
+        target = random_target(a.shape, dtype, mesh=mesh, experts=a.experts)
         head = place_drafter(random_head(target, str(a.head_layers), parallel=True, dtype=dtype, shape=a.shape), mesh)
         for mode in a.modes.split(","):
             peagle = mode == "peagle"
@@ -124,14 +182,21 @@ def main(argv=None):
                                            implementation=a.implementation), mesh)
             spec = make_spec(target, head if peagle else None, cfg, max_new_tokens=1 << 20)
             for b in a.batch:
-                ms = time_chunks(target, head, spec, b, a, mesh)
+                ms, share = time_chunks(target, head, spec, b, a, mesh)
+                hbm = next((v for k, v in HBM_BYTES_PER_S.items() if k in jax.devices()[0].device_kind), None)
+                roof = None if hbm is None else 1e3 * round_bytes(target, head, spec, b, a.context, jax.devices()[0],
+                                                                  n, dtype.itemsize) / hbm
                 one = base.setdefault((mode, b), ms) if n == 1 else base.get((mode, b))
                 row = {"bench": "tensor_parallel", "shape": a.shape, "devices": n, "batch": b, "mode": mode,
                        "k": spec.k, "context": a.context, "implementation": cfg.implementation,
+                       "experts": a.experts if target.config.moe else None,
                        "ms_per_round": round(ms, 4), "tokens_per_s_at_zero_acceptance": round(b * 1e3 / ms, 1),
+                       "roofline_ms": None if roof is None else round(roof, 4),
+                       "of_roofline": None if roof is None else round(roof / ms, 3), "collective_share": share,
                        "speedup": None if one is None else round(one / ms, 3),
                        "scaling_efficiency": None if one is None else round(one / ms / n, 3),
                        "backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
+                       "xla_flags": os.environ.get("XLA_FLAGS"),
                        "date": time.strftime("%Y-%m-%d")}
                 print(json.dumps(row), flush=True)
 

@@ -5,8 +5,9 @@ defines them), and exactness against plain decoding at temperature 0.
     python -m pjax bench --target DIR --head DIR --dataset mt-bench --drafting parallel,sequential,none \\
         --k 3,7,11 --concurrency 1,8,64 --max-new-tokens 256 --out DIR
 
---tree-budget 8,16,32 adds, for parallel drafting at each K, a run that verifies a tree of N draft tokens per round
-(the N most probable paths of the head's per-position distributions) for each N >= K.
+--tree-budget 8,16,32 adds, for each speculative mode at each K, a run that verifies a tree of N draft tokens per
+round for each N >= K (parallel: the N most probable paths of the head's per-position distributions; sequential:
+EAGLE-2's dynamic tree, grown depth by depth).
 
 Targets: a Hugging Face or pjax-native directory, or `random:llama3.1-8b|gpt-oss-20b|qwen3-30b-a3b` (random
 weights of that geometry: time large shapes with --simulate-acceptance; `random:gpt-oss-20b-mxfp4|gpt-oss-120b|
@@ -56,7 +57,7 @@ from pjax.bench.backend import SCHEDULING, BatchBackend, EngineBackend
 from pjax.bench.datasets import DATASET_NAMES, load_dataset
 from pjax.bench.errors import BenchError
 from pjax.bench.exactness import NEAR_TIE_EPS, next_token_logits
-from pjax.bench.models import RANDOM_SHAPES, parse_random, random_head, random_target
+from pjax.bench.models import PACKED_SHAPES, RANDOM_SHAPES, geometry, parse_random, random_head, random_target
 from pjax.bench.report import PLOTS_MISSING, plots_available, write_outputs
 from pjax.bench.runner import BenchSettings, build_prompt_set, environment, run_bench
 from pjax.checkpoint.errors import CheckpointError
@@ -103,7 +104,7 @@ def build_parser(prog: str = "python -m pjax bench") -> argparse.ArgumentParser:
     m = p.add_argument_group("models")
     m.add_argument("--target", required=True,
                    help="target directory (Hugging Face or pjax-native), or random:SHAPE with SHAPE one of "
-                        f"{', '.join(RANDOM_SHAPES)} (random weights)")
+                        f"{', '.join([*RANDOM_SHAPES, *PACKED_SHAPES])} (random weights)")
     m.add_argument("--head", default=None,
                    help="drafter head directory (P-EAGLE / EAGLE-3, either layout) or random:N (a random head of N "
                         "layers shaped for the target); needed for parallel / sequential drafting")
@@ -138,8 +139,8 @@ def build_parser(prog: str = "python -m pjax bench") -> argparse.ArgumentParser:
                    help="drafts per round, comma-separated (default 3,7,11); auto: also each speculative mode with "
                         "a budget that follows the load (K from 0 to 7 chosen per device chunk)")
     s.add_argument("--tree-budget", type=_ints("--tree-budget"), default=(), metavar="N1,N2",
-                   help="parallel drafting also runs, at each K, a tree of N draft tokens per round for each N >= K, "
-                        "comma-separated (default: chains only)")
+                   help="each speculative mode also runs, at each K, a tree of N draft tokens per round for each "
+                        "N >= K, comma-separated (default: chains only)")
     s.add_argument("--concurrency", type=_ints("--concurrency"), default=(1,),
                    help="requests in flight, comma-separated (default 1)")
     s.add_argument("--scheduling", choices=SCHEDULING, default="continuous",
@@ -236,7 +237,7 @@ def _heads(args, settings: BenchSettings, target, dtype, shape: Optional[str]) -
                                         check_finite=not args.no_finite_check)
         heads[mode] = loaded[(spec, own)]
         for k in settings.ks:
-            trees = [n for n in settings.tree_budgets if n >= k] if mode == "parallel" else []
+            trees = [n for n in settings.tree_budgets if n >= k]
             for n in [None] + trees:
                 try:
                     sim = settings.simulated(k)
@@ -272,7 +273,7 @@ def _prompt_sets(args, settings: BenchSettings, datasets, tok, shape: Optional[s
         except (ValueError, TypeError) as e:
             raise BenchError(f"rendering a prompt with the tokenizer of {args.tokenizer or args.target} failed: "
                              f"{e}") from None
-    vocab = config_from_hf(RANDOM_SHAPES[shape]).vocab_size if shape is not None else None
+    vocab = config_from_hf(RANDOM_SHAPES[geometry(shape)]).vocab_size if shape is not None else None
     count = None if settings.num_prompts is None else max(settings.num_prompts)
     return [build_prompt_set(ds, count, render=render if tok is not None else None, random_vocab=vocab,
                              prompt_len=args.prompt_len, seed=settings.seed, how=how) for ds in datasets], chat
@@ -332,9 +333,9 @@ def run(args, argv) -> int:
     if args.compilation_cache is not None:
         use_compilation_cache(args.compilation_cache)
     shape = parse_random(args.target, "--target")
-    if shape is not None and shape not in RANDOM_SHAPES:
+    if shape is not None and geometry(shape) not in RANDOM_SHAPES:
         raise BenchError(f"--target {args.target}: unknown shape (expected one of "
-                         f"{', '.join('random:' + s for s in RANDOM_SHAPES)})")
+                         f"{', '.join('random:' + s for s in [*RANDOM_SHAPES, *PACKED_SHAPES])})")
     if shape is None and args.prompt_len is not None:
         raise BenchError("--prompt-len applies to random targets only (a real target's prompts are the dataset's)")
     names = [n.strip() for value in (args.dataset or ["mt-bench"]) for n in value.split(",") if n.strip()]

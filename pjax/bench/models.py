@@ -1,15 +1,16 @@
 """The models a benchmark runs: checkpoints from directories, or random weights of a published geometry for timing
-large shapes (`random:llama3.1-8b`, `random:gpt-oss-20b`, `random:qwen3-30b-a3b` targets, their shipped quantised
-forms with packed experts `random:gpt-oss-20b-mxfp4`, `random:gpt-oss-120b` (MXFP4) and `random:qwen3-30b-a3b-fp8`
-(FP8, 128 x 128 blocks), `random:code-pair` (the target `examples/code_pair/` trains), and `random:tiny` /
-`random:tiny-moe-mxfp4` for CPU smoke runs; `random:N` heads of N layers shaped for the target).
+large shapes (`random:llama3.1-8b`, `random:llama3.1-70b`, `random:gpt-oss-20b`, `random:qwen3-30b-a3b` targets;
+their shipped quantised forms with packed experts `random:gpt-oss-20b-mxfp4`, `random:gpt-oss-120b` (MXFP4) and
+`random:qwen3-30b-a3b-fp8` (FP8, 128 x 128 blocks); `random:gpt-oss-120b-bf16`, every weight in bf16, for several
+GPUs; `random:code-pair` (the target `examples/code_pair/` trains), and `random:tiny` / `random:tiny-moe-mxfp4` for
+CPU smoke runs; `random:N` heads of N layers shaped for the target).
 
-Random geometries are the published `config.json` values of meta-llama/Llama-3.1-8B-Instruct, openai/gpt-oss-20b,
-openai/gpt-oss-120b and Qwen/Qwen3-30B-A3B parsed by the same code as a real checkpoint
+Random geometries are the published `config.json` values of meta-llama/Llama-3.1-8B-Instruct and -70B-Instruct,
+openai/gpt-oss-20b, openai/gpt-oss-120b and Qwen/Qwen3-30B-A3B parsed by the same code as a real checkpoint
 (`pjax.models.config_from_hf`). Packed experts are generated directly in their packed form on the device (random
 codes and one scale giving the dense weights' ~0.02 spread), so no bf16 copy of them ever exists. Random heads
 take the draft vocabulary of the published heads of that target where one is known (32,000 tokens with a d2t
-map for Llama-3.1-8B, as its EAGLE-3 heads; the full vocabulary and mask token 201020 for GPT-OSS-20B, as
+map for Llama-3.1-8B and -70B, as their EAGLE-3 heads; the full vocabulary and mask token 201020 for GPT-OSS, as
 amazon/GPT-OSS-20B-P-EAGLE), else the target's vocabulary and its last id as mask token.
 """
 from __future__ import annotations
@@ -29,12 +30,18 @@ from pjax.models.families import config_from_hf
 from pjax.models.sharding import MODEL_AXIS, axis_size, leaf_spec, param_specs
 from pjax.models.target import Target, abstract_target
 
-__all__ = ["RANDOM_SHAPES", "parse_random", "random_head", "random_target"]
+__all__ = ["PACKED_SHAPES", "RANDOM_SHAPES", "geometry", "parse_random", "random_head", "random_target"]
 
 RANDOM_SHAPES = {
     "llama3.1-8b": {
         "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
         "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 131072, "rope_theta": 500000.0, "tie_word_embeddings": False,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192}},
+    "llama3.1-70b": {
+        "model_type": "llama", "vocab_size": 128256, "hidden_size": 8192, "intermediate_size": 28672,
+        "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
         "max_position_embeddings": 131072, "rope_theta": 500000.0, "tie_word_embeddings": False,
         "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                          "original_max_position_embeddings": 8192}},
@@ -66,8 +73,10 @@ RANDOM_SHAPES["tiny-moe"] = {  # a CPU smoke-test MoE geometry (packed experts: 
     **RANDOM_SHAPES["gpt-oss-20b"], "vocab_size": 512, "hidden_size": 64, "intermediate_size": 64,
     "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 8,
     "layer_types": ["sliding_attention", "full_attention"] * 2}
-# quantised forms: name -> (geometry, expert format); the experts are packed, everything else in the run's dtype
+# named forms: name -> (geometry, expert format); packed experts ("mxfp4" | "fp8"), everything else in the run's
+# dtype; None: every weight in the run's dtype (GPT-OSS-120B in bf16 does not fit one GPU: for several)
 PACKED_SHAPES = {"gpt-oss-20b-mxfp4": ("gpt-oss-20b", "mxfp4"), "gpt-oss-120b": ("gpt-oss-120b", "mxfp4"),
+                 "gpt-oss-120b-bf16": ("gpt-oss-120b", None),
                  "qwen3-30b-a3b-fp8": ("qwen3-30b-a3b", "fp8"), "tiny-moe-mxfp4": ("tiny-moe", "mxfp4")}
 FP8_BLOCK = (128, 128)
 # openai/gpt-oss-120b: gpt-oss-20b's widths with 36 layers and 128 experts
@@ -76,7 +85,8 @@ RANDOM_SHAPES["gpt-oss-120b"] = dict(
     layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(36)])
 
 # per target shape: (draft vocabulary size or None = the target's, mask token id or None = the last id)
-HEAD_VOCAB = {"llama3.1-8b": (32000, None), "gpt-oss-20b": (None, 201020), "gpt-oss-20b-mxfp4": (None, 201020),
+HEAD_VOCAB = {"llama3.1-8b": (32000, None), "llama3.1-70b": (32000, None), "gpt-oss-120b-bf16": (None, 201020),
+              "gpt-oss-20b": (None, 201020), "gpt-oss-20b-mxfp4": (None, 201020),
               "gpt-oss-120b": (None, 201020), "qwen3-30b-a3b": (None, None), "qwen3-30b-a3b-fp8": (None, None)}
 RANDOM_PREFIX = "random:"
 
@@ -89,6 +99,11 @@ def parse_random(value: str, flag: str) -> Optional[str]:
     if not rest:
         raise BenchError(f"{flag} {value}: give what follows 'random:'")
     return rest
+
+
+def geometry(shape: str) -> str:
+    """The `RANDOM_SHAPES` geometry of a random target's name (a packed form's, `PACKED_SHAPES`)."""
+    return PACKED_SHAPES.get(shape, (shape, None))[0]
 
 
 def _normal(key, shape, dtype, std):
@@ -138,10 +153,10 @@ def _packed(key, shape, fmt):
     return QuantizedWeight(data, jnp.full(blocks, 0.02 / 64, jnp.float32), "fp8", FP8_BLOCK)
 
 
-def random_target(shape: str, dtype, seed: int = 0, mesh=None) -> Target:
+def random_target(shape: str, dtype, seed: int = 0, mesh=None, experts: str = "expert") -> Target:
     """A target of the named geometry (`RANDOM_SHAPES`, or `PACKED_SHAPES` with packed MXFP4 / FP8 experts) with
     random weights; mesh: generated in place on it, split by the plan of `pjax.models.sharding` (a target larger
-    than one device never exists whole)."""
+    than one device never exists whole; experts: MoE experts split by "expert" or "intermediate")."""
     geometry, fmt = PACKED_SHAPES.get(shape, (shape, None))
     if geometry not in RANDOM_SHAPES:
         raise BenchError(f"--target random:{shape}: unknown shape (expected one of "
@@ -151,24 +166,25 @@ def random_target(shape: str, dtype, seed: int = 0, mesh=None) -> Target:
     key = jax.random.key(seed)
     n = axis_size(mesh, MODEL_AXIS)
     on_mesh = (lambda tree: None) if mesh is None else (  # noqa: E731
-        lambda tree: jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(tree, cfg, n)))
+        lambda tree: jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(tree, cfg, n, experts)))
     if fmt is None:
-        return Target(cfg, abstract.graphdef, _random_params(abstract.params, key, shardings=on_mesh(abstract.params)))
+        return Target(cfg, abstract.graphdef, _random_params(abstract.params, key, shardings=on_mesh(abstract.params)),
+                      experts)
     params = jax.tree.map(lambda x: x, abstract.params)  # a copy: the experts are replaced below
-    experts = {}
+    unpacked = {}
     for i, layer in params["layers"].items():
         mlp = layer.get("mlp", {})
         for name in ("gate_up", "down"):
             if name in mlp:
-                experts[(i, name)] = mlp.pop(name)
+                unpacked[(i, name)] = mlp.pop(name)
     params = _random_params(params, key, shardings=on_mesh(params))  # everything else, one leaf at a time
-    for j, ((i, name), leaf) in enumerate(sorted(experts.items())):
+    for j, ((i, name), leaf) in enumerate(sorted(unpacked.items())):
         packed = jax.eval_shape(functools.partial(_packed, shape=tuple(leaf.shape), fmt=fmt), jax.random.key(0))
         sharding = None if mesh is None else jax.tree.map(lambda s: NamedSharding(mesh, s),
-                                                          leaf_spec(("layers", i, "mlp", name), packed, cfg, n))
+                                                          leaf_spec(("layers", i, "mlp", name), packed, cfg, n, experts))
         params["layers"][i]["mlp"][name] = _on(_packed, (1, 2), sharding)(jax.random.fold_in(key, 2 ** 31 + j),
                                                                           tuple(leaf.shape), fmt)
-    return Target(cfg, abstract.graphdef, params)
+    return Target(cfg, abstract.graphdef, params, experts)
 
 
 def random_head(target: Target, spec: str, *, parallel: bool, dtype, shape: Optional[str] = None, seed: int = 1,

@@ -61,8 +61,8 @@ def _shade(r: dict, rows: Sequence[dict]) -> float:
 
 
 def best_per_mode(rows: Iterable[dict]) -> dict[int, dict[str, dict]]:
-    """Per concurrency: drafting mode -> its fastest row (the best K of each mode, parallel's the best of chains and
-    trees; `none` has one)."""
+    """Per concurrency: drafting mode -> its fastest row (the best K of each mode, the best of its chains and trees;
+    `none` has one)."""
     best: dict[int, dict[str, dict]] = {}
     for r in rows:
         if r["output_tokens_per_s"] is None:
@@ -74,10 +74,10 @@ def best_per_mode(rows: Iterable[dict]) -> dict[int, dict[str, dict]]:
 
 
 def _speedups(rows: Sequence[dict]) -> tuple[dict, dict]:
-    """Per concurrency: OTPS of `none`, and (OTPS, K) of the best sequential K."""
+    """Per concurrency: OTPS of `none`, and (OTPS, K cell) of the best sequential K (chain or tree)."""
     best = best_per_mode(rows)
     none = {c: m["none"]["output_tokens_per_s"] for c, m in best.items() if "none" in m}
-    seq = {c: (m["sequential"]["output_tokens_per_s"], m["sequential"]["k"]) for c, m in best.items()
+    seq = {c: (m["sequential"]["output_tokens_per_s"], _k(m["sequential"])) for c, m in best.items()
            if "sequential" in m}
     return none, seq
 

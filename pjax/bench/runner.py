@@ -33,9 +33,8 @@ __all__ = ["BenchResult", "BenchSettings", "PromptSet", "build_prompt_set", "env
 class BenchSettings:
     """The sweep. drafting: modes to run; ks: drafts per round (speculative modes); auto: also each speculative mode
     with the budget that follows the load (`EngineConfig.num_speculative_tokens="auto"`); concurrency: requests in
-    flight;
-    num_prompts: None (every prompt), one count, or one count per concurrency; tree_budgets: parallel drafting also
-    runs a tree of each N >= K per K (`EngineConfig.tree_budget`); simulate_acceptance: None or at
+    flight; num_prompts: None (every prompt), one count, or one count per concurrency; tree_budgets: each speculative
+    mode also runs a tree of each N >= K per K (`EngineConfig.tree_budget`); simulate_acceptance: None or at
     least max(ks) probabilities, the first K used at K (the engine's simulated verdicts: outputs are then not the
     target's); eos_token_ids: ids that end a request (empty: every request runs max_new_tokens); time_budget_s:
     a configuration starts only while the time since `run_bench`'s `t_start` plus the longest configuration so far
@@ -97,8 +96,8 @@ class BenchSettings:
             given = ",".join(map(str, self.tree_budgets))
             if any(n < 1 for n in self.tree_budgets) or len(set(self.tree_budgets)) != len(self.tree_budgets):
                 raise BenchError(f"--tree-budget {given}: budgets must be distinct integers >= 1")
-            if "parallel" not in self.drafting:
-                raise BenchError(f"--tree-budget {given}: trees need parallel in --drafting")
+            if not self.speculative:
+                raise BenchError(f"--tree-budget {given}: trees need parallel or sequential in --drafting")
             if not any(n >= k for n in self.tree_budgets for k in self.ks):
                 raise BenchError(f"--tree-budget {given}: no budget is >= a K of --k (a tree of N >= K tokens)")
             if self.simulate_acceptance is not None:
@@ -197,9 +196,9 @@ def _configurations(sets: Sequence[PromptSet], s: BenchSettings) -> list[tuple]:
             if "none" in s.drafting:
                 out.append((ps, "none", 0, c, None))
             for k in s.ks if s.speculative else ():
-                out += [(ps, d, k, c, None) for d in ("sequential", "parallel") if d in s.drafting]
-                if "parallel" in s.drafting:
-                    out += [(ps, "parallel", k, c, n) for n in s.tree_budgets if n >= k]
+                modes = [d for d in ("sequential", "parallel") if d in s.drafting]
+                out += [(ps, d, k, c, None) for d in modes]
+                out += [(ps, d, k, c, n) for d in modes for n in s.tree_budgets if n >= k]
             if s.auto:
                 out += [(ps, d, "auto", c, None) for d in ("sequential", "parallel") if d in s.drafting]
     return out
@@ -212,10 +211,12 @@ def _requests_for(ps: PromptSet, s: BenchSettings, c: int) -> tuple[list[Request
 
 
 def _max_positions(ps: PromptSet, s: BenchSettings) -> int:
-    """KV positions of the longest request of the set with its new tokens and drafting slack (2 K, K + N with a
-    tree): one value for every configuration of a dataset, so every mode and K reads the same cache size."""
+    """KV positions of the longest request of the set with its new tokens and drafting slack (`drafting_slack` of the
+    largest K and tree): one value for every configuration of a dataset, so every mode and K reads the same cache
+    size."""
     k = max(s.ks + ((K_MAX,) if s.auto else ()), default=0) if s.speculative else 0
-    return max(len(r.tokens) for r in ps.requests) + s.max_new_tokens + drafting_slack(k, max(s.tree_budgets + (k,)))
+    slack = drafting_slack(k, max(s.tree_budgets + (k,)), "sequential" in s.drafting and bool(s.tree_budgets))
+    return max(len(r.tokens) for r in ps.requests) + s.max_new_tokens + slack
 
 
 def _exactness_reason(s: BenchSettings, drafting: str, have_reference: bool) -> Optional[str]:

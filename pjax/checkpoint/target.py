@@ -40,7 +40,7 @@ def load_target(path, dtype=jnp.bfloat16, *, verify: bool = True, check_finite: 
     path = Path(path)
     if (path / NATIVE_MARKER).exists():
         return _named(load_native_target(path, dtype, verify=verify, check_finite=check_finite, mesh=mesh,
-                                         experts=experts), path)
+                                         experts=experts), path, mesh, experts)
     head = describe_head(path, read_hf_config(path))
     if head is not None:
         raise CheckpointError(f"{path} is {head}, not a target; load it with load_drafter")
@@ -48,12 +48,14 @@ def load_target(path, dtype=jnp.bfloat16, *, verify: bool = True, check_finite: 
     if weights is None:
         weights = "native" if dispatch.on_gpu() else "dequantized"
     return _named(load_hf_params(path, cfg, hf, dtype, check_finite=check_finite, weights=weights, mesh=mesh,
-                                 experts=experts), path)
+                                 experts=experts), path, mesh, experts)
 
 
-def _named(target: Target, path: Path) -> Target:
+def _named(target: Target, path: Path, mesh, experts: str) -> Target:
     """The target with its config's name_or_path: the checkpoint's `_name_or_path`, else its directory (what a head
-    trained for it records as its verifier, `pjax.models.pairing.pair_warnings`)."""
+    trained for it records as its verifier, `pjax.models.pairing.pair_warnings`); on a mesh, with its `experts`."""
+    if mesh is not None:
+        target = dataclasses.replace(target, experts=experts)
     if target.config.name_or_path:
         return target
     return dataclasses.replace(target, config=dataclasses.replace(target.config, name_or_path=str(path.resolve())))

@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence, Union
 
 from pjax.decode import inputs as I
 from pjax.decode.compiled import compile_count
-from pjax.decode.drafting import resolve
+from pjax.decode.drafting import Drafting, resolve
 from pjax.decode.engine import STOP_WIDTH, Engine, RequestParams, acceptance_stats
 from pjax.decode.settings import EngineConfig, configure
 from pjax.decode.state import STOP_INTERRUPTED, STOP_NAMES, drafting_slack
@@ -66,11 +66,12 @@ class Generation:
         temp, tk, tp, seeds = I.check_sampling(n, temperature, top_k, top_p, seed,
                                                defaults=(c.temperature, c.top_k, c.top_p, 0))
         stops = I.stop_table(eos_token_id, n, target.config.vocab_size, STOP_WIDTH)
-        _, k = resolve(drafter, c.drafting, c.num_speculative_tokens)
+        drafting, k = resolve(drafter, c.drafting, c.num_speculative_tokens)
         lengths = [len(r) for r in rows]
         longest, most = max(lengths), int(limits.max())
         if c.max_len is None:
-            max_len = I.bucket_capacity(longest + most + drafting_slack(k, c.tree_budget))
+            max_len = I.bucket_capacity(longest + most + drafting_slack(k, c.tree_budget,
+                                                                        drafting is Drafting.SEQUENTIAL))
         else:
             if not I.is_int(c.max_len) or c.max_len < 1:
                 raise ValueError(f"max_len must be a positive integer, got {c.max_len!r}")

@@ -1,4 +1,4 @@
-"""Drafting: parallel (P-EAGLE, one drafter pass) and sequential (EAGLE-3, K passes) proposals.
+"""Drafting: parallel (P-EAGLE, one drafter pass) and sequential (EAGLE-3, K passes) proposals, chains or trees.
 
 Pairing convention (EAGLE shift): the drafter slot at absolute position p holds (token x_{p+1},
 combined target feature g_p); its output predicts x_{p+2}. Drafter KV index = absolute position.
@@ -13,9 +13,10 @@ import jax.numpy as jnp
 
 from pjax.decode.packing import pack_prompts
 from pjax.decode.state import EngineSpec, Sampling
-from pjax.decode.tree import build_tree
+from pjax.decode.tree import beam_width, build_tree, grow_tree
 from pjax.kernels import rng
 from pjax.kernels.acceptance.reference import truncation_threshold
+from pjax.kernels.cache_attention import TreeMask
 from pjax.kernels.flash_attention import causal_mask, document_mask
 from pjax.kernels.metadata import build_draft_inputs
 from pjax.models.drafter import (draft_logits_from_hidden, draft_to_target, drafter_forward, logits_to_target_vocab,
@@ -129,6 +130,41 @@ def sequential_tail(drafter, cache, first_draft, h, start_pos, active, sampling:
     return drafts, q, cache
 
 
+def sequential_tree(drafter, cache, logits, h, root_pos, active, spec: EngineSpec):
+    """EAGLE-3's draft tree (EAGLE-2's dynamic tree, `tree.grow_tree`) of spec.tree_budget nodes of depth <= K.
+
+    logits [B, Vd] f32: the drafter at the root, the slot at position root_pos [B] (its last committed slot, whose
+    output drafts depth 1); h [B, H]: that slot's fed-back state (`feedback`). Each expansion is one drafter pass
+    over the W frontier nodes (W = `tree.beam_width`): node of depth d at position root_pos + d, fed its parent's
+    state as `sequential_tail` feeds a chain, its K/V at the scratch slot root_pos + 1 + (its frontier slot), seeing
+    the committed slots (<= root_pos) and its ancestors' scratch slots (a `TreeMask` of (K - 1) W slots; nothing
+    past the root's slot is read but those). The scratch is rewritten before it is read again: the next round's
+    first pass writes the accepted tokens' K/V from the target's features, and a tree only reads the slots its own
+    passes wrote. Inactive rows write nothing. Returns (the tree, tokens in target ids; cache)."""
+    b = logits.shape[0]
+    k, n = spec.k, spec.tree_budget
+    w = beam_width(n, k, drafter.config.draft_vocab_size)
+    start = root_pos + 1
+    lane = jnp.arange(w, dtype=jnp.int32)
+    valid = jnp.broadcast_to(active[:, None], (b, w))
+
+    def expand(carry, front):
+        cache, fed = carry  # fed [B, W, H]: the states the previous frontier's nodes fed back (depth 1: the root's)
+        h_in = _pick(fed, jnp.maximum(front.parent, 0))
+        pos = jnp.broadcast_to((root_pos + front.depth)[:, None], (b, w))
+        slots = start[:, None] + (front.depth - 1) * w + lane
+        normed, prenorm, cache = drafter_forward(drafter, draft_to_target(drafter, front.tokens), h_in, pos, cache,
+                                                 valid=valid, slots=slots, tree=TreeMask(start, front.visible),
+                                                 implementation=spec.implementation)
+        log_probs = jax.nn.log_softmax(draft_logits_from_hidden(drafter, normed), axis=-1)
+        return log_probs, (cache, feedback(drafter, normed, prenorm))
+
+    fed = jnp.broadcast_to(h[:, None], (b, w, h.shape[-1]))
+    tree, (cache, _) = grow_tree(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), expand, (cache, fed), n, k,
+                                 w, spec.tree_score)
+    return dataclasses.replace(tree, tokens=draft_to_target(drafter, tree.tokens).astype(jnp.int32)), cache
+
+
 def draft_round(drafter, cache, comb, verify_tokens, num_accepted, next_token, start_pos, active,
                 sampling: Sampling, spec: EngineSpec):
     """Draft K tokens after a verify round.
@@ -136,7 +172,8 @@ def draft_round(drafter, cache, comb, verify_tokens, num_accepted, next_token, s
     comb [B, K+1, H] combined target features of the verify rows; verify_tokens [B, K+1];
     num_accepted [B]; next_token [B] (bonus / recovered, at position start_pos + n + 1);
     start_pos [B] position of verify_tokens[:, 0]. Returns (drafts [B, K], q or None, tree or None, cache): the
-    proposal of `propose` (a tree with spec.tree_budget, parallel drafting).
+    proposal of `propose` (parallel drafting) or of `sequential_tail`; with spec.tree_budget drafts [B, 0] and the
+    tree (`propose`, or `sequential_tree` for sequential drafting).
     """
     k = spec.k
     di = build_draft_inputs(num_accepted, verify_tokens, next_token, start_pos, num_slots=2 * k,
@@ -157,6 +194,10 @@ def draft_round(drafter, cache, comb, verify_tokens, num_accepted, next_token, s
                                          cache, spec)
     n = num_accepted[:, None]
     logits = draft_logits_from_hidden(drafter, _pick(normed, n))
+    if spec.tree_budget is not None:
+        tree, cache = sequential_tree(drafter, cache, logits[:, 0], _pick(feedback(drafter, normed, prenorm), n)[:, 0],
+                                      start_pos + num_accepted, active, spec)
+        return jnp.zeros((logits.shape[0], 0), jnp.int32), None, tree, cache
     d1, q1 = select_drafts(drafter, logits, sampling, first_pos[:, None], spec)
     drafts, q, cache = sequential_tail(drafter, cache, d1[:, 0], _pick(feedback(drafter, normed, prenorm), n)[:, 0],
                                        start_pos + num_accepted, active, sampling, spec, q1)
@@ -250,7 +291,10 @@ def draft_prefill(drafter, cache, comb, prompts, lengths, first_token, active, s
     if use_masks:
         return (*propose(drafter, logits, sampling, first_pos[:, None] + jnp.arange(k, dtype=jnp.int32), spec),
                 cache)
+    h = _pick(feedback(drafter, normed, prenorm), idx)[:, 0]
+    if spec.tree_budget is not None:
+        tree, cache = sequential_tree(drafter, cache, logits[:, 0], h, lengths - 1, active, spec)
+        return jnp.zeros((b, 0), jnp.int32), None, tree, cache
     d1, q1 = select_drafts(drafter, logits, sampling, first_pos[:, None], spec)
-    drafts, q, cache = sequential_tail(drafter, cache, d1[:, 0], _pick(feedback(drafter, normed, prenorm), idx)[:, 0],
-                                       lengths - 1, active, sampling, spec, q1)
+    drafts, q, cache = sequential_tail(drafter, cache, d1[:, 0], h, lengths - 1, active, sampling, spec, q1)
     return drafts, q, None, cache

@@ -65,6 +65,7 @@ from pjax.dtypes import parse_dtype
 from pjax.models.drafter import consistent_drafter
 from pjax.models import sharding as SH
 from pjax.models.pairing import pair_warnings
+from pjax.models.per_shard import traced_on
 from pjax.models.target import consistent_target
 
 __all__ = ["Engine", "EngineConfig", "Event", "RequestParams", "STOP_WIDTH", "acceptance_stats", "admit", "mesh_config",
@@ -172,7 +173,8 @@ def _on_mesh(mesh, state, *rest):
 
 def admit_viewed(target, drafter, state, sampling, prompts, lengths, new_sampling, slots, *, mesh=None, **statics):
     """`admit`, and the admitted state's `host_view`; mesh: the engine's (None: one device)."""
-    state, sampling = admit(target, drafter, state, sampling, prompts, lengths, new_sampling, slots, **statics)
+    with traced_on(mesh, target.experts):
+        state, sampling = admit(target, drafter, state, sampling, prompts, lengths, new_sampling, slots, **statics)
     return _on_mesh(mesh, state, sampling, host_view(state))
 
 
@@ -180,7 +182,8 @@ def fixed_chunk(target, drafter, state: DecodeState, sampling: Sampling, *, spec
     """Exactly `rounds` rounds (a fixed trip count: on a GPU the call returns before the rounds run, so the host
     dispatches the next chunk and reads this one's view while the device works; rows that stop inside the chunk are
     masked for the rest of it, a no-op), then the state's `host_view`."""
-    state = jax.lax.fori_loop(0, rounds, lambda i, s: spec_round(target, drafter, s, sampling, spec=spec), state)
+    with traced_on(mesh, target.experts):
+        state = jax.lax.fori_loop(0, rounds, lambda i, s: spec_round(target, drafter, s, sampling, spec=spec), state)
     return _on_mesh(mesh, state, host_view(state))
 
 
@@ -188,7 +191,8 @@ def ending_chunk(target, drafter, state: DecodeState, sampling: Sampling, max_ro
                  mesh=None):
     """Rounds until every row is done, at most `max_rounds` (i32, runtime data; the loop reads its condition back
     every round, so the call returns when the chunk ends), then the state's `host_view`."""
-    state = decode_loop(target, drafter, state, sampling, max_rounds, spec=spec)[0]
+    with traced_on(mesh, target.experts):
+        state = decode_loop(target, drafter, state, sampling, max_rounds, spec=spec)[0]
     return _on_mesh(mesh, state, host_view(state))
 
 
@@ -240,17 +244,12 @@ def _check_int(v, name: str, low: int):
 
 
 def mesh_config(c: EngineConfig, mesh) -> EngineConfig:
-    """The config under `mesh`: the kernels' XLA references where the mesh has several devices (the Pallas kernels
-    do not run per shard yet)."""
+    """The config under `mesh` (checked: a mesh with axes "data" and "model"), as it is: the programs trace under
+    the mesh and the kernels run per shard (`pjax.models.per_shard`)."""
     if not isinstance(mesh, jax.sharding.Mesh) or set(mesh.axis_names) != {SH.DATA_AXIS, SH.MODEL_AXIS}:
         raise TypeError(f"mesh must be a jax.sharding.Mesh with axes {SH.DATA_AXIS!r} and {SH.MODEL_AXIS!r} "
                         f"(pjax.models.make_mesh), got {mesh!r}")
-    if mesh.size == 1:
-        return c
-    if c.implementation == "pallas":
-        raise ValueError(f"EngineConfig.implementation='pallas' with a mesh of {mesh.size} devices: the Pallas "
-                         "kernels do not run per shard; use 'xla' or 'auto'")
-    return dataclasses.replace(c, implementation="xla")
+    return c
 
 
 def _placed(model, mesh, place):
@@ -270,7 +269,7 @@ class Engine:
     target's weights are split over "model" (`pjax.models.sharding`; a target already placed on the mesh, e.g. by
     `load_target(..., mesh=)`, is kept as placed), the drafter replicated, the slots' rows split over "data" (which
     must divide max_slots, rounded up to a power of two) and the KV caches by KV heads over "model". Under a mesh of
-    several devices the kernels run their XLA references ("auto" is "xla"; "pallas" is refused).
+    several devices the kernels run per shard (`pjax.models.per_shard`), chosen by `implementation` as on one device.
     num_speculative_tokens "auto": `budgets` are the candidate K (0 .. K_max), each chunk runs the one `chooser` (a
     `pjax.decode.budget.BudgetChooser`; given one, e.g. a scripted one in a test, it is used as it is) picks; their
     round times are measured once before the first admission (`precompile`, or the first `step`). `budget`: the K

@@ -12,7 +12,7 @@ from pjax.decode import inputs as I
 from pjax.decode.budget import is_auto
 from pjax.decode.drafting import Drafting, resolve
 from pjax.decode.state import DRAFT_SAMPLING, EngineSpec
-from pjax.decode.tree import SCORES, path_count
+from pjax.decode.tree import SCORES, beam_width, candidate_count, path_count
 from pjax.kernels import IMPLEMENTATIONS
 from pjax.models.target import Target
 
@@ -34,8 +34,9 @@ class EngineConfig:
       acceptance seen so far (`pjax.decode.budget`; one compiled program per budget, none after warm-up).
     draft_sampling: "argmax" (vLLM's default) | "sample" (drafts sampled from the drafter's distribution).
     tree_budget: None (each round verifies a chain of K drafts), or N >= K: each round verifies a tree of N draft
-      tokens of depth <= K, the N most probable paths of the drafter's per-position distributions, in one target
-      pass (parallel drafting and argmax drafts; greedy and sampled rows alike, `pjax.decode.tree.accept_tree`).
+      tokens of depth <= K in one target pass (argmax drafts; greedy and sampled rows alike,
+      `pjax.decode.tree.accept_tree`): parallel drafting's N most probable paths of the drafter's per-position
+      distributions, or sequential drafting's dynamic tree, grown depth by depth (`pjax.decode.tree.grow_tree`).
     tree_score: how a tree ranks paths: "product" of the per-depth probabilities, or their "min" (deeper trees;
       `pjax.decode.tree.build_tree`).
     temperature / top_k / top_p: the sampling of a request that gives none (0 = greedy; 0 and 1 = no filter).
@@ -122,15 +123,16 @@ def make_spec(target, drafter, config: EngineConfig, *, max_new_tokens: int,
 
 
 def check_tree(c: EngineConfig, drafting: Drafting, k: int, drafter, acceptance) -> None:
-    """A tree budget's settings: an integer N >= K, parallel drafting, argmax drafts (the tree's tokens), a draft
-    vocabulary with N distinct paths of depth <= K, no replaced acceptance rule; else a ValueError naming them."""
+    """A tree budget's settings: an integer N >= K, drafting (parallel or sequential), argmax drafts (the tree's
+    tokens), a draft vocabulary with N distinct paths of depth <= K (sequential: N nodes among those `grow_tree`
+    generates), no replaced acceptance rule; else a ValueError naming them."""
     n = c.tree_budget
     if c.tree_score not in SCORES:
         raise ValueError(f"tree_score={c.tree_score!r}: expected one of {SCORES}")
     if not I.is_int(n) or n < 1:
         raise ValueError(f"tree_budget must be an integer >= 1 (draft tokens per tree) or None, got {n!r}")
-    if drafting is not Drafting.PARALLEL:
-        raise ValueError(f"tree_budget needs drafting='parallel' (one drafter pass drafts every depth), got "
+    if not drafting.speculative:
+        raise ValueError(f"tree_budget needs drafting='parallel' or 'sequential' (a drafter), got "
                          f"drafting={drafting.value!r}")
     if n < k:
         raise ValueError(f"tree_budget={n} must be >= num_speculative_tokens={k} (the tree's depth)")
@@ -139,9 +141,14 @@ def check_tree(c: EngineConfig, drafting: Drafting, k: int, drafter, acceptance)
     if acceptance is not None:
         raise ValueError("tree_budget: a replaced acceptance rule (simulated acceptance) takes chains only")
     vd = drafter.config.draft_vocab_size
-    if path_count(k, vd, n) < n:
-        raise ValueError(f"tree_budget={n} exceeds the {path_count(k, vd, n)} paths of depth <= {k} over the "
-                         f"draft vocabulary of {vd} tokens")
+    if drafting.one_pass:
+        if path_count(k, vd, n) < n:
+            raise ValueError(f"tree_budget={n} exceeds the {path_count(k, vd, n)} paths of depth <= {k} over the "
+                             f"draft vocabulary of {vd} tokens")
+    elif candidate_count(beam_width(n, k, vd), k) < n:
+        w = beam_width(n, k, vd)
+        raise ValueError(f"tree_budget={n} exceeds the {candidate_count(w, k)} nodes a sequential tree of depth {k} "
+                         f"generates over the draft vocabulary of {vd} tokens (frontier width {w})")
 
 
 # ------------------------------------------------------------------------------------------ command-line flags
@@ -192,8 +199,8 @@ FLAGS: dict[str, tuple[str, dict, str]] = {
     "draft_sampling": ("--draft-sampling", dict(choices=DRAFT_SAMPLING),
                        "argmax drafts, or drafts sampled from the drafter's distribution"),
     "tree_budget": ("--tree-budget", dict(type=_positive, metavar="N"),
-                    "verify a tree of N draft tokens (depth <= K) per round instead of a chain of K (parallel "
-                    "drafting, argmax drafts); default: a chain"),
+                    "verify a tree of N draft tokens (depth <= K) per round instead of a chain of K (argmax "
+                    "drafts); default: a chain"),
     "tree_score": ("--tree-score", dict(choices=SCORES),
                    "how a tree ranks paths: the product of the per-depth probabilities, or their minimum"),
     "temperature": ("--temperature", dict(type=number_flag(float, low=0.0), metavar="T"), "sampling temperature (0: "

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from pjax.decode.drafting import Drafting
+from pjax.decode.tree import beam_width
 
 DRAFT_SAMPLING = ("argmax", "sample")
 
@@ -44,7 +45,8 @@ class EngineSpec:
       replaces it, fn(logits [B, K+1, V], drafts [B, K], sampling, positions [B], num_drafts [B], spec) ->
       `AcceptResult`: the one extension point of a round (e.g. the benchmark's simulated acceptance).
     tree_budget: None (a chain of K drafts), or N >= K: each round verifies a tree of N draft nodes of depth <= K
-      built from the drafter's per-position distributions (`pjax.decode.tree`; parallel drafting).
+      (`pjax.decode.tree`: from the drafter's per-position distributions with parallel drafting, grown depth by
+      depth with sequential drafting).
     tree_score: the tree's path score, "product" | "min" (`pjax.decode.tree.build_tree`).
     state_k: None (the state holds K drafts), or K_max >= K: a budget that follows the load (`pjax.decode.budget`):
       the state is sized for K_max drafts (drafts, accepted_at, tested_at, the output buffer, the cache slack) and
@@ -79,7 +81,7 @@ class EngineSpec:
     @property
     def slack(self) -> int:
         """Cache positions a row keeps free past its last token (`drafting_slack` of K_max)."""
-        return drafting_slack(self.k_max, self.tree_budget)
+        return drafting_slack(self.k_max, self.tree_budget, self.drafting is Drafting.SEQUENTIAL)
 
     @property
     def out_len(self) -> int:
@@ -87,10 +89,13 @@ class EngineSpec:
         return self.max_new_tokens + self.k_max + 1
 
 
-def drafting_slack(k: int, tree_budget: Optional[int] = None) -> int:
+def drafting_slack(k: int, tree_budget: Optional[int] = None, sequential: bool = False) -> int:
     """Cache positions a request keeps free beyond prompt + max_new_tokens: a last round's verification and drafting
-    may write that far past its final token (2 K for a chain of K drafts, K + N for a tree of N nodes)."""
-    return k + (k if tree_budget is None else tree_budget)
+    may write that far past its final token (2 K for a chain of K drafts, K + N for a tree of N nodes; a sequential
+    tree's drafter writes (K - 1) W scratch slots past its root, W = `tree.beam_width`)."""
+    if tree_budget is None:
+        return 2 * k
+    return k + max(tree_budget, (k - 1) * beam_width(tree_budget, k) if sequential else 0)
 
 
 @dataclasses.dataclass

@@ -3,15 +3,17 @@
 P-EAGLE drafts every depth in one drafter pass, so each depth d = 1..K comes with a full distribution p_d. A tree of
 N nodes hangs under the root (the round's last committed token): node i carries a token, a parent (-1: the root) and
 a depth; the nodes come in order of selection, so a parent always precedes its children. `build_tree` selects the N
-best paths by a score of their per-depth probabilities (their product, or their minimum); the target verifies every
-node in one pass (each node attends to the committed cache and its ancestors); `accept_tree_greedy` walks the
+best paths by a score of their per-depth probabilities (their product, or their minimum). EAGLE-3 drafts depth by
+depth, each pass conditioned on the path so far: `grow_tree` builds EAGLE-2's dynamic tree (the drafter expands the
+best W nodes of each depth in one pass, then the N best of every node generated form the tree). The target verifies
+every node in one pass (each node attends to the committed cache and its ancestors); `accept_tree_greedy` walks the
 longest path the target agrees with, and `accept_tree` accepts greedy and sampled rows alike (lossless: each emitted
-token follows the target's law). Shapes: B rows, K depths, V vocabulary, N nodes (the budget).
+token follows the target's law). Shapes: B rows, K depths, V vocabulary, N nodes (the budget), W frontier width.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +21,8 @@ import jax.numpy as jnp
 from pjax.kernels import rng
 from pjax.kernels.acceptance import reference as acc
 
-__all__ = ["SCORES", "Tree", "TreeAccept", "accept_tree", "accept_tree_greedy", "build_tree", "commit_path",
-           "path_count"]
+__all__ = ["BEAM_WIDTH", "SCORES", "Frontier", "Tree", "TreeAccept", "accept_tree", "accept_tree_greedy", "beam_width",
+           "build_tree", "candidate_count", "commit_path", "grow_tree", "path_count"]
 
 FLOOR = -1e30  # log-probabilities are floored here (finite): a frontier slot with no node scores -inf, below any path
 
@@ -104,21 +106,113 @@ def build_tree(log_probs, budget: int, score: str = "product") -> Tree:
     depth_of = jnp.asarray([d + 1 for d in range(k) for _ in range(widths[d])], jnp.int32)
     parent_of = jnp.concatenate([par[0]] + [par[d] + offsets[d - 1] for d in range(1, k)], axis=1)  # global ids
     sel = _best(jnp.concatenate(sc, axis=1), jnp.concatenate(lg, axis=1), n)  # [B, N] global ids, best first
+    return _selected(sel, jnp.concatenate(tok, axis=1), parent_of, depth_of, k)
+
+
+def _selected(sel, tokens, parent, depth, depths: int) -> Tree:
+    """The tree of the candidates `sel` [B, N] (best first, every one's parent before it) out of C: tokens [B, C],
+    parent [B, C] i32 (a candidate id, -1: the root), depth [C] i32; depths: K, the deepest a candidate can be."""
+    b, n = sel.shape
     rows = jnp.arange(b)[:, None]
-    slot = jnp.full((b, parent_of.shape[1]), -1, jnp.int32).at[rows, sel].set(jnp.arange(n, dtype=jnp.int32))
-    gpar = jnp.take_along_axis(parent_of, sel, axis=1)
-    parent = jnp.where(gpar >= 0, jnp.take_along_axis(slot, jnp.maximum(gpar, 0), axis=1), -1)
+    slot = jnp.full(tokens.shape, -1, jnp.int32).at[rows, sel].set(jnp.arange(n, dtype=jnp.int32))
+    gpar = jnp.take_along_axis(parent, sel, axis=1)
+    node_parent = jnp.where(gpar >= 0, jnp.take_along_axis(slot, jnp.maximum(gpar, 0), axis=1), -1)
     # ancestor-or-self by walking up at most K - 1 parents
     node = jnp.arange(n, dtype=jnp.int32)
-    anc = node[None, :, None] == node[None, None, :]
-    cur = parent
-    for _ in range(k - 1):
+    anc = jnp.broadcast_to(node[None, :, None] == node[None, None, :], (b, n, n))
+    cur = node_parent
+    for _ in range(depths - 1):
         anc |= (cur[:, :, None] == node[None, None, :])
-        cur = jnp.where(cur >= 0, jnp.take_along_axis(parent, jnp.maximum(cur, 0), axis=1), -1)
+        cur = jnp.where(cur >= 0, jnp.take_along_axis(node_parent, jnp.maximum(cur, 0), axis=1), -1)
     top = jnp.zeros((b, 1, n + 1), bool).at[:, 0, 0].set(True)
     below = jnp.concatenate([jnp.ones((b, n, 1), bool), anc], axis=2)
-    return Tree(jnp.take_along_axis(jnp.concatenate(tok, axis=1), sel, axis=1).astype(jnp.int32),
-                parent.astype(jnp.int32), depth_of[sel], jnp.concatenate([top, below], axis=1))
+    return Tree(jnp.take_along_axis(tokens, sel, axis=1).astype(jnp.int32), node_parent.astype(jnp.int32),
+                depth[sel], jnp.concatenate([top, below], axis=1))
+
+
+BEAM_WIDTH = 8  # `grow_tree`'s frontier: the nodes expanded at each depth
+
+
+def beam_width(budget: int, depths: int, vocab: Optional[int] = None) -> int:
+    """The frontier width W of `grow_tree` for N = budget nodes of depth <= K = depths: N for K = 1, else
+    min(N, BEAM_WIDTH), widened until its W + (K - 1) W^2 candidates can fill N nodes; at most `vocab` (a node's
+    children are its W likeliest tokens)."""
+    n, k = int(budget), int(depths)
+    w = n if k == 1 else min(n, BEAM_WIDTH)
+    while w + (k - 1) * w * w < n:
+        w += 1
+    return w if vocab is None else min(w, int(vocab))
+
+
+def candidate_count(width: int, depths: int) -> int:
+    """Nodes `grow_tree` generates with frontier width W and K depths, the most it can keep: W + (K - 1) W^2."""
+    return width + (depths - 1) * width * width
+
+
+class Frontier(NamedTuple):
+    """The W nodes of depth d a `grow_tree` step expands. Frontier node i of depth j has the frontier slot
+    (j - 1) W + i, one of (K - 1) W (depths 1..K-1), so a drafter can give each frontier node its own scratch K/V."""
+    tokens: jax.Array  # [B, W] i32 token ids (the log-probabilities' vocabulary)
+    parent: jax.Array  # [B, W] i32 each node's parent in the previous frontier (-1: the root, d = 1)
+    visible: jax.Array  # [B, W, (K-1) W] bool the frontier slots of each node's ancestors-or-self
+    depth: jax.Array  # [] i32 d, 1..K-1
+
+
+def grow_tree(log_probs, expand, carry, budget: int, depths: int, width: int, score: str = "product"):
+    """EAGLE-2's dynamic tree: the drafter runs once per depth on the best W nodes so far, each conditioned on its path.
+
+    log_probs [B, V] f32: log p at depth 1 (the root's distribution). expand(carry, frontier) -> (log_probs
+    [B, W, V], carry): the distributions after each of the W `Frontier` nodes (depth d = 1..K-1), each given its
+    own path (e.g. one drafter pass over the W tokens feeding back the parents' states, each attending to its
+    ancestors' frontier slots). The procedure: depth 1's candidates are the root's W likeliest tokens, and all of
+    them are the first frontier; at each depth d + 1 = 2..K every frontier node proposes its W likeliest children
+    (W^2 candidates), and the W best candidates by path score become the next frontier. Then the N = budget best of
+    all W + (K - 1) W^2 candidates are the tree, best first (ties by the product, then generation order: a parent
+    before its children). Path score: "product", the sum of the log-probabilities along the path (EAGLE-2's), or
+    "min", their minimum (`build_tree`). A child never scores above its parent, so the N best form a tree. Static
+    shapes; the K - 1 expansions run in one `lax.scan`. Needs W <= V and N <= `candidate_count(W, K)`.
+    Returns (the `Tree`, tokens as vocabulary ids of `log_probs`; carry)."""
+    if score not in SCORES:
+        raise ValueError(f"tree score {score!r}: expected one of {SCORES}")
+    join = jnp.add if score == "product" else jnp.minimum
+    b = log_probs.shape[0]
+    k, n, w = int(depths), int(budget), int(width)
+    if n > candidate_count(w, k):
+        raise ValueError(f"grow_tree: budget={n} exceeds the {candidate_count(w, k)} candidates of width {w} and "
+                         f"{k} depths")
+    m = (k - 1) * w
+    lane = jnp.arange(w, dtype=jnp.int32)
+    own = lambda d: jnp.broadcast_to((d - 1) * w + lane[:, None] == jnp.arange(m)[None], (b, w, m))  # noqa: E731
+    lp, ids = jax.lax.top_k(log_probs.astype(jnp.float32), w)  # [B, W] sorted, ties -> lower id first
+    lp = jnp.maximum(lp, FLOOR)
+    rows = jnp.broadcast_to(lane, (b, w))
+    first = Frontier(ids.astype(jnp.int32), jnp.full((b, w), -1, jnp.int32), own(1), jnp.int32(1))
+
+    def step(state, d):  # expands the frontier of depth d into the candidates of depth d + 1
+        front, sc, lg, gid, carry = state
+        clp, carry = expand(carry, front)
+        clp, cid = jax.lax.top_k(clp.astype(jnp.float32), w)  # [B, W, W]
+        clp = jnp.maximum(clp, FLOOR)
+        cs = join(sc[:, :, None], clp).reshape(b, w * w)
+        cl = (lg[:, :, None] + clp).reshape(b, w * w)
+        ctok = cid.reshape(b, w * w).astype(jnp.int32)
+        keep = _best(cs, cl, w)  # [B, W] the next frontier, best first
+        pick = lambda x: jnp.take_along_axis(x, keep, axis=1)  # noqa: E731
+        f = keep // w
+        vis = jnp.take_along_axis(front.visible, f[..., None], axis=1) | own(d + 1)
+        nxt = Frontier(pick(ctok), f, vis, d + 1)
+        base = w + (d - 1) * w * w  # the candidate id of depth d + 1's first
+        return (nxt, pick(cs), pick(cl), base + keep, carry), (cs, cl, ctok, jnp.repeat(gid, w, axis=1))
+
+    sc, lg, tok, par = [lp], [lp], [ids.astype(jnp.int32)], [jnp.full((b, w), -1, jnp.int32)]
+    if k > 1:
+        state = (first, lp, lp, rows, carry)
+        (*_, carry), outs = jax.lax.scan(step, state, jnp.arange(1, k, dtype=jnp.int32))
+        for parts, x in zip((sc, lg, tok, par), outs):  # [K-1, B, W^2] -> [B, (K-1) W^2]
+            parts.append(jnp.moveaxis(x, 0, 1).reshape(b, m * w))
+    depth_of = jnp.asarray([1] * w + [d for d in range(2, k + 1) for _ in range(w * w)], jnp.int32)
+    sel = _best(jnp.concatenate(sc, axis=1), jnp.concatenate(lg, axis=1), n)
+    return _selected(sel, jnp.concatenate(tok, axis=1), jnp.concatenate(par, axis=1), depth_of, k), carry
 
 
 def _walk(tree: Tree, depths: int, wins):

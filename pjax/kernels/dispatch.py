@@ -7,6 +7,9 @@
 - "auto": per op, shape and device: the kernel where it was measured faster on a GPU, else the reference. Off a GPU
   "auto" is "xla" (interpret mode is a correctness tool, not a fast path).
 An op may accept extra explicit choices of its own (cache attention: "mosaic").
+A Pallas kernel takes the arrays it is given whole: traced under a mesh of several devices (`on_mesh`) outside a
+`shard_map`, where XLA would gather its inputs onto every device, an op runs its reference whatever the switch says;
+the models run their kernels inside `shard_map`, per shard (`pjax.models.per_shard`).
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import importlib.util
 
 import jax
 
-__all__ = ["IMPLEMENTATIONS", "check", "interpret", "on_gpu", "use_kernel"]
+__all__ = ["IMPLEMENTATIONS", "check", "interpret", "on_gpu", "on_mesh", "use_kernel"]
 
 IMPLEMENTATIONS = ("xla", "pallas", "auto")
 
@@ -32,11 +35,21 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu" and importlib.util.find_spec("jax.experimental.pallas.triton") is not None
 
 
+def on_mesh() -> bool:
+    """True when the trace runs under a mesh (`jax.sharding.get_abstract_mesh`) with an axis of several devices that
+    is not manual: the arrays are whole, split by XLA's partitioner (inside a `shard_map` over every such axis they
+    are one device's blocks)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh is not None and not mesh.empty and any(
+        n > 1 and t != jax.sharding.AxisType.Manual for n, t in zip(mesh.axis_sizes, mesh.axis_types))
+
+
 def use_kernel(implementation: str, *, supported: bool = True, faster: bool = True, op: str = "pjax.kernels") -> bool:
     """Whether an op runs its Pallas kernel: `supported` = the kernel takes these shapes (else the reference, for
-    "pallas" too); `faster` = on a GPU the kernel was measured faster than XLA at these shapes ("auto")."""
+    "pallas" too); `faster` = on a GPU the kernel was measured faster than XLA at these shapes ("auto"). Under a
+    mesh (`on_mesh`): the reference."""
     check(implementation, op=op)
-    if implementation == "xla" or not supported:
+    if implementation == "xla" or not supported or on_mesh():
         return False
     return implementation == "pallas" or (faster and on_gpu())
 

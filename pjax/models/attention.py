@@ -2,7 +2,7 @@
 (`pjax.kernels.flash_attention`): over the new tokens (by position, or a training layout), over a KV cache (the fused
 cache-attention kernel), over the new tokens while writing them to a KV cache (the packed prefill: many prompts in one
 row, each token's K/V to its own cache row), or over the earlier passes of a multi-pass forward (`StepKV`, the EAGLE-3
-training-time test).
+training-time test). Under a mesh the kernels run per shard (`pjax.models.per_shard`).
 
 Shapes: B batch, T new tokens, S key/value length, P passes, H hidden, nh/nkv heads, hd head dim.
 """
@@ -16,10 +16,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pjax.config import LayerSpec, ModelConfig
-from pjax.kernels.cache_attention import TreeMask, cache_attention
-from pjax.kernels.flash_attention import AttentionMask, attention, position_mask
+from pjax.kernels.cache_attention import TreeMask
+from pjax.kernels.flash_attention import AttentionMask, position_mask
 from pjax.models.cache import LayerKV
 from pjax.models.layers import RMSNorm, apply_rope, linear, rms_norm, rope_tables
+from pjax.models.per_shard import attention, cache_attention
 
 __all__ = ["Attention", "StepKV", "init_step_kv"]
 

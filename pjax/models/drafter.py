@@ -121,12 +121,12 @@ class FusedFirstLayer(nnx.Module):
         self.norm_before_residual = norm_before_residual
 
     def __call__(self, e, f, positions, kv: Optional[LayerKV], *, valid=None, mask=None, cache_rows=None,
-                 implementation: str = "auto"):
+                 slots=None, tree=None, implementation: str = "auto"):
         """e, f [B, T, H] -> (h [B, T, H], kv)."""
         e_n, f_n = self.input_layernorm(e), self.hidden_norm(f)
         residual = f_n if self.norm_before_residual else f
         a, kv = self.self_attn(jnp.concatenate([e_n, f_n], axis=-1), positions, kv, valid=valid, mask=mask,
-                               cache_rows=cache_rows, implementation=implementation)
+                               cache_rows=cache_rows, slots=slots, tree=tree, implementation=implementation)
         h = residual + a
         return h + self.mlp(self.post_attention_layernorm(h)), kv
 
@@ -166,10 +166,10 @@ class DrafterModel(nnx.Module):
         return take_rows(self.embed_tokens.embedding[...], tokens)
 
     def __call__(self, tokens, hidden_in, positions, cache=None, *, valid=None, mask=None, cache_rows=None,
-                 implementation: str = "auto"):
+                 slots=None, tree=None, implementation: str = "auto"):
         """tokens, positions [B, T]; hidden_in [B, T, H] (combined); mask None, an `AttentionMask` (training layouts)
-        or a per-layer sequence of those; cache_rows: see `drafter_forward`. Returns (normed [B, T, H], prenorm
-        [B, T, H], cache)."""
+        or a per-layer sequence of those; cache_rows, slots, tree: see `drafter_forward`. Returns (normed [B, T, H],
+        prenorm [B, T, H], cache)."""
         n = len(self.layers)
         masks = list(mask) if isinstance(mask, (list, tuple)) else [mask] * n
         if len(masks) != n:
@@ -179,7 +179,8 @@ class DrafterModel(nnx.Module):
         h = hidden_in.astype(e.dtype)
         for i, layer in enumerate(self.layers):
             kv = None if cache is None else cache[i]
-            kw = dict(valid=valid, mask=masks[i], cache_rows=cache_rows, implementation=implementation)
+            kw = dict(valid=valid, mask=masks[i], cache_rows=cache_rows, slots=slots, tree=tree,
+                      implementation=implementation)
             h, kv = layer(e, h, positions, kv, **kw) if i == 0 else layer(h, positions, kv, **kw)
             if cache is not None:
                 new_cache.append(kv)
@@ -280,7 +281,7 @@ def no_parallel_reason(cfg: DrafterConfig) -> str:
 
 @float32_products
 def drafter_forward(drafter: Drafter, tokens, hidden_in, positions, cache=None, *, valid=None, mask=None,
-                    cache_rows=None, implementation: str = "auto"):
+                    cache_rows=None, slots=None, tree=None, implementation: str = "auto"):
     """One drafter pass over slots.
 
     tokens, positions [B, T] int32 (absolute positions); hidden_in [B, T, H] already combined (fc
@@ -290,11 +291,14 @@ def drafter_forward(drafter: Drafter, tokens, hidden_in, positions, cache=None, 
     (per-layer sliding windows honoured). mask: an `AttentionMask` (`pjax.kernels.flash_attention.mask`; or one
     per layer) replacing the positional rule (training layouts); cache may then be a `StepKV` (EAGLE-3 TTT steps).
     With a LayerKV cache, a mask and cache_rows [B, T] int32, each slot's K/V go to cache row cache_rows (the
-    packed prefill, `pjax.decode.packing`). implementation: the kernel switch ("xla" | "pallas" | "auto").
-    Returns (normed [B, T, H], prenorm [B, T, H], cache).
+    packed prefill, `pjax.decode.packing`). With a LayerKV cache, slots [B, T] int32 and tree a
+    `pjax.kernels.cache_attention.TreeMask`: the K/V go to cache indices `slots` and each query sees the committed
+    cache and its ancestors under the tree mask (a draft tree grown depth by depth, `pjax.decode.draft`).
+    implementation: the kernel switch ("xla" | "pallas" | "auto"). Returns (normed [B, T, H], prenorm [B, T, H],
+    cache).
     """
     return drafter.module(tokens, hidden_in, positions, cache, valid=valid, mask=mask, cache_rows=cache_rows,
-                          implementation=implementation)
+                          slots=slots, tree=tree, implementation=implementation)
 
 
 def init_drafter_cache(drafter: Drafter, batch: int, capacity: int, dtype=jnp.bfloat16) -> list[LayerKV]:

@@ -2,6 +2,8 @@
 (each selected expert read once), a grouped matmul for prefill and training."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -9,9 +11,10 @@ from flax import nnx
 from pjax.config import ModelConfig, MoeSpec
 from pjax.kernels.expert_matmul import expert_matmul
 from pjax.kernels.grouped_matmul import grouped_matmul
+from pjax.models import per_shard
 from pjax.models.layers import activation, linear
 
-__all__ = ["MOE_FEW_PAIRS", "MoE"]
+__all__ = ["MOE_FEW_PAIRS", "MoE", "mix_experts"]
 
 
 # Token-expert pairs up to this count, and up to twice the expert count, use `expert_matmul` (each selected expert read
@@ -49,42 +52,62 @@ class MoE(nnx.Module):
                 w = w / jnp.sum(w, axis=-1, keepdims=True)
         return w.astype(x.dtype), idx
 
-    def _expert_out(self, e_ids, x_rows, matmul):
-        """Shared expert math on gathered rows: activation and down projection with biases."""
-        inter = self.spec.intermediate_size
-        gu = matmul(x_rows, self.gate_up.get_value())  # an array or a packed QuantizedWeight
-        if self.gate_up_bias is not None:
-            gu = gu + self.gate_up_bias[...][e_ids]
-        a = activation(self.cfg.mlp_act, gu[..., :inter], gu[..., inter:], self.cfg)
-        out = matmul(a, self.down.get_value(), second=True)
-        if self.down_bias is not None:
-            out = out + self.down_bias[...][e_ids]
-        return out
-
     def __call__(self, x, implementation: str = "auto"):
         """x [..., H] -> [..., H]; implementation: the kernel switch (expert matmul for decode / verify, grouped
-        matmul for more pairs)."""
+        matmul for more pairs; per shard under a mesh, `pjax.models.per_shard.experts`)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        n, k = x.shape[0], self.spec.top_k
         w, idx = self.route(x)
-        if n * k <= min(MOE_FEW_PAIRS, 2 * self.spec.num_experts):  # decode / verify: selected experts, once each
-            def matmul(a, wts, second=False):  # pairs (token, j) in row-major order; token rows feed k pairs
-                rows = a.reshape(n * k, -1) if second else a
-                return expert_matmul(rows, idx.reshape(-1), wts, repeat=1 if second else k,
-                                     implementation=implementation).reshape(n, k, -1)
-            out = self._expert_out(idx, x, matmul)  # [N, k, H]
-            y = jnp.einsum("nk,nkh->nh", w.astype(jnp.float32), out.astype(jnp.float32))
-        else:  # prefill / training: sort token-expert pairs by expert, grouped matmul
-            flat = idx.reshape(-1)
-            order = jnp.argsort(flat, stable=True)
-            e_sorted = flat[order]
-            rows = x[order // k]
-            sizes = jnp.bincount(flat, length=self.spec.num_experts).astype(jnp.int32)
-
-            def matmul(a, wts, second=False):
-                return grouped_matmul(a, wts, sizes, implementation=implementation)
-            out_sorted = self._expert_out(e_sorted, rows, matmul)  # [N*k, H]
-            out = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(n, k, -1)
-            y = jnp.einsum("nk,nkh->nh", w.astype(jnp.float32), out.astype(jnp.float32))
+        params = {"gate_up": self.gate_up.get_value(), "down": self.down.get_value(),  # arrays or QuantizedWeights
+                  "gate_up_bias": None if self.gate_up_bias is None else self.gate_up_bias[...],
+                  "down_bias": None if self.down_bias is None else self.down_bias[...]}
+        mix = functools.partial(mix_experts, spec=self.spec, cfg=self.cfg, implementation=implementation)
+        y = per_shard.experts(mix, x, w, idx, params, self.spec.num_experts, implementation)
         return y.astype(x.dtype).reshape(shape)
+
+
+def _expert_out(e_ids, x_rows, matmul, params: dict, spec: MoeSpec, cfg: ModelConfig):
+    """Shared expert math on gathered rows: activation and down projection with biases (e_ids index params)."""
+    inter = spec.intermediate_size
+    gu = matmul(x_rows, params["gate_up"])
+    if params["gate_up_bias"] is not None:
+        gu = gu + params["gate_up_bias"][e_ids]
+    a = activation(cfg.mlp_act, gu[..., :inter], gu[..., inter:], cfg)
+    out = matmul(a, params["down"], second=True)
+    if params["down_bias"] is not None:
+        out = out + params["down_bias"][e_ids]
+    return out
+
+
+def mix_experts(x, w, idx, params: dict, first=None, *, spec: MoeSpec, cfg: ModelConfig, implementation: str):
+    """y float32 [N, H] = sum over each token's k routed experts of w * expert(x): x [N, H], w [N, k], idx [N, k]
+    int32; params: gate_up [E', H, 2I], down [E', I, H] (arrays or `QuantizedWeight`s), gate_up_bias [E', 2I] and
+    down_bias [E', H] or None, the experts first .. first + E' - 1 (first None: all E experts, E' = E). Pairs routed
+    to other experts add nothing (expert parallel: a shard's own experts, `pjax.models.per_shard.experts`)."""
+    n, k = idx.shape
+    num = params["down"].shape[0]
+    own = None if first is None else (idx >= first) & (idx < first + num)  # [N, k] pairs of these experts
+    ids = idx if own is None else jnp.where(own, idx - first, num)  # others: past the last (sorted last, dropped)
+    if n * k <= min(MOE_FEW_PAIRS, 2 * spec.num_experts):  # decode / verify: selected experts, once each
+        safe = ids if own is None else jnp.minimum(ids, num - 1)
+
+        def matmul(a, wts, second=False):  # pairs (token, j) in row-major order; token rows feed k pairs
+            rows = a.reshape(n * k, -1) if second else a
+            return expert_matmul(rows, safe.reshape(-1), wts, repeat=1 if second else k,
+                                 implementation=implementation).reshape(n, k, -1)
+        out = _expert_out(safe, x, matmul, params, spec, cfg)  # [N, k, H]
+    else:  # prefill / training: sort token-expert pairs by expert, grouped matmul
+        flat = ids.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        e_sorted = flat[order]
+        rows = x[order // k]
+        sizes = jnp.bincount(flat, length=num).astype(jnp.int32)  # other experts' pairs (id num) are not counted
+
+        def matmul(a, wts, second=False):
+            return grouped_matmul(a, wts, sizes, implementation=implementation)
+        e_rows = e_sorted if own is None else jnp.minimum(e_sorted, num - 1)
+        out_sorted = _expert_out(e_rows, rows, matmul, params, spec, cfg)  # [N*k, H]
+        out = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(n, k, -1)
+    if own is not None:
+        out = jnp.where(own[..., None], out, 0)
+    return jnp.einsum("nk,nkh->nh", w.astype(jnp.float32), out.astype(jnp.float32))

@@ -145,8 +145,9 @@ def kv_spec(shape: tuple, mesh: Optional[Mesh]) -> P:
 
 
 def rows_spec(shape: tuple, mesh: Optional[Mesh]) -> P:
-    """A per-row leaf [B, ...]: rows on "data" (replicated over "model"); a scalar is replicated."""
-    return P(DATA_AXIS) if shape and axis_size(mesh, DATA_AXIS) > 1 else P()
+    """A per-row leaf [B, ...]: rows on "data" (replicated over "model"); a scalar and an empty leaf (no elements: what
+    a program returns for it is replicated) are replicated."""
+    return P(DATA_AXIS) if shape and 0 not in shape and axis_size(mesh, DATA_AXIS) > 1 else P()
 
 
 def put(value, sharding: Optional[NamedSharding], dtype=None) -> jax.Array:
@@ -168,9 +169,9 @@ def place(tree, specs, mesh: Mesh):
 
 
 def place_target(target, mesh: Mesh, experts: str = "expert"):
-    """The target with its params placed on `mesh` by the plan (`param_spec`)."""
+    """The target with its params placed on `mesh` by the plan (`param_spec`), its `experts` set to `experts`."""
     specs = param_specs(target.params, target.config, axis_size(mesh, MODEL_AXIS), experts)
-    return dataclasses.replace(target, params=place(target.params, specs, mesh))
+    return dataclasses.replace(target, params=place(target.params, specs, mesh), experts=experts)
 
 
 def place_drafter(drafter, mesh: Mesh):

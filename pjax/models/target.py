@@ -28,6 +28,7 @@ class Target:
     config: ModelConfig
     graphdef: Any
     params: Any  # pure dict matching nnx.split(Transformer)[1]
+    experts: str = "expert"  # how MoE experts are split over a mesh's "model" axis (`pjax.models.sharding`)
 
     @property
     def module(self) -> Transformer:
@@ -49,7 +50,7 @@ def consistent_target(target: "Target") -> "Target":
     return matching_module(target, abstract_target, "target")
 
 
-jax.tree_util.register_dataclass(Target, data_fields=["params"], meta_fields=["config", "graphdef"])
+jax.tree_util.register_dataclass(Target, data_fields=["params"], meta_fields=["config", "graphdef", "experts"])
 
 
 def abstract_target(config: ModelConfig, dtype=jnp.float32) -> Target:

@@ -51,7 +51,7 @@ def choose(q, k, implementation: str = "auto", config: AttentionConfig = DEFAULT
     if tree:
         supported = tree_kernel_supported(q, window, has_kv_len, config)
     else:
-        if implementation == "auto" and dispatch.on_gpu():
+        if implementation == "auto" and dispatch.on_gpu() and not dispatch.on_mesh():
             from pjax.kernels.cache_attention import mosaic
             if mosaic.available() and mosaic_preferred(q, k, config):
                 return "mosaic"
@@ -67,9 +67,9 @@ def cache_attention(q, k, v, q_pos, *, scale: float, window: Optional[int] = Non
     q [B, T, nh, hd]; k, v [B, S, nkv, hd]; q_pos [B, T] absolute positions; kv_len [B] (keys at index
     >= kv_len hidden) or None; window (sliding window) or None; sinks [nh] or None. Visible: key index <=
     q_pos, > q_pos - window, < kv_len. Equals `reference.attention(q, k, v, q_pos, arange(S), ...)`.
-    tree: None, or a `TreeMask`: the queries are the nodes of a draft tree at slots tree.start..+T-1, each seeing
-    the committed keys before tree.start by the rule above and its ancestors among the tree slots
-    (`mask.tree_visible`); the Triton kernel runs it where `tree_kernel_supported`, else the reference.
+    tree: None, or a `TreeMask`: the queries are nodes of a draft tree at the M slots tree.start..+M-1 (M = T: all of
+    them, in order), each seeing the committed keys before tree.start by the rule above and its ancestors among the
+    tree slots (`mask.tree_visible`); the Triton kernel runs it where `tree_kernel_supported`, else the reference.
     Returns [B, T, nh, hd] in q's dtype.
     implementation (`pjax.kernels.dispatch`, see `choose`): "pallas" runs the Triton kernel for up to
     `AttentionConfig.max_query_rows` (128) query rows per KV head (T * nh / nkv) and head_dim <= 256, the reference

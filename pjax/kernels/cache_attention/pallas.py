@@ -15,11 +15,12 @@ softmax in base 2 (scale folded into one multiply-add before `ex2.approx`); only
 visible range (causal diagonal, window start, kv_len, cache end) apply a mask, the interior runs mask-free; partial
 (o, m, l) per split are merged by a second small kernel (all splits of a [rows, 32 dims] block loaded at once)
 that also adds the attention sinks and writes [B, T, nh, hd] directly.
-Token trees (`tree_start`, `tree_visible`): the tree's T tokens sit at cache slots tree_start .. tree_start + T - 1
-while their positions (q_pos) are tree_start + depth, so hi = min(S, tree_start + T); keys below tree_start follow
-the position rules, the edge tiles reaching the tree slots also load the [M, BK] ancestor bits of their rows'
-queries from tree_visible (bool, one byte per (query, slot) as XLA stores it: no packing pass per call), and the
-interior tiles stay mask-free. Without a tree none of this is traced.
+Token trees (`tree_start`, `tree_visible` [B, T, n]): the tree's n tokens sit at cache slots tree_start ..
+tree_start + n - 1 (n = T: the queries are the tree's tokens, at positions q_pos = tree_start + depth; n > T: the
+queries are some of them), so hi = min(S, tree_start + n); keys below tree_start follow the position rules, the edge
+tiles reaching the tree slots also load the [M, BK] ancestor bits of their rows' queries from tree_visible (bool,
+one byte per (query, slot) as XLA stores it: no packing pass per call), and the interior tiles stay mask-free.
+Without a tree none of this is traced.
 Bytes moved: 2 * B * nkv * query blocks * (hi - lo) * hd * itemsize of K/V (each query block's programs read the
 K/V again; launched side by side, the repeats should mostly hit L2) + the tiny q, tree mask and partials, written
 once and read once (B * splits * nkv * query blocks * M * (hd * itemsize + 8)).
@@ -44,6 +45,7 @@ from jax.experimental.pallas import triton as pltriton
 from pjax.kernels import dispatch, hardware
 from pjax.kernels._pallas_util import call_kwargs, dot_precision, exp2, next_pow2
 from pjax.kernels.cache_attention.config import DEFAULT, AttentionConfig
+from pjax.kernels.cache_attention.mask import TreeMask, check_window
 from pjax.kernels.cache_attention.reference import check_inputs
 
 NEG_INF = float("-inf")
@@ -64,7 +66,7 @@ def key_range(qmin, qmax, kv_hi, *, bk, window):
 
 
 def _kernel(q_ref, k_ref, v_ref, qpos_ref, *refs, t, g, s_len, hd, hdp, m_rows, bk, ns, nqb, window, has_len,
-            has_tree, scale, precision, interpret):
+            has_tree, tree_slots, scale, precision, interpret):
     len_ref = refs[0] if has_len else None
     start_ref, vis_ref = refs[has_len:has_len + 2] if has_tree else (None, None)
     o_ref, m_ref, l_ref = refs[-3:]
@@ -86,10 +88,10 @@ def _kernel(q_ref, k_ref, v_ref, qpos_ref, *refs, t, g, s_len, hd, hdp, m_rows, 
     lo, full_lo, full_hi, n_blocks = key_range(jnp.min(jnp.where(rmask, qp, 2 ** 30)), jnp.max(qp),
                                                s_len if kv_len is None else jnp.minimum(kv_len, s_len), bk=bk,
                                                window=window)
-    if has_tree:  # the committed keys end at the tree's first slot, the tree's T slots follow whatever q_pos says
+    if has_tree:  # the committed keys end at the tree's first slot, its tree_slots slots follow whatever q_pos says
         tree_lo = start_ref[b]
         full_hi = jnp.minimum(full_hi, tree_lo)
-        n_blocks = jnp.maximum((jnp.minimum(tree_lo + t, s_len) - lo + bk - 1) // bk, 0)
+        n_blocks = jnp.maximum((jnp.minimum(tree_lo + tree_slots, s_len) - lo + bk - 1) // bk, 0)
     per = (n_blocks + ns - 1) // ns
     blk0 = sp * per
     blk1 = jnp.minimum(n_blocks, blk0 + per)
@@ -122,7 +124,7 @@ def _kernel(q_ref, k_ref, v_ref, qpos_ref, *refs, t, g, s_len, hd, hdp, m_rows, 
 
         def tree_mask(s_):  # committed keys by position | the tree slots of the row's query's ancestors-or-self
             j = kidx - tree_lo
-            in_tree = (j >= 0) & (j < t) & kmask
+            in_tree = (j >= 0) & (j < tree_slots) & kmask
             anc = pltriton.load(vis_ref.at[b, t_c[:, None], jnp.where(in_tree, j, 0)[None, :]],
                                 mask=rmask[:, None] & in_tree[None, :], other=False)
             return jnp.where(visible() | anc, s_, NEG_INF)
@@ -181,10 +183,12 @@ def smem_budget(config: AttentionConfig = DEFAULT) -> int:
 def block_size(block_k: int, s_len: int, hdp: int, m_rows: int, itemsize: int, stages: int,
                config: AttentionConfig = DEFAULT) -> int:
     """Keys per tile: block_k, capped by the cache length and halved (down to min_block_k) until the K/V pipeline
-    buffers and the query tile fit in `smem_budget` (f32 or head_dim 256 tiles are 2x larger)."""
+    buffers, the query tile and the probabilities tile of the P @ V product ([m_rows, bk], staged in shared memory)
+    fit in `smem_budget` (f32 or head_dim 256 tiles are 2x larger). On an H200, 128 rows of head_dim 128 in bf16
+    take 128-key tiles 2 stages deep or 64-key tiles 3 deep: 128 x 3 asks Triton for 256 KiB."""
     lo = config.min_block_k
     bk = max(lo, min(block_k, next_pow2(s_len)))
-    while bk > lo and (stages * 2 * bk + m_rows) * hdp * itemsize > smem_budget(config):
+    while bk > lo and ((stages * 2 * bk + m_rows) * hdp + m_rows * bk) * itemsize > smem_budget(config):
         bk //= 2
     return bk
 
@@ -197,8 +201,9 @@ def query_blocks(rows: int, config: AttentionConfig = DEFAULT) -> tuple:
     return config.max_query_rows, pl.cdiv(rows, config.max_query_rows)
 
 
-def check_tree(q, tree_start, tree_visible):
-    """tree_start [B] and tree_visible [B, T, T] bool given together, or an error naming the argument."""
+def check_tree(q, tree_start, tree_visible, window=None):
+    """tree_start [B] and tree_visible [B, T, n >= T] bool given together (`mask.check_window` for the window), or an
+    error naming the argument."""
     if (tree_start is None) != (tree_visible is None):
         raise ValueError("cache_attention: tree_start and tree_visible must be given together (or neither)")
     if tree_start is None:
@@ -206,9 +211,11 @@ def check_tree(q, tree_start, tree_visible):
     b, t = q.shape[:2]
     if tuple(jnp.shape(tree_start)) != (b,):
         raise ValueError(f"cache_attention: tree_start must have shape {(b,)}, found {tuple(jnp.shape(tree_start))}")
-    if tuple(tree_visible.shape) != (b, t, t) or tree_visible.dtype != jnp.bool_:
-        raise ValueError(f"cache_attention: tree_visible must be bool {(b, t, t)}, found {tree_visible.dtype} "
-                         f"{tuple(tree_visible.shape)}")
+    if (tree_visible.ndim != 3 or tuple(tree_visible.shape[:2]) != (b, t) or tree_visible.shape[2] < t
+            or tree_visible.dtype != jnp.bool_):
+        raise ValueError(f"cache_attention: tree_visible must be bool {(b, t)} + (n,) with n >= {t}, found "
+                         f"{tree_visible.dtype} {tuple(tree_visible.shape)}")
+    check_window(TreeMask(tree_start, tree_visible), t, window)
 
 
 def partials(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, kv_len=None, tree_start=None,
@@ -234,7 +241,8 @@ def partials(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, kv_l
     interpret = dispatch.interpret(interpret)
     has_len, has_tree = kv_len is not None, tree_start is not None
     kern = functools.partial(_kernel, t=t, g=g, s_len=s_len, hd=hd, hdp=hdp, m_rows=m_rows, bk=bk, ns=ns, nqb=nqb,
-                             window=window, has_len=has_len, has_tree=has_tree, scale=float(scale),
+                             window=window, has_len=has_len, has_tree=has_tree,
+                             tree_slots=tree_visible.shape[2] if has_tree else 0, scale=float(scale),
                              precision=dot_precision(q.dtype), interpret=interpret)
     f32 = jnp.float32
     o_dtype = q.dtype if jnp.dtype(q.dtype).itemsize == 2 else f32
@@ -310,12 +318,12 @@ def cache_attention(q, k, v, q_pos, *, scale: float, window: Optional[int] = Non
                     num_warps: Optional[int] = None, num_stages: Optional[int] = None,
                     config: AttentionConfig = DEFAULT, interpret: Optional[bool] = None):
     """Same contract as `pjax.kernels.cache_attention.reference.cache_attention` (`partials` for the other
-    arguments), plus a token tree: tree_start [B] int32 (the tree's first cache slot) and tree_visible [B, T, T]
-    bool (query i sees tree slot tree_start + j iff tree_visible[b, i, j]), or both None. With a tree, query i
-    sees the keys at slot < tree_start by the position rules vs q_pos (window, kv_len), the tree slots by
-    tree_visible alone, nothing from tree_start + T on."""
+    arguments), plus a token tree: tree_start [B] int32 (the tree's first cache slot) and tree_visible [B, T, n]
+    bool, n >= T (query i sees tree slot tree_start + j iff tree_visible[b, i, j]), or both None. With a tree, query
+    i sees the keys at slot < tree_start by the position rules vs q_pos (window, kv_len), the tree slots by
+    tree_visible alone, nothing from tree_start + n on."""
     check_inputs(q, k, v, q_pos, kv_len, sinks)
-    check_tree(q, tree_start, tree_visible)
+    check_tree(q, tree_start, tree_visible, window)
     parts = partials(q, k, v, q_pos, scale=scale, window=window, kv_len=kv_len, tree_start=tree_start,
                      tree_visible=tree_visible, block_k=block_k, splits=splits, num_warps=num_warps,
                      num_stages=num_stages, config=config, interpret=interpret)

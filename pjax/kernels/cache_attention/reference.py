@@ -7,7 +7,7 @@ from typing import Optional
 
 import jax.numpy as jnp
 
-from pjax.kernels.cache_attention.mask import TreeMask, tree_visible
+from pjax.kernels.cache_attention.mask import TreeMask, check_window, tree_visible
 from pjax.kernels.flash_attention import reference as flash_reference
 from pjax.kernels.flash_attention.mask import position_mask
 
@@ -25,7 +25,7 @@ def attention(q, k, v, q_pos, kv_pos, *, scale: float, window: Optional[int] = N
 def tree_attention(q, k, v, q_pos, tree: TreeMask, *, scale: float, window: Optional[int] = None, sinks=None,
                    kv_len=None):
     """Grouped-query attention over the cache under a tree mask (`mask.tree_visible`): one [T, S] score tensor per
-    head, the one masked softmax. Shapes as `cache_attention`; tree.visible [B, T, T]. Returns [B, T, nh, hd] in q's
+    head, the one masked softmax. Shapes as `cache_attention`; tree.visible [B, T, M]. Returns [B, T, nh, hd] in q's
     dtype."""
     b, t, nh, hd = q.shape
     s, nkv = k.shape[1], k.shape[2]
@@ -37,7 +37,7 @@ def tree_attention(q, k, v, q_pos, tree: TreeMask, *, scale: float, window: Opti
     return out.reshape(b, t, nh, hd).astype(q.dtype)
 
 
-def check_inputs(q, k, v, q_pos, kv_len, sinks, tree=None):
+def check_inputs(q, k, v, q_pos, kv_len, sinks, tree=None, window=None):
     if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
         raise ValueError(f"cache_attention: q must be [B, T, nh, hd] and k, v [B, S, nkv, hd]; found q {q.shape}, "
                          f"k {k.shape}, v {v.shape}")
@@ -50,16 +50,19 @@ def check_inputs(q, k, v, q_pos, kv_len, sinks, tree=None):
         raise ValueError(f"cache_attention: kv_len must have shape {(b,)}, found {tuple(jnp.shape(kv_len))}")
     if sinks is not None and tuple(sinks.shape) != (nh,):
         raise ValueError(f"cache_attention: sinks must have shape {(nh,)}, found {tuple(sinks.shape)}")
-    if tree is not None and (tuple(jnp.shape(tree.start)) != (b,) or tuple(jnp.shape(tree.visible)) != (b, t, t)):
-        raise ValueError(f"cache_attention: tree.start must have shape {(b,)} and tree.visible {(b, t, t)}, found "
-                         f"{tuple(jnp.shape(tree.start))} and {tuple(jnp.shape(tree.visible))}")
+    if tree is not None and (tuple(jnp.shape(tree.start)) != (b,) or jnp.ndim(tree.visible) != 3
+                             or tuple(jnp.shape(tree.visible))[:2] != (b, t) or jnp.shape(tree.visible)[2] < t):
+        raise ValueError(f"cache_attention: tree.start must have shape {(b,)} and tree.visible {(b, t)} + (M,) with "
+                         f"M >= {t}, found {tuple(jnp.shape(tree.start))} and {tuple(jnp.shape(tree.visible))}")
+    if tree is not None:
+        check_window(tree, t, window)
 
 
 def cache_attention(q, k, v, q_pos, *, scale: float, window: Optional[int] = None, sinks=None, kv_len=None,
                     tree: Optional[TreeMask] = None):
     """q [B, T, nh, hd]; k, v [B, S, nkv, hd] (index = absolute position, tree slots aside); q_pos [B, T]; kv_len [B]
     or None; tree: a `TreeMask` or None. Returns [B, T, nh, hd] in q's dtype."""
-    check_inputs(q, k, v, q_pos, kv_len, sinks, tree)
+    check_inputs(q, k, v, q_pos, kv_len, sinks, tree, window)
     if tree is not None:
         return tree_attention(q, k, v, q_pos, tree, scale=scale, window=window, sinks=sinks, kv_len=kv_len)
     s = k.shape[1]
