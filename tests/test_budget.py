@@ -73,6 +73,10 @@ def test_chooser_hysteresis_exploration_and_measured_times():
     c = BudgetChooser((0, 1, 2), prior=0.8)
     c.observe_acceptance([0, 0], [10, 0])
     assert c.alpha[0] < 0.3 and c.alpha[1] == pytest.approx(0.8)
+    for bad in (dict(budgets=(0,)), dict(budgets=(-1, 2)), dict(budgets=(0, 1), decay=1.5),
+                dict(budgets=(0, 1), explore_every=0.5)):
+        with pytest.raises(ValueError, match="BudgetChooser: "):
+            BudgetChooser(**bad)
 
 
 # ------------------------------------------------------------------------------------------ the engine

@@ -57,8 +57,14 @@ class BudgetChooser:
     def __init__(self, budgets: Sequence[int], *, prior: float = 0.8, prior_weight: float = 4.0, decay: float = 0.8,
                  smoothing: float = 0.2, hysteresis: float = 0.03, explore_every: int = 16):
         budgets = tuple(sorted({int(k) for k in budgets}))
-        if not budgets or budgets[0] < 0:
-            raise ValueError(f"BudgetChooser: budgets must be integers >= 0, got {budgets}")
+        if not budgets or budgets[0] < 0 or budgets[-1] < 1:
+            raise ValueError(f"BudgetChooser: budgets must be integers >= 0, one of them >= 1, got {budgets}")
+        for name, v in (("prior", prior), ("decay", decay), ("smoothing", smoothing)):
+            if not 0.0 <= v <= 1.0:
+                raise ValueError(f"BudgetChooser: {name} must lie in [0, 1], got {v!r}")
+        if prior_weight <= 0 or hysteresis < 0 or int(explore_every) != explore_every or explore_every < 0:
+            raise ValueError(f"BudgetChooser: prior_weight must be > 0, hysteresis >= 0 and explore_every an integer "
+                             f">= 0, got {prior_weight!r}, {hysteresis!r}, {explore_every!r}")
         self.budgets, self.k_max = budgets, budgets[-1]
         self.decay, self.smoothing, self.hysteresis, self.explore_every = decay, smoothing, hysteresis, explore_every
         self._accepted = np.full(self.k_max, prior * prior_weight, np.float64)
