@@ -259,8 +259,8 @@ def generate(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_token
       implementation, cache_dtype, allow_tf32, compiler_options; one set of defaults, `EngineConfig`'s).
       num_speculative_tokens="auto": each device chunk of rounds_per_step rounds drafts the K (0 .. 7) of best
       expected tokens per second (`pjax.decode.budget`); the same tokens as any fixed K at temperature 0.
-      max_len: KV positions per row (default: longest prompt + max_new_tokens + 2K, or K + N with a tree of N,
-      bucketed); a prompt longer is an error, a row that fills it stops with reason "capacity". prefill: "auto"
+      max_len: KV positions per row (default: longest prompt + max_new_tokens + the drafting's slack, 2K for a
+      chain, `pjax.decode.state.drafting_slack`, bucketed); a prompt longer is an error, a row that fills it stops with reason "capacity". prefill: "auto"
       packs the prompts into one row where that computes fewer positions. tree_budget N: each round verifies a tree
       of N draft tokens (greedy and sampled rows alike, lossless), its paths ranked by tree_score.
     acceptance: None, or a hashable function replacing the round's acceptance rule (`EngineSpec.acceptance`; the

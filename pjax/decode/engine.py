@@ -587,8 +587,8 @@ class Engine:
 
     @property
     def slack(self) -> int:
-        """Positions a request keeps free beyond prompt + max_new_tokens (2 K, K + N with a tree of N nodes: a last
-        round's drafts and their verification may write past the final token)."""
+        """Positions a request keeps free beyond prompt + max_new_tokens: a last round's drafts and their
+        verification may write past the final token (`pjax.decode.state.drafting_slack`)."""
         return self.spec.slack
 
     def admission_shapes(self, longest_prompt: int) -> list[tuple[int, int]]:
