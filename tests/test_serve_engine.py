@@ -21,8 +21,10 @@ def models():
     return serve_models()
 
 
-# plain decoding's arrivals with --full (the none mode's engine is checked by tests/test_serve_engine_edges.py)
-@pytest.mark.parametrize("drafting", ["parallel", "sequential", pytest.param("none", marks=pytest.mark.full)])
+# sequential drafting's and plain decoding's arrivals with --full (their engines are checked by
+# tests/test_serve_engine_edges.py: random arrivals and cancellations)
+@pytest.mark.parametrize("drafting", ["parallel", pytest.param("sequential", marks=pytest.mark.full),
+                                      pytest.param("none", marks=pytest.mark.full)])
 def test_greedy_equals_generate_with_staggered_arrivals(models, drafting):
     """Six requests through two slots, arriving in two waves while others decode; some stop on an EOS id."""
     params = [RequestParams(n) for n in NEW]
