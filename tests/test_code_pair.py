@@ -446,6 +446,10 @@ def test_summary_across_runs(tmp_path):
     assert "| a | humaneval, 256 tokens, T = 0, static | 1 | 100.0 | K = 5: 250.0 (4.00) | K = 7: 300.0 (4.50) | " \
            "3.00x | 1.20x |" in md
     assert "| a | humaneval, 256 tokens, T = 0, static | 8 | 800.0 | K = 3: 1,000.0 (3.00) | - | - | - |" in md
+    trees = table.summary({"t": [row("none", 0, 1, 100.0), row("sequential", 7, 1, 200.0, 3.0, tree_budget=12),
+                                 row("parallel", "auto", 1, 300.0, 4.0, mean_budget=5.25)]})
+    md = table.summary_markdown(trees)
+    assert "| K = 7, tree 12: 200.0 (3.00) | K = auto (mean 5.2): 300.0 (4.00) |" in md  # the best of chains and trees
     if plots_available():
         table.write_summary_plot(lines, tmp_path / "speedups.png")
         assert (tmp_path / "speedups.png").read_bytes()[:4] == b"\x89PNG"

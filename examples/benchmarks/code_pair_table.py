@@ -45,6 +45,7 @@ RUNS = (  # name, planned seconds (the share of a deadline it may take), bench a
                          "--tree-score min"),
     ("c8-64-tree-min", 400, "--scheduling static --dataset humaneval --concurrency 8,64 --k 3 --tree-budget 6,12 "
                             "--tree-score min"),
+    ("c1-8-64-auto", 400, "--scheduling static --dataset humaneval --concurrency 1,8,64 --k 7,3,auto"),
     ("c1-humaneval", 380, "--scheduling static --dataset humaneval --concurrency 1 --k 11,7,5,3,1,9"),
     ("c1-t1-sampled", 130, "--scheduling static --dataset humaneval --num-prompts 82 --concurrency 1 --temperature 1 "
                            "--draft-sampling sample --k 3,7"),
@@ -104,7 +105,7 @@ def summary(runs: dict[str, Sequence[dict]]) -> list[dict]:
     """Across benchmark runs (run name -> its bench.json rows), one line per run, setting and concurrency: plain
     decoding and the best K of each drafting mode, with P-EAGLE's (`parallel`) speedups over both. Ratios only
     within a run (one process, one GPU)."""
-    from pjax.bench.report import MODES, best_per_mode
+    from pjax.bench.report import MODES, best_per_mode, k_cell
     lines = []
     for run, rows in runs.items():
         for setting in dict.fromkeys(setting_of(r) for r in rows):
@@ -114,8 +115,10 @@ def summary(runs: dict[str, Sequence[dict]]) -> list[dict]:
                 par = otps["parallel"]
                 lines.append(dict(run=run, setting=setting, concurrency=c,
                                   configurations=sum(r["concurrency"] == c for r in measured), **{
-                    f"{m}_{f}": (best[m][f] if m in best else None) for m in ("sequential", "parallel")
-                    for f in ("k", "mean_acceptance_length")}, **{f"{m}_tokens_per_s": otps[m] for m in MODES},
+                    f"{m}_{f}": (best[m].get(f) if m in best else None) for m in ("sequential", "parallel")
+                    for f in ("k", "tree_budget", "mean_acceptance_length")}, **{
+                    f"{m}_budget": k_cell(best[m]) if m in best else None for m in ("sequential", "parallel")},
+                    **{f"{m}_tokens_per_s": otps[m] for m in MODES},
                     parallel_vs_none=None if par is None or otps["none"] is None else par / otps["none"],
                     parallel_vs_sequential=(None if par is None or otps["sequential"] is None
                                             else par / otps["sequential"])))
@@ -123,12 +126,13 @@ def summary(runs: dict[str, Sequence[dict]]) -> list[dict]:
 
 
 def summary_markdown(lines: Sequence[dict]) -> str:
-    """The summary as a markdown table (best K of each mode, tokens/s and acceptance length)."""
+    """The summary as a markdown table (the best budget of each mode: K, "K, tree N" or "auto (mean B)"; tokens/s and
+    acceptance length)."""
     out = ["| run | setting | c | none tok/s | EAGLE-3 (sequential) best K: tok/s (AL) | P-EAGLE (parallel) best "
            "K: tok/s (AL) | P-EAGLE / none | P-EAGLE / EAGLE-3 |", "|---|---|---|---|---|---|---|---|"]
     for ln in lines:
         cell = {m: "-" if ln[f"{m}_tokens_per_s"] is None else
-                f"K = {ln[f'{m}_k']}: {ln[f'{m}_tokens_per_s']:,.1f} ({fmt2(ln[f'{m}_mean_acceptance_length'])})"
+                f"K = {ln[f'{m}_budget']}: {ln[f'{m}_tokens_per_s']:,.1f} ({fmt2(ln[f'{m}_mean_acceptance_length'])})"
                 for m in ("sequential", "parallel")}
         none = "-" if ln["none_tokens_per_s"] is None else f"{ln['none_tokens_per_s']:,.1f}"
         out.append(f"| {ln['run']} | {ln['setting']} | {ln['concurrency']} | {none} | {cell['sequential']} | "

@@ -14,7 +14,7 @@ from typing import Iterable, Optional, Sequence
 from pjax._io import write_json, write_output_dir
 from pjax.bench.runner import BenchResult
 
-__all__ = ["PLOTS_MISSING", "markdown", "plots_available", "write_outputs", "write_plots"]
+__all__ = ["PLOTS_MISSING", "k_cell", "markdown", "plots_available", "write_outputs", "write_plots"]
 
 PLOTS_MISSING = 'plots skipped: matplotlib is not installed (pip install "pjax[bench]")'
 MODES = ("none", "sequential", "parallel")
@@ -38,7 +38,7 @@ def _order(rows: Iterable[dict]) -> list[dict]:
                                        0 if r["k"] == "auto" else r["k"], r.get("tree_budget") or 0))
 
 
-def _k(r: dict) -> str:
+def k_cell(r: dict) -> str:
     """A row's K cell: "K", "K, tree N" (a tree of N draft tokens), "auto (mean B)" (a budget that follows the
     load: B drafts verified per round on average), "-" without drafting."""
     if not r["k"]:
@@ -77,7 +77,7 @@ def _speedups(rows: Sequence[dict]) -> tuple[dict, dict]:
     """Per concurrency: OTPS of `none`, and (OTPS, K cell) of the best sequential K (chain or tree)."""
     best = best_per_mode(rows)
     none = {c: m["none"]["output_tokens_per_s"] for c, m in best.items() if "none" in m}
-    seq = {c: (m["sequential"]["output_tokens_per_s"], _k(m["sequential"])) for c, m in best.items()
+    seq = {c: (m["sequential"]["output_tokens_per_s"], k_cell(m["sequential"])) for c, m in best.items()
            if "sequential" in m}
     return none, seq
 
@@ -108,7 +108,7 @@ def _dataset_section(name: str, rows: list[dict], plots: list[str]) -> list[str]
                 exact += f" ({r['mismatches']} differ: {r['near_tie_mismatches']} near-tie)"
         else:
             exact = "ref" if r["drafting"] == "none" else "-"
-        lines.append(f"| {r['drafting']} | {_k(r)} | {c} | {r['num_prompts']} | {_f(otps)} | "
+        lines.append(f"| {r['drafting']} | {k_cell(r)} | {c} | {r['num_prompts']} | {_f(otps)} | "
                      f"{_f(vs_none, 2)} | {_f(vs_seq, 2)} | {_f(r['tpot_ms_median'], 2)} | "
                      f"{_f(r['tpot_ms_p99'], 2)} | {_f(r['ttft_ms_median'], 2)} | {_f(r['e2el_ms_p99'], 1)} | "
                      f"{_f(r['mean_acceptance_length'], 2)} | {spread} | {rates} | {exact} |")
@@ -131,7 +131,7 @@ def _dataset_section(name: str, rows: list[dict], plots: list[str]) -> list[str]
         for r in spec:
             if r["concurrency"] == c0:
                 cells = " | ".join(_f(r["categories"].get(cat, {}).get("mean_acceptance_length"), 2) for cat in cats)
-                lines.append(f"| {r['drafting']} | {_k(r)} | {cells} |")
+                lines.append(f"| {r['drafting']} | {k_cell(r)} | {cells} |")
         lines.append("")
     bad = [(r, m) for r in rows for m in r.get("mismatch_details", [])]
     if bad:
@@ -143,7 +143,7 @@ def _dataset_section(name: str, rows: list[dict], plots: list[str]) -> list[str]
         for r, m in bad:
             toks = f"{m['token']} / {m['reference_token']}"
             tie = "-" if m["near_tie"] is None else ("yes" if m["near_tie"] else "**no**")
-            lines.append(f"| {r['drafting']} | {_k(r)} | {r['concurrency']} | {m['prompt_id']} | {m['position']} "
+            lines.append(f"| {r['drafting']} | {k_cell(r)} | {r['concurrency']} | {m['prompt_id']} | {m['position']} "
                          f"| {toks} | {_f(m['margin'], 4)} | {_f(m['gap'], 4)} | {_f(m['threshold'], 4)} | {tie} |")
         lines.append("")
     for p in plots:
