@@ -260,7 +260,8 @@ def generate(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_token
       max_len: KV positions per row (default: longest prompt + max_new_tokens + the drafting's slack, 2K for a
       chain, `pjax.decode.state.drafting_slack`, bucketed); a prompt longer is an error, a row that fills it stops with reason "capacity". prefill: "auto"
       packs the prompts into one row where that computes fewer positions. tree_budget N: each round verifies a tree
-      of N draft tokens (greedy and sampled rows alike, lossless), its paths ranked by tree_score.
+      of N draft tokens (greedy and sampled rows alike, lossless), its paths ranked by tree_score; tree_budget
+      "auto": each chunk drafts a chain of 0 .. 7 or a tree of 8, 16 or 32 nodes, as "auto" (parallel drafting).
     acceptance: None, or a hashable function replacing the round's acceptance rule (`EngineSpec.acceptance`; the
       benchmark's simulated acceptance); the stats then say "acceptance_replaced": True.
     mesh: None (one device), or a `jax.sharding.Mesh` with axes "data" and "model" (`pjax.make_mesh`): the target

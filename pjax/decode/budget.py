@@ -30,8 +30,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-__all__ = ["AUTO", "K_MAX", "BudgetChooser", "TreeBudget", "candidates", "expected_tokens", "is_auto", "label",
-           "tree_candidates"]
+__all__ = ["AUTO", "K_MAX", "BudgetChooser", "TreeBudget", "candidates", "draft_tokens", "expected_tokens", "is_auto",
+           "label", "tree_candidates"]
 
 AUTO = "auto"
 K_MAX = 7  # the largest budget: P-EAGLE heads peak at K = 7 at concurrency 1, EAGLE-3 heads below it
@@ -54,9 +54,14 @@ def label(budget):
     return str(budget) if isinstance(budget, TreeBudget) else budget
 
 
+def draft_tokens(budget) -> int:
+    """The draft tokens a round of this budget verifies per row: K, or a tree's nodes."""
+    return budget.nodes if isinstance(budget, TreeBudget) else budget
+
+
 def _order(budget) -> tuple[int, int]:
     """Budgets ordered by the draft tokens a round verifies, chains before trees."""
-    return (budget.nodes, 1) if isinstance(budget, TreeBudget) else (budget, 0)
+    return draft_tokens(budget), isinstance(budget, TreeBudget)
 
 
 def is_auto(value) -> bool:

@@ -297,6 +297,18 @@ class Engine:
             raise TypeError(f"EngineConfig.compiler_options must be a dict or None, got "
                             f"{type(c.compiler_options).__name__}")
         spec = make_spec(target, drafter, c, max_new_tokens=self.max_len, acceptance=acceptance)
+        auto = spec.state_k is not None
+        if chooser is not None and not auto:
+            raise ValueError("chooser: only an engine with num_speculative_tokens='auto' chooses budgets")
+        self.budgets = candidates(spec.state_k) if auto else (spec.k,)
+        if spec.state_tree is not None:
+            self.budgets += tree_candidates(spec.k, spec.state_tree)
+        if chooser is not None:
+            extra = [label(k) for k in chooser.budgets if k not in self.budgets]
+            if extra:
+                raise ValueError(f"chooser: budgets {extra} are not among the engine's candidates "
+                                 f"{[label(k) for k in self.budgets]}")
+            self.budgets = chooser.budgets
         self.mesh = mesh
         self._target = _placed(consistent_target(target), mesh, SH.place_target)
         self._drafter = _placed(consistent_drafter(drafter), mesh, SH.place_drafter) if spec.drafting.speculative \
@@ -332,18 +344,6 @@ class Engine:
         self._ids = itertools.count()
         self._admit_exe: dict[tuple[int, int, Optional[int]], object] = {}
         self._chunk_exe: dict[tuple[bool, int], object] = {}
-        auto = spec.state_k is not None
-        if chooser is not None and not auto:
-            raise ValueError("chooser: only an engine with num_speculative_tokens='auto' chooses budgets")
-        self.budgets = candidates(spec.state_k) if auto else (spec.k,)
-        if spec.state_tree is not None:
-            self.budgets += tree_candidates(spec.k, spec.state_tree)
-        if chooser is not None:
-            extra = [label(k) for k in chooser.budgets if k not in self.budgets]
-            if extra:
-                raise ValueError(f"chooser: budgets {extra} are not among the engine's candidates "
-                                 f"{[label(k) for k in self.budgets]}")
-            self.budgets = chooser.budgets
         self._round_specs = {k: dataclasses.replace(spec, num_speculative_tokens=spec.k, tree_budget=k.nodes)
                              if isinstance(k, TreeBudget) else dataclasses.replace(spec, num_speculative_tokens=k)
                              for k in self.budgets}

@@ -93,8 +93,8 @@ def make_spec(target, drafter, config: EngineConfig, *, max_new_tokens: int,
     """Check `config`'s drafting settings and the (target, drafter) pair; returns the static EngineSpec (output
     buffer for `max_new_tokens`; num_speculative_tokens "auto": K = state_k = K_max, the spec of admissions, whose
     rounds' specs replace K by each budget; tree_budget "auto": also state_tree = N_max, the largest tree budget
-    the draft vocabulary allows (at most 32), and tree_budget None). acceptance: None, or a hashable function replacing the acceptance rule
-    of a round (`EngineSpec.acceptance`)."""
+    the draft vocabulary allows (at most 32), and tree_budget None). acceptance: None, or a hashable function
+    replacing the acceptance rule of a round (`EngineSpec.acceptance`)."""
     if not isinstance(target, Target):
         raise TypeError(f"target must be a pjax Target (load one with pjax.load_target(path)), got "
                         f"{type(target).__name__}" + (" (a path? use pjax.load_target)" if isinstance(target, str)
