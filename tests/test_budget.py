@@ -186,10 +186,10 @@ TREE_SCRIPT = (TreeBudget(8), TreeBudget(8), TreeBudget(12), 1, TreeBudget(12), 
 
 
 def test_engine_switches_between_chains_and_trees(models, reference):
-    """tree_budget="auto" with a scripted chooser of three of its candidates (fewer programs): each chunk runs the
-    script's chain or tree (tree -> larger tree -> chain -> tree (stale: the chain drafted fewer than K_max) ->
-    smaller tree); the tokens are plain decoding's, nothing compiles after warm-up, the chooser measured a tree's
-    tokens per round and saw the chains' acceptance only (the rows' tested counts exceed it)."""
+    """tree_budget="auto" with a scripted chooser of three of its candidates (fewer programs), two requests: each
+    chunk runs the script's chain or tree (tree -> larger tree -> chain -> tree (stale: the chain drafted fewer than
+    K_max) -> smaller tree); the tokens are plain decoding's, nothing compiles after warm-up, the chooser measured a
+    tree's tokens per round and saw the chains' acceptance only (the rows' tested counts exceed it)."""
     target, _ = models
     drafter = make_drafter(target, num_depths=2, draft_vocab_size=3)  # 3 + 9 paths: N_max = 12, trees 8 and 12
     max_len = pjax.decode.inputs.bucket_capacity(max(map(len, PROMPTS[:2])) + NEW + 14)
@@ -198,9 +198,9 @@ def test_engine_switches_between_chains_and_trees(models, reference):
         Engine(target, drafter, config, chooser=BudgetChooser((1, TreeBudget(16))))
     eng = Engine(target, drafter, config, chooser=Scripted((1,) + tree_candidates(2, 12), TREE_SCRIPT))
     assert eng.budgets == (1, TreeBudget(8), TreeBudget(12)) and eng.spec.state_tree == 12 and eng.slack == 14
-    eng.precompile_admissions([[3, 8], [6]])
+    eng.precompile_admissions([[3, 8]])
     before = compile_count()
-    ids = [eng.submit(p, RequestParams(NEW)) for p in PROMPTS]
+    ids = [eng.submit(p, RequestParams(NEW)) for p in PROMPTS[:2]]
     out, stats = {i: [] for i in ids}, {}
     while eng.has_work:
         for ev in eng.step():
@@ -208,7 +208,7 @@ def test_engine_switches_between_chains_and_trees(models, reference):
             if ev.finished:
                 stats[ev.request_id] = ev.stats
     assert compile_count() == before
-    assert [out[i] for i in ids] == reference
+    assert [out[i] for i in ids] == reference[:2]
     chooser = eng.chooser
     assert set(chooser.chunks) == set(eng.budgets) and chooser._tokens
     total = np.sum([s["tested_per_position"] for s in stats.values()], axis=0)

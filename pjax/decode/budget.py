@@ -89,10 +89,10 @@ def expected_tokens(alpha: Sequence[float], k: int) -> float:
 
 class BudgetChooser:
     """The budget of each chunk (module docstring). budgets: the candidates, chains K (0 allowed) and `TreeBudget`s;
-    prior: the acceptance
-    assumed at every position before any is seen, worth `prior_weight` tested drafts; decay: the weight kept by the
-    counts at each `observe_acceptance` (per chunk); smoothing: the weight of a new chunk time; hysteresis: the
-    relative gain a switch needs; explore_every: chunks between two runs of the next larger budget (0: never).
+    prior: the acceptance assumed at every position before any is seen, worth `prior_weight` tested drafts; decay:
+    the weight kept by the counts at each `observe_acceptance` (per chunk); smoothing: the weight of a new chunk
+    time (and of a tree's new tokens per round); hysteresis: the relative gain a switch needs; explore_every: chunks
+    between two runs of the next larger budget (0: never).
     Host-side state only; `choose` is called once per chunk."""
 
     def __init__(self, budgets: Sequence[int], *, prior: float = 0.8, prior_weight: float = 4.0, decay: float = 0.8,

@@ -343,7 +343,7 @@ class Engine:
         self._admitted_last = False  # the previous step admitted (the next one runs a chunk)
         self._ids = itertools.count()
         self._admit_exe: dict[tuple[int, int, Optional[int]], object] = {}
-        self._chunk_exe: dict[tuple[bool, int], object] = {}
+        self._chunk_exe: dict[tuple, object] = {}  # (fixed, budget) -> program
         self._round_specs = {k: dataclasses.replace(spec, num_speculative_tokens=spec.k, tree_budget=k.nodes)
                              if isinstance(k, TreeBudget) else dataclasses.replace(spec, num_speculative_tokens=k)
                              for k in self.budgets}
@@ -463,7 +463,7 @@ class Engine:
     def budget_stats(self) -> dict:
         """budget (the K of the last chunk), budgets (the candidates), chunks_by_budget {K: chunks run}; with "auto"
         also alpha [K_max] (the conditional acceptance per draft position as estimated now) and round_seconds {K:
-        t(K)} (`pjax.decode.budget`)."""
+        t(K)} (`pjax.decode.budget`). A tree budget is named "tree N" (`pjax.decode.budget.label`)."""
         out = {"budget": label(self.budget), "budgets": [label(k) for k in self.budgets]}
         if self.chooser is None:
             return {**out, "chunks_by_budget": {self.spec.k: self.chunks}}
