@@ -12,7 +12,7 @@ import pytest
 
 import pjax
 from pjax.decode import EngineConfig, make_spec
-from pjax.decode.budget import BudgetChooser, candidates, expected_tokens
+from pjax.decode.budget import BudgetChooser, TreeBudget, candidates, expected_tokens, tree_candidates
 from pjax.decode.compiled import compile_count
 from pjax.decode.engine import Engine, RequestParams
 from tests.engine_utils import FAST, make_drafter, round_programs, tiny_pair
@@ -98,7 +98,7 @@ class Scripted(BudgetChooser):
 
     def __init__(self, budgets, script):
         super().__init__(budgets)
-        self.script, self.seen = itertools.cycle(script), [np.zeros(max(budgets)), np.zeros(max(budgets))]
+        self.script, self.seen = itertools.cycle(script), [0, 0]
 
     def choose(self):
         k = next(self.script)
@@ -107,8 +107,7 @@ class Scripted(BudgetChooser):
 
     def observe_acceptance(self, accepted, tested):
         super().observe_acceptance(accepted, tested)
-        self.seen[0] += accepted
-        self.seen[1] += tested
+        self.seen = [self.seen[0] + np.asarray(accepted), self.seen[1] + np.asarray(tested)]
 
 
 SCRIPT = (2, 0, 1, 0, 0, 2, 1, 2, 2)
@@ -155,6 +154,69 @@ def test_engine_switches_budgets_without_compiling(models, reference, monkeypatc
     assert compile_count() == before
 
 
+def test_chooser_scores_trees_by_measured_tokens():
+    """A tree's gain is the measured tokens per row and round (E(K_max) before any); chain acceptance is untouched;
+    exploration climbs from the chain K_max through the trees."""
+    trees = tree_candidates(7, 32)
+    assert trees == (TreeBudget(8), TreeBudget(16), TreeBudget(32)) and tree_candidates(2, 12) == (TreeBudget(8),
+                                                                                                   TreeBudget(12))
+    c = BudgetChooser(candidates(7) + trees, explore_every=0)
+    c.set_warm_times({k: 1.0 + 0.1 * (k.nodes if isinstance(k, TreeBudget) else k) for k in c.budgets})
+    tested = 1000 * 0.5 ** np.arange(7)
+    for _ in range(3):
+        c.observe_acceptance(0.5 * tested, tested)
+    assert c.gain(TreeBudget(16)) == pytest.approx(expected_tokens(c.alpha, 7))  # before any measure
+    assert c.choose() == 2  # alpha ~0.5: 1.75 / 1.2 beats the chain K_max and the trees (at most 2 / 1.8)
+    c.observe_tokens(TreeBudget(8), 4.0)  # a tree of 8 emits 4 tokens a round: 4 / 1.8 beats 1.75 / 1.2
+    assert c.gain(TreeBudget(8)) == 4.0 and c.choose() == TreeBudget(8)
+    c.observe_tokens(TreeBudget(8), 1.0)  # the average moves by the smoothing
+    assert c.gain(TreeBudget(8)) == pytest.approx(0.8 * 4.0 + 0.2 * 1.0)
+    c.observe_tokens(TreeBudget(16), 9.0)  # 9 / 2.6 = 3.46 against 3.4 / 1.8
+    assert c.choose() == TreeBudget(16) and c.chunks[TreeBudget(16)] == 1
+    e = BudgetChooser(candidates(2) + (TreeBudget(8), TreeBudget(12)), explore_every=1)
+    e.set_warm_times({k: 1.0 for k in e.budgets})
+    e.observe_tokens(TreeBudget(8), 0.0)
+    e.observe_tokens(TreeBudget(12), 0.0)
+    assert [e.choose() for _ in range(2)] == [TreeBudget(8), TreeBudget(8)]  # from K_max = 2, the next one
+    with pytest.raises(ValueError, match="trees of at least"):
+        BudgetChooser((0, 3, TreeBudget(2)))
+
+
+TREE_SCRIPT = (TreeBudget(8), TreeBudget(8), TreeBudget(12), 1, TreeBudget(12), TreeBudget(12), 1, 1, TreeBudget(8))
+
+
+def test_engine_switches_between_chains_and_trees(models, reference):
+    """tree_budget="auto" with a scripted chooser of three of its candidates (fewer programs), two requests: each
+    chunk runs the script's chain or tree (tree -> larger tree -> chain -> tree (stale: the chain drafted fewer than
+    K_max) -> smaller tree); the tokens are plain decoding's, nothing compiles after warm-up, the chooser measured a
+    tree's tokens per round and saw the chains' acceptance only (the rows' tested counts exceed it)."""
+    target, _ = models
+    drafter = make_drafter(target, num_depths=2, draft_vocab_size=3)  # 3 + 9 paths: N_max = 12, trees 8 and 12
+    max_len = pjax.decode.inputs.bucket_capacity(max(map(len, PROMPTS[:2])) + NEW + 14)
+    config = EngineConfig(tree_budget="auto", max_slots=2, max_len=max_len, rounds_per_step=2, compiler_options=FAST)
+    with pytest.raises(ValueError, match=r"chooser: budgets \['tree 16'\] are not among"):
+        Engine(target, drafter, config, chooser=BudgetChooser((1, TreeBudget(16))))
+    eng = Engine(target, drafter, config, chooser=Scripted((1,) + tree_candidates(2, 12), TREE_SCRIPT))
+    assert eng.budgets == (1, TreeBudget(8), TreeBudget(12)) and eng.spec.state_tree == 12 and eng.slack == 14
+    eng.precompile_admissions([[3, 8]])
+    before = compile_count()
+    ids = [eng.submit(p, RequestParams(NEW)) for p in PROMPTS[:2]]
+    out, stats = {i: [] for i in ids}, {}
+    while eng.has_work:
+        for ev in eng.step():
+            out[ev.request_id] += ev.new_tokens
+            if ev.finished:
+                stats[ev.request_id] = ev.stats
+    assert compile_count() == before
+    assert [out[i] for i in ids] == reference[:2]
+    chooser = eng.chooser
+    assert set(chooser.chunks) == set(eng.budgets) and chooser._tokens
+    total = np.sum([s["tested_per_position"] for s in stats.values()], axis=0)
+    assert (chooser.seen[1] < total).all()  # the tree chunks' counts are left out
+    assert max(s["mean_budget"] for s in stats.values()) > 2  # trees verified more nodes than the chain K_max
+    assert eng.budget_stats()["budgets"] == [1, "tree 8", "tree 12"]
+
+
 def test_auto_settings_are_checked(models):
     target, drafter = models
     with pytest.raises(ValueError, match="takes chains only"):
@@ -163,6 +225,12 @@ def test_auto_settings_are_checked(models):
         make_spec(target, drafter, EngineConfig(num_speculative_tokens="fast"), max_new_tokens=4)
     with pytest.raises(ValueError, match="only an engine with num_speculative_tokens='auto'"):
         Engine(target, drafter, EngineConfig(num_speculative_tokens=2), chooser=BudgetChooser((0, 1)))
+    with pytest.raises(ValueError, match="num_speculative_tokens must be 'auto' or None"):
+        make_spec(target, drafter, EngineConfig(num_speculative_tokens=2, tree_budget="auto"), max_new_tokens=4)
+    with pytest.raises(ValueError, match="needs drafting='parallel'"):
+        make_spec(target, drafter, EngineConfig(drafting="sequential", tree_budget="auto"), max_new_tokens=4)
+    spec = make_spec(target, drafter, EngineConfig(tree_budget="auto"), max_new_tokens=4)
+    assert (spec.k, spec.state_k, spec.state_tree, spec.tree_budget, spec.slack) == (2, 2, 32, None, 34)
     spec = make_spec(target, None, EngineConfig(num_speculative_tokens="auto", drafting="none"), max_new_tokens=4)
     assert spec.k == 0 and spec.state_k is None  # plain decoding has no budget to choose
 

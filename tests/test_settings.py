@@ -38,6 +38,8 @@ def test_flags_give_the_config():
     args = serve_parser().parse_args(["--target", "t", "--k", "5", "--rounds-per-step", "16", "--prefill", "padded"])
     assert config_from_flags(args, max_len=64) == EngineConfig(num_speculative_tokens=5, rounds_per_step=16,
                                                                prefill="padded", max_len=64)
+    args = serve_parser().parse_args(["--target", "t", "--tree-budget", "auto"])
+    assert config_from_flags(args) == EngineConfig(tree_budget="auto")
     with pytest.raises(SystemExit):
         serve_parser().parse_args(["--target", "t", "--drafting", "tree"])
 

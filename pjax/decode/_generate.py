@@ -11,10 +11,9 @@ from typing import Any, Optional, Sequence, Union
 
 from pjax.decode import inputs as I
 from pjax.decode.compiled import compile_count
-from pjax.decode.drafting import Drafting, resolve
 from pjax.decode.engine import STOP_WIDTH, Engine, RequestParams, acceptance_stats
-from pjax.decode.settings import EngineConfig, configure
-from pjax.decode.state import STOP_INTERRUPTED, STOP_NAMES, drafting_slack
+from pjax.decode.settings import EngineConfig, configure, make_spec
+from pjax.decode.state import STOP_INTERRUPTED, STOP_NAMES
 from pjax.models.target import Target
 
 __all__ = ["Chunk", "GenerateResult", "Generation", "GenerationInterrupted", "compile_count", "generate"]
@@ -66,12 +65,11 @@ class Generation:
         temp, tk, tp, seeds = I.check_sampling(n, temperature, top_k, top_p, seed,
                                                defaults=(c.temperature, c.top_k, c.top_p, 0))
         stops = I.stop_table(eos_token_id, n, target.config.vocab_size, STOP_WIDTH)
-        drafting, k = resolve(drafter, c.drafting, c.num_speculative_tokens)
         lengths = [len(r) for r in rows]
         longest, most = max(lengths), int(limits.max())
         if c.max_len is None:
-            max_len = I.bucket_capacity(longest + most + drafting_slack(k, c.tree_budget,
-                                                                        drafting is Drafting.SEQUENTIAL))
+            slack = make_spec(target, drafter, c, max_new_tokens=most, acceptance=acceptance).slack
+            max_len = I.bucket_capacity(longest + most + slack)
         else:
             if not I.is_int(c.max_len) or c.max_len < 1:
                 raise ValueError(f"max_len must be a positive integer, got {c.max_len!r}")
@@ -229,7 +227,7 @@ class Generation:
             "num_speculative_tokens": "auto" if auto else k,
             **({"budget_stats": eng.budget_stats()} if auto else {}),
             "drafting": self.spec.drafting.value,
-            "tree_budget": self.spec.tree_budget,
+            "tree_budget": "auto" if self.spec.state_tree is not None else self.spec.tree_budget,
             "aux_layer_ids": list(self.spec.aux_layer_ids),
             "device_chunks": eng.chunks,
             "acceptance_replaced": self.spec.acceptance is not None,
@@ -262,7 +260,8 @@ def generate(target, drafter, prompts: Sequence[Sequence[int]], *, max_new_token
       max_len: KV positions per row (default: longest prompt + max_new_tokens + the drafting's slack, 2K for a
       chain, `pjax.decode.state.drafting_slack`, bucketed); a prompt longer is an error, a row that fills it stops with reason "capacity". prefill: "auto"
       packs the prompts into one row where that computes fewer positions. tree_budget N: each round verifies a tree
-      of N draft tokens (greedy and sampled rows alike, lossless), its paths ranked by tree_score.
+      of N draft tokens (greedy and sampled rows alike, lossless), its paths ranked by tree_score; tree_budget
+      "auto": each chunk drafts a chain of 0 .. 7 or a tree of 8, 16 or 32 nodes, as "auto" (parallel drafting).
     acceptance: None, or a hashable function replacing the round's acceptance rule (`EngineSpec.acceptance`; the
       benchmark's simulated acceptance); the stats then say "acceptance_replaced": True.
     mesh: None (one device), or a `jax.sharding.Mesh` with axes "data" and "model" (`pjax.make_mesh`): the target

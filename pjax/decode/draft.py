@@ -70,13 +70,18 @@ def select_drafts(drafter, logits, sampling: Sampling, positions, spec: EngineSp
 def propose(drafter, logits, sampling: Sampling, positions, spec: EngineSpec):
     """One drafter pass's proposal from its logits [B, K, Vd] f32 at draft positions [B, K]: (drafts [B, K], q or
     None, None) by `select_drafts`, or with spec.tree_budget N (drafts [B, 0], None, the tree of the N best paths by
-    the log-softmax of each position under spec.tree_score, `tree.build_tree`, its tokens mapped to target ids)."""
-    if spec.tree_budget is None:
+    the log-softmax of each position under spec.tree_score, `tree.build_tree`, its tokens mapped to target ids).
+    With spec.state_tree N_max (tree_budget="auto"): the argmax drafts [B, K], and where K = K_max the tree of N_max
+    (else None: the state keeps its tree, stale)."""
+    nodes = spec.tree_budget if spec.state_tree is None else (spec.state_tree if spec.k == spec.k_max else None)
+    if nodes is None:
         return (*select_drafts(drafter, logits, sampling, positions, spec), None)
     log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    tree = build_tree(log_probs, spec.tree_budget, spec.tree_score)
+    tree = build_tree(log_probs, nodes, spec.tree_score)
     tree = dataclasses.replace(tree, tokens=draft_to_target(drafter, tree.tokens).astype(jnp.int32))
-    return jnp.zeros((logits.shape[0], 0), jnp.int32), None, tree
+    drafts = jnp.zeros((logits.shape[0], 0), jnp.int32) if spec.state_tree is None else \
+        select_drafts(drafter, logits, sampling, positions, spec)[0]
+    return drafts, None, tree
 
 
 def gather_features(drafter, comb, feature_row, use_mask: bool):

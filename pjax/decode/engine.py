@@ -56,7 +56,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pjax.decode import inputs as I
-from pjax.decode.budget import BudgetChooser, candidates
+from pjax.decode.budget import BudgetChooser, TreeBudget, candidates, label, tree_candidates
 from pjax.decode.compiled import COMPILE_THREADS, compiled, matmul_precision, register_program
 from pjax.decode.settings import DEFAULT_MAX_LEN, EngineConfig, make_spec
 from pjax.decode.state import STOP_HOST, STOP_NAMES, DecodeState, EngineSpec, Sampling
@@ -270,10 +270,11 @@ class Engine:
     `load_target(..., mesh=)`, is kept as placed), the drafter replicated, the slots' rows split over "data" (which
     must divide max_slots, rounded up to a power of two) and the KV caches by KV heads over "model". Under a mesh of
     several devices the kernels run per shard (`pjax.models.per_shard`), chosen by `implementation` as on one device.
-    num_speculative_tokens "auto": `budgets` are the candidate K (0 .. K_max), each chunk runs the one `chooser` (a
-    `pjax.decode.budget.BudgetChooser`; given one, e.g. a scripted one in a test, it is used as it is) picks; their
-    round times are measured once before the first admission (`precompile`, or the first `step`). `budget`: the K
-    of the last chunk dispatched; `budget_stats()`: the chooser's view.
+    num_speculative_tokens "auto": `budgets` are the candidate K (0 .. K_max; with tree_budget "auto" also trees,
+    `pjax.decode.budget.TreeBudget`), each chunk runs the one `chooser` (a `pjax.decode.budget.BudgetChooser`; given
+    one, e.g. a scripted one in a test, it is used as it is, and its budgets, some of the candidates, are the ones
+    compiled) picks; their round times are measured once before the first admission (`precompile`, or the first
+    `step`). `budget`: the budget of the last chunk dispatched; `budget_stats()`: the chooser's view.
     """
 
     def __init__(self, target, drafter, config: EngineConfig = EngineConfig(), *, acceptance=None, mesh=None,
@@ -296,6 +297,18 @@ class Engine:
             raise TypeError(f"EngineConfig.compiler_options must be a dict or None, got "
                             f"{type(c.compiler_options).__name__}")
         spec = make_spec(target, drafter, c, max_new_tokens=self.max_len, acceptance=acceptance)
+        auto = spec.state_k is not None
+        if chooser is not None and not auto:
+            raise ValueError("chooser: only an engine with num_speculative_tokens='auto' chooses budgets")
+        self.budgets = candidates(spec.state_k) if auto else (spec.k,)
+        if spec.state_tree is not None:
+            self.budgets += tree_candidates(spec.k, spec.state_tree)
+        if chooser is not None:
+            extra = [label(k) for k in chooser.budgets if k not in self.budgets]
+            if extra:
+                raise ValueError(f"chooser: budgets {extra} are not among the engine's candidates "
+                                 f"{[label(k) for k in self.budgets]}")
+            self.budgets = chooser.budgets
         self.mesh = mesh
         self._target = _placed(consistent_target(target), mesh, SH.place_target)
         self._drafter = _placed(consistent_drafter(drafter), mesh, SH.place_drafter) if spec.drafting.speculative \
@@ -330,20 +343,18 @@ class Engine:
         self._admitted_last = False  # the previous step admitted (the next one runs a chunk)
         self._ids = itertools.count()
         self._admit_exe: dict[tuple[int, int, Optional[int]], object] = {}
-        self._chunk_exe: dict[tuple[bool, int], object] = {}
-        auto = spec.state_k is not None
-        self.budgets = candidates(spec.state_k) if auto else (spec.k,)
-        self._round_specs = {k: dataclasses.replace(spec, num_speculative_tokens=k) for k in self.budgets}
+        self._chunk_exe: dict[tuple, object] = {}  # (fixed, budget) -> program
+        self._round_specs = {k: dataclasses.replace(spec, num_speculative_tokens=spec.k, tree_budget=k.nodes)
+                             if isinstance(k, TreeBudget) else dataclasses.replace(spec, num_speculative_tokens=k)
+                             for k in self.budgets}
         self.chooser = (chooser or BudgetChooser(self.budgets)) if auto else None
-        if chooser is not None and not auto:
-            raise ValueError("chooser: only an engine with num_speculative_tokens='auto' chooses budgets")
         self.budget = spec.k
         self._timed = not auto  # the budgets' round times are measured (before the first admission)
         self._host_fields = _HOST_FIELDS + (("tested_at",) if auto else ())
-        self._dispatched: dict[int, tuple[Optional[int], int]] = {}  # view seq -> (a fixed-trip chunk's K, rounds)
+        self._dispatched: dict[int, tuple] = {}  # view seq -> (a chunk's budget or None, rounds if fixed-trip else 0)
         self._last_end: Optional[tuple[int, float]] = None  # (view seq, when its blocking read returned)
         self._owner = np.full(self.max_slots, -1)  # request whose counters the last view read held, by slot
-        self._seen = None  # those counters (accepted_at, tested_at) [B, K_max] each
+        self._seen = None  # those counters (accepted_at, tested_at [B, K_max], accepted, rounds [B])
         self.compile_s = 0.0
         self.chunks = 0  # device chunks run so far
         self._compile_lock = threading.Lock()  # precompile's threads add to compile_s
@@ -452,13 +463,14 @@ class Engine:
     def budget_stats(self) -> dict:
         """budget (the K of the last chunk), budgets (the candidates), chunks_by_budget {K: chunks run}; with "auto"
         also alpha [K_max] (the conditional acceptance per draft position as estimated now) and round_seconds {K:
-        t(K)} (`pjax.decode.budget`)."""
-        out = {"budget": self.budget, "budgets": list(self.budgets)}
+        t(K)} (`pjax.decode.budget`). A tree budget is named "tree N" (`pjax.decode.budget.label`)."""
+        out = {"budget": label(self.budget), "budgets": [label(k) for k in self.budgets]}
         if self.chooser is None:
             return {**out, "chunks_by_budget": {self.spec.k: self.chunks}}
-        return {**out, "chunks_by_budget": dict(sorted(self.chooser.chunks.items())),
+        return {**out, "chunks_by_budget": {label(k): self.chooser.chunks[k] for k in self.budgets
+                                            if self.chooser.chunks[k]},
                 "alpha": [round(float(a), 4) for a in self.chooser.alpha],
-                "round_seconds": {k: self.chooser.round_seconds(k) for k in self.budgets}}
+                "round_seconds": {label(k): self.chooser.round_seconds(k) for k in self.budgets}}
 
     def precompile(self, rows: Sequence[int], prompt_lengths: Sequence[int], *, warm: bool = False) -> float:
         """Compile the chunk program and the admission programs of every admission in the buckets of n in `rows`
@@ -648,9 +660,9 @@ class Engine:
             self._sampling = dataclasses.replace(s, top_k=s.top_k.at[idx].set(0), top_p=s.top_p.at[idx].set(1.0))
             self._unfilter.clear()
 
-    def _push(self, view, k: Optional[int], rounds: int) -> int:
-        """Queue a dispatched program's view for reading (its copy to the host starts when the program ends); k /
-        rounds: a fixed-trip chunk's budget and rounds (None / 0 otherwise)."""
+    def _push(self, view, k, rounds: int) -> int:
+        """Queue a dispatched program's view for reading (its copy to the host starts when the program ends); k: a
+        chunk's budget (None: an admission), rounds: a fixed-trip chunk's rounds (0 otherwise)."""
         seq = next(self._seq)
         view.copy_to_host_async()
         self._views.append((seq, view))
@@ -671,15 +683,18 @@ class Engine:
         self._host_seq = seq
 
     def _observe(self, seq: int, waited: bool, now: float):
-        """Feed the chooser what view `seq` (just read) tells: the drafts tested and accepted since the previous view
-        read (per slot: the counters' growth, or all of them for a request admitted since), and, for a fixed-trip
-        chunk whose read waited for it and whose program before it was read the same way, its seconds per round:
-        the time between the two reads' returns (its share of the pipeline, the host's part included where the
-        host is slower than the device, as in the warm-up timing)."""
-        k, rounds = self._dispatched.pop(seq)
-        for s in [s for s in self._dispatched if s < seq]:
-            del self._dispatched[s]
-        if waited and k is not None and self._last_end is not None and self._last_end[0] == seq - 1:
+        """Feed the chooser what view `seq` (just read) tells of the chunks since the previous view read: the drafts
+        tested and accepted (per slot: the counters' growth, or all of them for a request admitted since) where
+        they were all chains, their tokens per row and round where they were all one tree budget, and, for a
+        fixed-trip chunk whose read waited for it and whose program before it was read the same way, its seconds
+        per round: the time between the two reads' returns (its share of the pipeline, the host's part included
+        where the host is slower than the device, as in the warm-up timing)."""
+        k, rounds = self._dispatched[seq]
+        ran = set()
+        for s in [s for s in self._dispatched if s <= seq]:
+            ran.add(self._dispatched.pop(s)[0])
+        ran.discard(None)
+        if waited and rounds and self._last_end is not None and self._last_end[0] == seq - 1:
             self.chooser.observe_time(k, (now - self._last_end[1]) / rounds)
         self._last_end = (seq, now) if waited else None
         owner = self._owner.copy()
@@ -687,13 +702,18 @@ class Engine:
             if r.seq <= seq:
                 owner[slot] = r.id
         h = self._host
+        counters = (h["accepted_at"], h["tested_at"], h["accepted"], h["rounds"])
         if self._seen is None:
-            self._seen = (np.zeros_like(h["accepted_at"]), np.zeros_like(h["tested_at"]))
-        same = (owner == self._owner)[:, None]
-        grown = [np.where(same, now_ - seen, now_) for now_, seen in zip((h["accepted_at"], h["tested_at"]),
-                                                                          self._seen)]
-        self.chooser.observe_acceptance(grown[0].sum(axis=0), grown[1].sum(axis=0))
-        self._owner, self._seen = owner, (h["accepted_at"].copy(), h["tested_at"].copy())
+            self._seen = tuple(np.zeros_like(c) for c in counters)
+        same = owner == self._owner
+        grown = [np.where(same.reshape((-1,) + (1,) * (c.ndim - 1)), c - seen, c).sum(axis=0)
+                 for c, seen in zip(counters, self._seen)]
+        trees = {b for b in ran if isinstance(b, TreeBudget)}
+        if not trees:
+            self.chooser.observe_acceptance(grown[0], grown[1])
+        elif len(ran) == 1 and grown[3] > 0:
+            self.chooser.observe_tokens(trees.pop(), 1.0 + grown[2] / grown[3])
+        self._owner, self._seen = owner, tuple(c.copy() for c in counters)
 
     def _can_pipeline(self) -> bool:
         """Whether a fixed-trip chunk may be dispatched before the host reads the chunk in flight: some running
@@ -717,7 +737,7 @@ class Engine:
             self.budget = self.chooser.choose()
         self._state, view = self._chunk_program(fixed, self.budget)(*self._chunk_args(fixed, rounds))
         self.chunks += 1
-        self._push(view, self.budget if fixed else None, self.rounds_per_step)
+        self._push(view, self.budget, self.rounds_per_step if fixed else 0)
 
     def step(self, *, final: bool = False) -> list[Event]:
         """One step of device work, then this step's events: one per request with new tokens or that finished

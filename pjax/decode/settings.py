@@ -9,7 +9,7 @@ import dataclasses
 from typing import Callable, Optional, Union
 
 from pjax.decode import inputs as I
-from pjax.decode.budget import is_auto
+from pjax.decode.budget import TREE_CANDIDATES, is_auto
 from pjax.decode.drafting import Drafting, resolve
 from pjax.decode.state import DRAFT_SAMPLING, EngineSpec
 from pjax.decode.tree import SCORES, beam_width, candidate_count, path_count
@@ -36,7 +36,9 @@ class EngineConfig:
     tree_budget: None (each round verifies a chain of K drafts), or N >= K: each round verifies a tree of N draft
       tokens of depth <= K in one target pass (argmax drafts; greedy and sampled rows alike,
       `pjax.decode.tree.accept_tree`): parallel drafting's N most probable paths of the drafter's per-position
-      distributions, or sequential drafting's dynamic tree, grown depth by depth (`pjax.decode.tree.grow_tree`).
+      distributions, or sequential drafting's dynamic tree, grown depth by depth (`pjax.decode.tree.grow_tree`);
+      "auto" (parallel drafting, num_speculative_tokens None or "auto"): each device chunk runs the chain budget K
+      or the tree of 8, 16 or 32 nodes (depth K_max) of best tokens per second (`pjax.decode.budget`).
     tree_score: how a tree ranks paths: "product" of the per-depth probabilities, or their "min" (deeper trees;
       `pjax.decode.tree.build_tree`).
     temperature / top_k / top_p: the sampling of a request that gives none (0 = greedy; 0 and 1 = no filter).
@@ -55,7 +57,7 @@ class EngineConfig:
     drafting: Optional[str] = None
     num_speculative_tokens: Optional[Union[int, str]] = None
     draft_sampling: str = "argmax"
-    tree_budget: Optional[int] = None
+    tree_budget: Optional[Union[int, str]] = None
     tree_score: str = "product"
     temperature: float = 0.0
     top_k: int = 0
@@ -90,8 +92,9 @@ def make_spec(target, drafter, config: EngineConfig, *, max_new_tokens: int,
               acceptance: Optional[Callable] = None) -> EngineSpec:
     """Check `config`'s drafting settings and the (target, drafter) pair; returns the static EngineSpec (output
     buffer for `max_new_tokens`; num_speculative_tokens "auto": K = state_k = K_max, the spec of admissions, whose
-    rounds' specs replace K by each budget). acceptance: None, or a hashable function replacing the acceptance rule
-    of a round (`EngineSpec.acceptance`)."""
+    rounds' specs replace K by each budget; tree_budget "auto": also state_tree = N_max, the largest tree budget
+    the draft vocabulary allows (at most 32), and tree_budget None). acceptance: None, or a hashable function
+    replacing the acceptance rule of a round (`EngineSpec.acceptance`)."""
     if not isinstance(target, Target):
         raise TypeError(f"target must be a pjax Target (load one with pjax.load_target(path)), got "
                         f"{type(target).__name__}" + (" (a path? use pjax.load_target)" if isinstance(target, str)
@@ -103,6 +106,12 @@ def make_spec(target, drafter, config: EngineConfig, *, max_new_tokens: int,
         raise ValueError(f"implementation={c.implementation!r}: expected one of {IMPLEMENTATIONS}")
     if not I.is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1 (got {max_new_tokens!r})")
+    tree_auto = is_auto(c.tree_budget)
+    if tree_auto:
+        if c.num_speculative_tokens not in (None, "auto"):
+            raise ValueError(f"tree_budget='auto' chooses among chains and trees: num_speculative_tokens must be "
+                             f"'auto' or None, got {c.num_speculative_tokens!r}")
+        c = dataclasses.replace(c, num_speculative_tokens="auto")
     drafting, k = resolve(drafter, c.drafting, c.num_speculative_tokens)
     aux = drafting.check_pair(target, drafter, k)
     mask_id = 0
@@ -111,15 +120,24 @@ def make_spec(target, drafter, config: EngineConfig, *, max_new_tokens: int,
     if acceptance is not None and not drafting.speculative:
         raise ValueError("an acceptance rule needs drafting='parallel' or 'sequential'")
     auto = is_auto(c.num_speculative_tokens) and drafting.speculative
-    if c.tree_budget is not None:
+    n_max = None
+    if tree_auto:
+        if drafting is not Drafting.PARALLEL:
+            raise ValueError(f"tree_budget='auto' needs drafting='parallel' (its rounds keep the argmax chain beside "
+                             f"the tree), got drafting={drafting.value!r}")
+        top = TREE_CANDIDATES[-1]
+        n_max = max(k, min(top, path_count(k, drafter.config.draft_vocab_size, top)))
+        check_tree(dataclasses.replace(c, tree_budget=n_max), drafting, k, drafter, acceptance)
+    elif c.tree_budget is not None:
         if auto:
-            raise ValueError("num_speculative_tokens='auto' takes chains only (tree_budget must be None)")
+            raise ValueError("num_speculative_tokens='auto' takes chains only (tree_budget must be None, or 'auto' "
+                             "for chains and trees)")
         check_tree(c, drafting, k, drafter, acceptance)
     return EngineSpec(num_speculative_tokens=k, drafting=drafting, max_new_tokens=int(max_new_tokens),
                       draft_sampling=c.draft_sampling, aux_layer_ids=aux, mask_token_id=int(mask_id),
                       implementation=c.implementation, acceptance=acceptance,
-                      tree_budget=None if c.tree_budget is None else int(c.tree_budget), tree_score=c.tree_score,
-                      state_k=k if auto else None)
+                      tree_budget=None if c.tree_budget is None or tree_auto else int(c.tree_budget),
+                      tree_score=c.tree_score, state_k=k if auto else None, state_tree=n_max)
 
 
 def check_tree(c: EngineConfig, drafting: Drafting, k: int, drafter, acceptance) -> None:
@@ -130,7 +148,7 @@ def check_tree(c: EngineConfig, drafting: Drafting, k: int, drafter, acceptance)
     if c.tree_score not in SCORES:
         raise ValueError(f"tree_score={c.tree_score!r}: expected one of {SCORES}")
     if not I.is_int(n) or n < 1:
-        raise ValueError(f"tree_budget must be an integer >= 1 (draft tokens per tree) or None, got {n!r}")
+        raise ValueError(f"tree_budget must be an integer >= 1 (draft tokens per tree), 'auto' or None, got {n!r}")
     if not drafting.speculative:
         raise ValueError(f"tree_budget needs drafting='parallel' or 'sequential' (a drafter), got "
                          f"drafting={drafting.value!r}")
@@ -176,7 +194,7 @@ _positive = number_flag(int, low=1)
 
 
 def _budget(text):
-    """--k: a positive integer, or "auto" (a budget that follows the load)."""
+    """--k, --tree-budget: a positive integer, or "auto" (a budget that follows the load)."""
     if text == "auto":
         return text
     try:
@@ -198,9 +216,10 @@ FLAGS: dict[str, tuple[str, dict, str]] = {
                                "3 sequential"),
     "draft_sampling": ("--draft-sampling", dict(choices=DRAFT_SAMPLING),
                        "argmax drafts, or drafts sampled from the drafter's distribution"),
-    "tree_budget": ("--tree-budget", dict(type=_positive, metavar="N"),
+    "tree_budget": ("--tree-budget", dict(type=_budget, metavar="N"),
                     "verify a tree of N draft tokens (depth <= K) per round instead of a chain of K (argmax "
-                    "drafts); default: a chain"),
+                    "drafts), or auto (each device chunk picks a chain of 0..7 or a tree of 8, 16 or 32 nodes; "
+                    "parallel drafting); default: a chain"),
     "tree_score": ("--tree-score", dict(choices=SCORES),
                    "how a tree ranks paths: the product of the per-depth probabilities, or their minimum"),
     "temperature": ("--temperature", dict(type=number_flag(float, low=0.0), metavar="T"), "sampling temperature (0: "

@@ -52,6 +52,9 @@ class EngineSpec:
       the state is sized for K_max drafts (drafts, accepted_at, tested_at, the output buffer, the cache slack) and
       this round verifies drafts[:, :K] (K = 0: no draft, the drafter only takes the new token) and drafts K for
       the next round, leaving drafts K.. as they are; every budget's round takes and returns the same state.
+    state_tree: None, or N_max (with state_k, tree_budget="auto"): the state also holds a tree of N_max nodes of
+      depth <= K_max, which every round with drafts for all K_max depths proposes beside the argmax chain (parallel
+      drafting); a round of tree_budget n verifies its first n nodes, a chain round (tree_budget None) the chain.
     """
     num_speculative_tokens: int
     drafting: str
@@ -65,6 +68,7 @@ class EngineSpec:
     tree_budget: Optional[int] = None
     tree_score: str = "product"
     state_k: Optional[int] = None
+    state_tree: Optional[int] = None
 
     def __post_init__(self):
         object.__setattr__(self, "drafting", Drafting.parse(self.drafting, "EngineSpec.drafting"))
@@ -81,7 +85,8 @@ class EngineSpec:
     @property
     def slack(self) -> int:
         """Cache positions a row keeps free past its last token (`drafting_slack` of K_max)."""
-        return drafting_slack(self.k_max, self.tree_budget, self.drafting is Drafting.SEQUENTIAL)
+        tree = self.tree_budget if self.state_tree is None else self.state_tree
+        return drafting_slack(self.k_max, tree, self.drafting is Drafting.SEQUENTIAL)
 
     @property
     def out_len(self) -> int:
@@ -137,7 +142,8 @@ class DecodeState:
     num_drafts [B] i32: rounds that verified >= 1 draft (vLLM num_drafts)
     num_draft_tokens [B] i32: drafts (tree nodes) verified; accepted [B] i32: drafts accepted
     accepted_at [B, K] i32: rounds in which draft position i (tree: depth i + 1) was accepted
-    tree: the `pjax.decode.tree.Tree` of N nodes the next round verifies (EngineSpec.tree_budget), or None
+    tree: the `pjax.decode.tree.Tree` of N nodes the next round verifies (EngineSpec.tree_budget; of N_max with
+      EngineSpec.state_tree, fresh where ready == K_max), or None
     ready [B] i32 or None (EngineSpec.state_k only): the leading drafts proposed for the current pos (the budget of
       the round that drafted them); a round verifies at most these (a switch to a larger budget verifies the fresh
       drafts only, once)

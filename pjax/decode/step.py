@@ -258,12 +258,11 @@ def verify(target, state: DecodeState, num_drafts, active, spec: EngineSpec):
     return logits_from_hidden(target, out.hidden), out.aux, out.cache, tokens
 
 
-def verify_tree(target, state: DecodeState, num_nodes, active, spec: EngineSpec):
-    """Target pass over the tree [last, node 0..N-1] (`state.tree`): positions pos + depth (the root, `last`, at
-    depth 0), K/V at the consecutive slots pos..pos+N (not at their positions), each node attending to the committed
-    cache and its ancestors (`TreeMask`); nodes i >= num_nodes[b] and inactive rows write no KV. Returns (logits
-    [B, N+1, V] f32, aux [B, N+1, A*Ht] or None, cache, tokens [B, N+1])."""
-    tree = state.tree
+def verify_tree(target, state: DecodeState, tree, num_nodes, active, spec: EngineSpec):
+    """Target pass over the tree [last, node 0..N-1] (`tree`: the state's, or its first N nodes): positions pos +
+    depth (the root, `last`, at depth 0), K/V at the consecutive slots pos..pos+N (not at their positions), each node
+    attending to the committed cache and its ancestors (`TreeMask`); nodes i >= num_nodes[b] and inactive rows write
+    no KV. Returns (logits [B, N+1, V] f32, aux [B, N+1, A*Ht] or None, cache, tokens [B, N+1])."""
     tokens = jnp.concatenate([state.last[:, None], tree.tokens], axis=1)
     idx = jnp.arange(tree.size + 1, dtype=jnp.int32)[None]
     depth = jnp.concatenate([jnp.zeros_like(tree.depth[:, :1]), tree.depth], axis=1)
@@ -281,8 +280,10 @@ def _verify_accept(target, state: DecodeState, sampling: Sampling, active, capac
     k = spec.k
     width = k if spec.tree_budget is None else spec.tree_budget
     num_drafts = jnp.where(active, jnp.clip(capacity - 1 - state.pos, 0, width), 0).astype(jnp.int32)
-    if state.ready is not None:  # a budget that follows the load: only the drafts proposed for this pos
-        num_drafts = jnp.minimum(num_drafts, state.ready)
+    if state.ready is not None:  # a budget that follows the load: only the drafts proposed for this pos (a tree of
+        # tree_budget="auto" is proposed by rounds that draft every depth)
+        fresh = state.ready if spec.tree_budget is None else jnp.where(state.ready == spec.k_max, width, 0)
+        num_drafts = jnp.minimum(num_drafts, fresh)
     if spec.tree_budget is None:
         logits, aux, tcache, vtokens = verify(target, state, num_drafts, active, spec)
         drafts = state.drafts[:, :k]
@@ -292,10 +293,11 @@ def _verify_accept(target, state: DecodeState, sampling: Sampling, active, capac
         else:
             res = spec.acceptance(logits, drafts, sampling, state.pos + 1, num_drafts, spec)
         return res, _finite_rows(logits, num_drafts + 1), num_drafts, aux, tcache, vtokens
-    logits, aux, tcache, vtokens = verify_tree(target, state, num_drafts, active, spec)
+    tree = state.tree.prefix(width)
+    logits, aux, tcache, vtokens = verify_tree(target, state, tree, num_drafts, active, spec)
     finite = _finite_rows(logits, num_drafts + 1)
     valid = jnp.where(finite, num_drafts, 0)  # a non-finite row accepts none
-    t = _accept_tree(logits, state.tree, sampling, state.pos + 1, valid, spec)
+    t = _accept_tree(logits, tree, sampling, state.pos + 1, valid, spec)
     rows = jnp.concatenate([jnp.zeros_like(t.path[:, :1]), t.path + 1], axis=1)  # [B, K+1] (root, path; root past it)
     aux = None if aux is None else jnp.take_along_axis(aux, rows[..., None], axis=1)
     tcache = commit_path(tcache, state.pos, t.path, t.num_accepted)
@@ -347,8 +349,7 @@ def spec_round(target, drafter, state: DecodeState, sampling: Sampling, *, spec:
     drafts = held(drafts, state.drafts)
     if q is not None:
         q = held(q, state.draft_probs)
-    if tree is not None:
-        tree = jax.tree.map(held, tree, state.tree)
+    tree = state.tree if tree is None else jax.tree.map(held, tree, state.tree)  # (None: a chain round keeps it)
     ready = None if state.ready is None else jnp.where(keep, k, state.ready)
     return dataclasses.replace(new, drafter_cache=dcache, drafts=drafts, draft_probs=q, tree=tree, ready=ready)
 

@@ -41,6 +41,11 @@ class Tree:
     def size(self) -> int:
         return self.tokens.shape[1]
 
+    def prefix(self, n: int) -> "Tree":
+        """The first n nodes, a tree itself (a parent precedes its children); of a best-first tree (`build_tree`,
+        `grow_tree`), the tree of budget n up to exact ties."""
+        return Tree(self.tokens[:, :n], self.parent[:, :n], self.depth[:, :n], self.visible[:, :n + 1, :n + 1])
+
 
 jax.tree_util.register_dataclass(Tree, data_fields=["tokens", "parent", "depth", "visible"], meta_fields=[])
 

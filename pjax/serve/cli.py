@@ -198,7 +198,7 @@ def _load(args):
     drafting, k = _checked("--drafting / --k", resolve, drafter, args.drafting, args.num_speculative_tokens)
     mpe = target.config.max_position_embeddings
     max_len = args.max_len or (min(DEFAULT_MAX_LEN, mpe) if mpe else DEFAULT_MAX_LEN)
-    auto = args.num_speculative_tokens == "auto"
+    auto = "auto" in (args.num_speculative_tokens, args.tree_budget)
     config = config_from_flags(args, drafting=drafting, num_speculative_tokens="auto" if auto else k or None,
                                max_len=max_len)
     engine = _checked("", Engine, target, drafter if drafting.speculative else None, config, mesh=mesh)

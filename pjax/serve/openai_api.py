@@ -49,6 +49,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from pjax.decode.budget import draft_tokens
 from pjax.decode.inputs import SEED_LIMIT, is_int, is_real
 from pjax.serve.async_engine import AsyncEngine, EngineDeadError
 from pjax.decode.engine import STOP_WIDTH, RequestParams
@@ -502,7 +503,7 @@ class _API:
         self.aborted = asyncio.Event()  # set when the shutdown's grace period is over
         self.metrics = Metrics(model.name, model.num_speculative_tokens if model.drafting != "none" else 0,
                                running=lambda: bridge.num_running, waiting=lambda: bridge.num_waiting,
-                               budget=lambda: bridge.engine.budget)
+                               budget=lambda: draft_tokens(bridge.engine.budget))
         bridge.add_listener(lambda event, stream: self.metrics.observe(event.stats, finish_reason(event, stream)))
 
     def begin_shutdown(self, grace_s: float):

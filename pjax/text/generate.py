@@ -211,8 +211,11 @@ class TextGenerator:
         return [one(p, f"prompts[{i}]") for i, p in enumerate(prompts)], False
 
     def _drafting(self, drafting: Optional[str], k: Union[int, str, None]) -> tuple[str, Union[int, str]]:
-        """(drafting, K or "auto"): k None = the config's num_speculative_tokens, then the drafting's default."""
+        """(drafting, K or "auto"): k None = the config's num_speculative_tokens, then "auto" with tree_budget
+        "auto", else the drafting's default."""
         k = self.config.num_speculative_tokens if k is None else k
+        if k is None and is_auto(self.config.tree_budget):
+            k = "auto"
         mode, resolved = resolve(self.drafter, drafting, k, k_name="k")
         return mode, k if is_auto(k) and mode.speculative else max(resolved, 1)
 
