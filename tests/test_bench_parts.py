@@ -321,8 +321,7 @@ def test_published_geometries(shape, params, layers, hidden, vocab):
 
 def test_random_packed_targets():
     """Quantised random targets hold packed experts generated in packed form (GPT-OSS-120B's MXFP4 experts: ~61 GB,
-    no bf16 copy: checked on shapes), dequantising to the dense weights' spread; speculative greedy output of a tiny
-    packed target equals plain greedy."""
+    no bf16 copy: checked on shapes), dequantising to the dense weights' spread."""
     from pjax.bench.models import PACKED_SHAPES, _packed
     from pjax.kernels.quantized import QuantizedWeight, dequantize
     assert set(PACKED_SHAPES) >= {"gpt-oss-120b", "qwen3-30b-a3b-fp8", "gpt-oss-20b-mxfp4"}
@@ -336,6 +335,12 @@ def test_random_packed_targets():
     target = random_target("tiny-moe-mxfp4", jnp.float32)
     gate_up = target.params["layers"][0]["mlp"]["gate_up"]
     assert isinstance(gate_up, QuantizedWeight) and 0.015 < float(jnp.std(dequantize(gate_up))) < 0.03
+
+
+@pytest.mark.full  # native packed experts' speculative output: tests/test_quant.py in the default run
+def test_random_packed_target_speculates_exactly():
+    """Speculative greedy output of a tiny packed random target equals plain greedy."""
+    target = random_target("tiny-moe-mxfp4", jnp.float32)
     head = random_head(target, "2", parallel=True, dtype=jnp.float32)
     run = lambda drafting: pjax.generate(target, head, [[1, 2, 3], [4, 5]], max_new_tokens=6, drafting=drafting,
                                          num_speculative_tokens=3, compiler_options=FAST).tokens
