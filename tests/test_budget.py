@@ -113,6 +113,7 @@ class Scripted(BudgetChooser):
 SCRIPT = (2, 0, 1, 0, 0, 2, 1, 2, 2)
 
 
+@pytest.mark.full  # the default run switches chains and trees: test_engine_switches_between_chains_and_trees
 def test_engine_switches_budgets_without_compiling(models, reference, monkeypatch):
     """Two slots, three requests (a slot is reused): each chunk of 2 rounds runs the script's budget; the tokens are
     plain decoding's, nothing compiles after warm-up, the chooser saw every request's tested / accepted drafts, and

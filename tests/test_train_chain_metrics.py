@@ -112,6 +112,7 @@ def setup():
     return byte_training_setup(S, B, draft_vocab_size=3, num_depths=K, max_anchors=40)
 
 
+@pytest.mark.full  # the default run checks the eval step's metrics against the train step's
 def test_train_step_chain_metrics(setup):
     """The step's cond/chain counts equal the reference over per-element correctness recomputed from the step's own
     layout; the partitioned step (3 segments) gives the same counts; `summarize` turns them into cond_acc/chain_acc."""

@@ -75,6 +75,7 @@ def test_drafter_step_memory_is_linear_in_row_length(target):
     assert np.isfinite(large)
 
 
+@pytest.mark.full  # compiles four training steps for their memory analysis
 def test_head_step_stores_one_layer_input_per_draft_layer():
     """The P-EAGLE step's temporaries per COD element grow by one stored layer input ([N, H]) per draft layer, not by
     a layer's attention and MLP intermediates ([N, intermediate] several times): the draft layers are rematerialised

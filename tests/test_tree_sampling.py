@@ -165,6 +165,7 @@ def test_chain_tree_is_chain_sampling():
     assert len(set(np.asarray(want.num_accepted).tolist())) == K + 1
 
 
+@pytest.mark.full  # sampled rows with a tree through generate: tests/test_tree_sequential.py in the default run
 def test_generate_samples_with_a_tree(pair):  # noqa: F811
     """pjax.generate(tree_budget=N) at temperature > 0 (greedy and sampled rows in one batch, top-k on one): each
     request's output alone equals its output in the batch (same seed)."""
