@@ -590,8 +590,8 @@ def test_a_failing_listener_does_not_stop_the_engine():
             events = asyncio.run(one())
             assert [(e.new_tokens, e.finished) for e in events] == [([5], True)] and bridge.alive
     finally:
+        bridge.close()  # joins the engine thread: the listeners run after a request's final event is delivered
         logging.getLogger("pjax.serve").removeHandler(notices)
-        bridge.close()
     assert notices.lines == ["a finished-request listener failed: KeyError: 'prompt_tokens'"] * 2
 
 
