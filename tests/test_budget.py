@@ -110,6 +110,17 @@ class Scripted(BudgetChooser):
         self.seen = [self.seen[0] + np.asarray(accepted), self.seen[1] + np.asarray(tested)]
 
 
+def run_to_end(eng, ids):
+    """Step `eng` until it has no work: ({request id: its tokens}, {request id: its final stats})."""
+    out, stats = {i: [] for i in ids}, {}
+    while eng.has_work:
+        for ev in eng.step():
+            out[ev.request_id] += ev.new_tokens
+            if ev.finished:
+                stats[ev.request_id] = ev.stats
+    return out, stats
+
+
 SCRIPT = (2, 0, 1, 0, 0, 2, 1, 2, 2)
 
 
@@ -129,12 +140,7 @@ def test_engine_switches_budgets_without_compiling(models, reference, monkeypatc
     assert all(t > 0 for t in eng.budget_stats()["round_seconds"].values())
     before = compile_count()
     ids = [eng.submit(p, RequestParams(NEW)) for p in PROMPTS]
-    out, stats = {i: [] for i in ids}, {}
-    while eng.has_work:
-        for ev in eng.step():
-            out[ev.request_id] += ev.new_tokens
-            if ev.finished:
-                stats[ev.request_id] = ev.stats
+    out, stats = run_to_end(eng, ids)
     assert compile_count() == before
     assert [out[i] for i in ids] == reference
     assert set(chooser.chunks) == {0, 1, 2}
@@ -202,12 +208,7 @@ def test_engine_switches_between_chains_and_trees(models, reference):
     eng.precompile_admissions([[3, 8]])
     before = compile_count()
     ids = [eng.submit(p, RequestParams(NEW)) for p in PROMPTS[:2]]
-    out, stats = {i: [] for i in ids}, {}
-    while eng.has_work:
-        for ev in eng.step():
-            out[ev.request_id] += ev.new_tokens
-            if ev.finished:
-                stats[ev.request_id] = ev.stats
+    out, stats = run_to_end(eng, ids)
     assert compile_count() == before
     assert [out[i] for i in ids] == reference[:2]
     chooser = eng.chooser
