@@ -1,6 +1,7 @@
 """Low-bit weights kept packed (`pjax.kernels.quantized`): the jnp dequantisation equals the checkpoint loader's
-(transformers-tested) one; the expert-matmul kernel dequantising MXFP4 / FP8 tiles in registers (interpret mode)
-equals dequantise-then-matmul, for expert stacks and a dense FP8 linear (one expert), and lowers to Triton."""
+(transformers-tested) one; the expert-matmul and grouped-matmul kernels dequantising MXFP4 / FP8 tiles in registers
+(interpret mode) equal dequantise-then-matmul, for expert stacks, ragged groups and a dense FP8 linear (one
+expert), and lower to Triton."""
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -10,6 +11,9 @@ import pytest
 from pjax.checkpoint.quant import dequant_fp8_block, dequant_mxfp4
 from pjax.kernels.expert_matmul import expert_matmul
 from pjax.kernels.expert_matmul import pallas as em_pallas
+from pjax.kernels.grouped_matmul import grouped_matmul
+from pjax.kernels.grouped_matmul import pallas as gm_pallas
+from pjax.kernels.grouped_matmul.config import GroupedMatmulConfig
 from pjax.kernels.quantized import QuantizedWeight, dequantize
 from tests.gpu_lowering import lower_for_gpu
 from tests.kernel_jaxpr import pallas_kernel_names
@@ -90,18 +94,67 @@ def test_fp8_dense_linear_is_one_expert_and_kernels_lower():
     assert "multiples of 32" in em_pallas.unsupported_reason(jnp.ones((2, 48), jnp.bfloat16), odd)
 
 
-def test_auto_takes_the_kernel_only_where_measured_faster_and_tiles_fit():
-    """"auto" (on a GPU) runs the low-bit kernel for MXFP4 gate_up-like weights (dout > din) only; FP8 and MXFP4
-    down-like weights run the reference. Low-bit tiles: 32-wide MXFP4 groups, FP8 k tiles inside the input block,
-    fewer unrolled k tiles as the padded pairs grow (shared memory)."""
+def test_auto_takes_the_kernel_where_measured_faster_and_tiles_fit():
+    """"auto" (on a GPU) runs the low-bit expert kernel for MXFP4 weights; FP8 runs the reference. Low-bit tiles:
+    MXFP4 steps of mxfp4_block_k inputs with smaller tail steps for the rest of din, FP8 k tiles inside the input
+    block, fewer unrolled FP8 k tiles as the padded pairs grow (shared memory)."""
     rs = np.random.default_rng(0)
     assert em_pallas.measured_faster(jnp.zeros((2, 64, 32)))
     assert em_pallas.measured_faster(mxfp4_weight(rs, 2, 64, 128))
-    assert not em_pallas.measured_faster(mxfp4_weight(rs, 2, 128, 64))
+    assert em_pallas.measured_faster(mxfp4_weight(rs, 2, 128, 64))
     assert not em_pallas.measured_faster(fp8_weight(rs, 2, 128, 256, (128, 128)))
-    gate_up = jax.ShapeDtypeStruct((32, 5760, 1440), jnp.uint8)
-    w = QuantizedWeight(gate_up, jax.ShapeDtypeStruct((32, 5760, 90), jnp.uint8))
-    assert em_pallas.k_tile(2880, w) == 32 and em_pallas.k_steps(2880, w, 16) == 3  # 90 groups: 3 a step
-    assert em_pallas.k_steps(2880, w, 64) == 1 and em_pallas.k_steps(2880, jnp.zeros((1, 2, 2)), 16) == 1
+    sd = jax.ShapeDtypeStruct
+    w = QuantizedWeight(sd((32, 5760, 1440), jnp.uint8), sd((32, 5760, 90), jnp.uint8))
+    assert em_pallas.k_plan(2880, w, 16) == (256, 1, 11, ((2816, 64),))  # 11 steps of 256, then 64
+    w96 = QuantizedWeight(sd((2, 8, 48), jnp.uint8), sd((2, 8, 3), jnp.uint8))
+    assert em_pallas.k_plan(96, w96, 16) == (64, 1, 1, ((64, 32),))
     f8 = fp8_weight(rs, 1, 384, 64, (128, 128))
-    assert em_pallas.k_tile(384, f8) == 128 and em_pallas.k_tile(96, fp8_weight(rs, 1, 96, 64, (32, 32))) == 32
+    assert em_pallas.k_plan(384, f8, 16) == (128, 3, 1, ())
+    assert em_pallas.k_steps(2048, fp8_weight(rs, 1, 2048, 16, (128, 128)), 64) == 1
+    assert em_pallas.k_tile(96, fp8_weight(rs, 1, 96, 64, (32, 32))) == 32
+
+
+GROUPED = GroupedMatmulConfig(block_m=16, block_k=32, block_n=32)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
+def test_lowbit_grouped_kernel_equals_dequantise_then_ragged_dot(fmt):
+    """Ragged groups (an empty expert, one expert taking most rows, rows past the groups), odd output width: the
+    grouped kernel dequantising per tile equals ragged_dot over the dequantised stack, forward and dx (through the
+    dequantised stack); small tiles and the default ones."""
+    rs = np.random.default_rng(7)
+    e, k, n, m = 4, 96, 40, 45
+    w = mxfp4_weight(rs, e, k, n) if fmt == "mxfp4" else fp8_weight(rs, e, k, n, (64, 64))  # partial blocks
+    x = jnp.asarray(rs.standard_normal((m, k)), jnp.float32)
+    gs = jnp.asarray([5, 0, 31, 6], jnp.int32)  # 42 rows: 3 past the groups
+    want = jax.lax.ragged_dot(x, dequantize(w), gs, preferred_element_type=jnp.float32)
+    c = jnp.asarray(rs.standard_normal((m, n)), jnp.float32)
+    dx = jax.grad(lambda x_: jnp.sum(c * grouped_matmul(x_, w, gs, implementation="xla")))(x)
+    got = jax.jit(lambda x_: [gm_pallas.grouped_matmul(x_, w, gs, config=cfg) for cfg in (GROUPED, None)] + [
+        jax.grad(lambda a: jnp.sum(c * grouped_matmul(a, w, gs, implementation="pallas")))(x_)])(x)
+    for out in got[:2]:
+        np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert not np.any(np.asarray(got[0])[42:])
+    np.testing.assert_allclose(np.asarray(got[2]), np.asarray(dx), rtol=1e-5, atol=1e-5 * np.abs(dx).max())
+    assert pallas_kernel_names(lambda: grouped_matmul(x, w, gs, implementation="pallas")) == [
+        f"pjax_grouped_matmul_{fmt}"]
+
+
+def test_lowbit_grouped_kernel_errors_and_lowering():
+    """A packed stack takes no transpose_rhs; tiles the format cannot take run the reference; the kernels lower to
+    Triton at the GPT-OSS-20B (MXFP4) and Qwen3-30B-A3B (FP8) expert shapes."""
+    rs = np.random.default_rng(1)
+    w = mxfp4_weight(rs, 2, 64, 32)
+    x, gs = jnp.ones((8, 64), jnp.float32), jnp.asarray([3, 5], jnp.int32)
+    with pytest.raises(ValueError, match="QuantizedWeight is .G, K, N.*no transpose_rhs"):
+        gm_pallas.grouped_matmul(x, w, gs, transpose_rhs=True)
+    assert "multiples of 32" in gm_pallas.unsupported_reason(x, w, GroupedMatmulConfig(block_k=16))
+    assert "must divide the input block" in gm_pallas.unsupported_reason(
+        x, fp8_weight(rs, 2, 64, 32, (32, 32)), GroupedMatmulConfig(block_k=64))
+    sd = jax.ShapeDtypeStruct
+    mx = QuantizedWeight(sd((32, 5760, 1440), jnp.uint8), sd((32, 5760, 90), jnp.uint8))
+    lower_for_gpu(lambda x_, g_, w_: gm_pallas.grouped_matmul(x_, w_, g_, interpret=False),
+                  sd((1024, 2880), jnp.bfloat16), sd((32,), jnp.int32), mx)
+    f8 = QuantizedWeight(sd((128, 1536, 2048), jnp.float8_e4m3fn), sd((128, 12, 16), jnp.float32), "fp8", (128, 128))
+    lower_for_gpu(lambda x_, g_, w_: gm_pallas.grouped_matmul(x_, w_, g_, interpret=False),
+                  sd((8192, 2048), jnp.bfloat16), sd((128,), jnp.int32), f8)

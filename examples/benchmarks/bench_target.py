@@ -1,6 +1,8 @@
-"""Target-model step latency next to the HBM roofline (batch 1, random bf16 weights built on the device).
+"""Target-model step latency next to the HBM roofline (batch 1, random weights built on the device: bf16, packed
+MXFP4 / FP8 experts for the shapes named so, `pjax.bench.models`).
 
-    PYTHONPATH=. python3 examples/benchmarks/bench_target.py            # GPU: Llama-3.1-8B and Qwen3-30B-A3B shapes
+    PYTHONPATH=. python3 examples/benchmarks/bench_target.py            # GPU: dense, MoE bf16 / FP8 / MXFP4 shapes
+    PYTHONPATH=. python3 examples/benchmarks/bench_target.py --models gpt-oss-120b   # one H200: peak memory too
     PYTHONPATH=. python3 examples/benchmarks/bench_target.py --tiny     # CPU smoke test (tiny shapes)
 
 Steps (each one jitted program, KV cache donated, context ~1K):
@@ -13,13 +15,13 @@ Roofline: bytes that must be read per step / measured device read bandwidth (a j
 generation loop); the synchronised per-call median also counts the host round trip. Bytes = weights touched (every matrix except
 the embedding table, of which only the looked-up rows; MoE layers: the experts actually selected —
 top_k for one token, the expected number of distinct experts E(1 - (1 - k/E)^T) under uniform routing for
-T tokens) + the whole KV cache buffer read by attention + the new K/V written.
+T tokens; packed experts count their packed bytes and scales) + the whole KV cache buffer read by attention + the
+new K/V written. peak_device_bytes: the device's peak allocation after the step (no bf16 copy of packed experts).
 Prints a markdown table; writes JSON to $OUT/bench_target.json when $OUT is set (or to --json PATH).
 """
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import statistics
@@ -33,58 +35,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from pjax.bench.models import RANDOM_TARGETS, random_target  # noqa: E402
 from pjax.kernels import IMPLEMENTATIONS  # noqa: E402
 from pjax.models.cache import init_cache  # noqa: E402
-from pjax.config import LayerSpec, ModelConfig, MoeSpec, RopeSpec  # noqa: E402
-from pjax.models.target import Target, abstract_target, forward, logits_from_hidden  # noqa: E402
+from pjax.models.target import Target, forward, logits_from_hidden  # noqa: E402
 
-
-def llama(layers=32, h=4096, inter=14336, heads=32, kv=8, hd=128, vocab=128256) -> ModelConfig:
-    rope = RopeSpec(kind="llama3", theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                    original_max_position_embeddings=8192)
-    return ModelConfig(model_type="llama", vocab_size=vocab, hidden_size=h, intermediate_size=inter, num_heads=heads,
-                       layers=tuple(LayerSpec(hd, kv, rope) for _ in range(layers)), rms_norm_eps=1e-5)
-
-
-def qwen3_moe(layers=48, h=2048, heads=32, kv=4, hd=128, experts=128, top_k=8, moe_inter=768,
-              vocab=151936) -> ModelConfig:
-    rope = RopeSpec(theta=1e6)
-    return ModelConfig(model_type="qwen3_moe", vocab_size=vocab, hidden_size=h, intermediate_size=6144,
-                       num_heads=heads, layers=tuple(LayerSpec(hd, kv, rope, moe=True) for _ in range(layers)),
-                       qk_norm=True, moe=MoeSpec(experts, top_k, moe_inter, norm_topk_prob=True))
-
-
-MODELS = {
-    "llama3.1-8b": lambda: llama(),
-    "qwen3-30b-a3b": lambda: qwen3_moe(),
-}
-TINY = {
-    "llama-tiny": lambda: llama(layers=1, h=64, inter=128, heads=4, kv=2, hd=16, vocab=257),
-    "qwen3-moe-tiny": lambda: qwen3_moe(layers=1, h=64, heads=4, kv=2, hd=16, experts=8, top_k=2, moe_inter=32,
-                                        vocab=257),
-}
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _normal(key, shape, dtype):
-    return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
-
-
-def random_target(cfg: ModelConfig, dtype, seed=0) -> Target:
-    """Random weights generated on the default device one leaf at a time (nothing built on the host; peak
-    memory = the weights plus one float32 leaf): normal(0, 0.02) matrices, ones for norms, zeros for biases."""
-    abstract = abstract_target(cfg, dtype)
-    leaves, treedef = jax.tree.flatten_with_path(abstract.params)
-    key, out = jax.random.key(seed), []
-    for i, (path, leaf) in enumerate(leaves):
-        name = str(getattr(path[-1], "key", path[-1]))
-        if name in ("weight", "layer_scalar"):
-            out.append(jnp.ones(leaf.shape, leaf.dtype))
-        elif "bias" in name or name == "sinks":
-            out.append(jnp.zeros(leaf.shape, leaf.dtype))
-        else:
-            out.append(_normal(jax.random.fold_in(key, i), tuple(leaf.shape), leaf.dtype))
-    return Target(cfg, abstract.graphdef, jax.tree.unflatten(treedef, out))
+MODELS = ("llama3.1-8b", "qwen3-30b-a3b", "qwen3-30b-a3b-fp8", "gpt-oss-20b", "gpt-oss-20b-mxfp4", "gpt-oss-120b")
+TINY = ("tiny", "tiny-moe-mxfp4")
+KNOWN = RANDOM_TARGETS
 
 
 def make_step(last_only: bool, implementation: str = "auto"):
@@ -155,8 +113,9 @@ def time_step(step, target, tokens, positions, cache, *, warmup: int, repeats: i
     return ts, (time.perf_counter() - t) / repeats, cache
 
 
-def bench_model(name, cfg, *, context, k1, warmup, repeats, bandwidth, dtype, implementation="auto") -> list[dict]:
-    target = random_target(cfg, dtype)
+def bench_model(name, *, context, k1, warmup, repeats, bandwidth, dtype, implementation="auto") -> list[dict]:
+    target = random_target(name, dtype)  # pjax.bench.models: published geometries, packed experts where named
+    cfg = target.config
     cache = init_cache(cfg, 1, context + k1, dtype)
     rows = []
     for kind, t in (("decode", 1), ("extend", k1)):
@@ -171,10 +130,16 @@ def bench_model(name, cfg, *, context, k1, warmup, repeats, bandwidth, dtype, im
                          median_ms=1e3 * med,
                          p10_ms=1e3 * float(np.percentile(ts, 10)), p90_ms=1e3 * float(np.percentile(ts, 90)),
                          pipelined_ms=1e3 * pipelined, roofline_ms=1e3 * roof, roofline_fraction=roof / pipelined, sync_fraction=roof / med,
-                         params=int(sum(x.size for x in jax.tree.leaves(target.params))), **b))
+                         weight_bytes_total=nbytes(target.params), peak_device_bytes=peak_bytes(), **b))
         print(f"  {name} {kind}: {1e3 * med:.3f} ms (roofline {1e3 * roof:.3f} ms)", flush=True)
     del target, cache
     return rows
+
+
+def peak_bytes():
+    """The device's peak allocated bytes so far (None where the backend does not report it, e.g. CPU)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
 
 
 def markdown(rows, bandwidth) -> str:
@@ -191,7 +156,8 @@ def markdown(rows, bandwidth) -> str:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
-    ap.add_argument("--models", default=None, help="comma-separated subset of " + ", ".join([*MODELS, *TINY]))
+    ap.add_argument("--models", default=None, help=f"comma-separated random target shapes (default {','.join(MODELS)}; "
+                                                   f"any of {', '.join(KNOWN)})")
     ap.add_argument("--context", type=int, default=None, help="tokens already in the cache (default 1024; tiny 32)")
     ap.add_argument("--k", type=int, default=7, help="speculative tokens K (extend step = K+1 tokens)")
     ap.add_argument("--repeats", type=int, default=None, help="timed calls (default 30, tiny 3)")
@@ -200,12 +166,10 @@ def main(argv=None) -> dict:
                     help="kernel switch of the forward (pjax.kernels; default auto)")
     ap.add_argument("--json", default=None, help="JSON output path (default $OUT/bench_target.json)")
     a = ap.parse_args(argv)
-    table = TINY if a.tiny else MODELS
-    names = a.models.split(",") if a.models else list(table)
-    known = {**MODELS, **TINY}
+    names = a.models.split(",") if a.models else list(TINY if a.tiny else MODELS)
     for n in names:
-        if n not in known:
-            ap.error(f"unknown model {n!r} (choose from {sorted(known)})")
+        if n not in KNOWN:
+            ap.error(f"unknown model {n!r} (choose from {KNOWN})")
     context = a.context or (32 if a.tiny else 1024)
     repeats = a.repeats or (3 if a.tiny else 30)
     warmup = a.warmup or (1 if a.tiny else 5)
@@ -214,7 +178,7 @@ def main(argv=None) -> dict:
     bandwidth = copy_bandwidth((16 << 20) if a.tiny else (2 << 30), 5 if a.tiny else 20)
     rows = []
     for n in names:
-        rows += bench_model(n, known[n](), context=context, k1=a.k + 1, warmup=warmup, repeats=repeats,
+        rows += bench_model(n, context=context, k1=a.k + 1, warmup=warmup, repeats=repeats,
                             bandwidth=bandwidth, dtype=jnp.bfloat16, implementation=a.implementation)
     report = {"device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__,
               "copy_bandwidth_Bps": bandwidth, "rows": rows}

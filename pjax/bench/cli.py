@@ -57,7 +57,7 @@ from pjax.bench.backend import SCHEDULING, BatchBackend, EngineBackend
 from pjax.bench.datasets import DATASET_NAMES, load_dataset
 from pjax.bench.errors import BenchError
 from pjax.bench.exactness import NEAR_TIE_EPS, next_token_logits
-from pjax.bench.models import PACKED_SHAPES, RANDOM_SHAPES, geometry, parse_random, random_head, random_target
+from pjax.bench.models import RANDOM_SHAPES, RANDOM_TARGETS, geometry, parse_random, random_head, random_target
 from pjax.bench.report import PLOTS_MISSING, plots_available, write_outputs
 from pjax.bench.runner import BenchSettings, build_prompt_set, environment, run_bench
 from pjax.checkpoint.errors import CheckpointError
@@ -104,7 +104,7 @@ def build_parser(prog: str = "python -m pjax bench") -> argparse.ArgumentParser:
     m = p.add_argument_group("models")
     m.add_argument("--target", required=True,
                    help="target directory (Hugging Face or pjax-native), or random:SHAPE with SHAPE one of "
-                        f"{', '.join([*RANDOM_SHAPES, *PACKED_SHAPES])} (random weights)")
+                        f"{', '.join(RANDOM_TARGETS)} (random weights)")
     m.add_argument("--head", default=None,
                    help="drafter head directory (P-EAGLE / EAGLE-3, either layout) or random:N (a random head of N "
                         "layers shaped for the target); needed for parallel / sequential drafting")
@@ -335,7 +335,7 @@ def run(args, argv) -> int:
     shape = parse_random(args.target, "--target")
     if shape is not None and geometry(shape) not in RANDOM_SHAPES:
         raise BenchError(f"--target {args.target}: unknown shape (expected one of "
-                         f"{', '.join('random:' + s for s in [*RANDOM_SHAPES, *PACKED_SHAPES])})")
+                         f"{', '.join('random:' + s for s in RANDOM_TARGETS)})")
     if shape is None and args.prompt_len is not None:
         raise BenchError("--prompt-len applies to random targets only (a real target's prompts are the dataset's)")
     names = [n.strip() for value in (args.dataset or ["mt-bench"]) for n in value.split(",") if n.strip()]

@@ -30,7 +30,7 @@ from pjax.models.families import config_from_hf
 from pjax.models.sharding import MODEL_AXIS, axis_size, leaf_spec, param_specs
 from pjax.models.target import Target, abstract_target
 
-__all__ = ["PACKED_SHAPES", "RANDOM_SHAPES", "geometry", "parse_random", "random_head", "random_target"]
+__all__ = ["PACKED_SHAPES", "RANDOM_SHAPES", "RANDOM_TARGETS", "geometry", "parse_random", "random_head", "random_target"]
 
 RANDOM_SHAPES = {
     "llama3.1-8b": {
@@ -89,6 +89,8 @@ HEAD_VOCAB = {"llama3.1-8b": (32000, None), "llama3.1-70b": (32000, None), "gpt-
               "gpt-oss-20b": (None, 201020), "gpt-oss-20b-mxfp4": (None, 201020),
               "gpt-oss-120b": (None, 201020), "qwen3-30b-a3b": (None, None), "qwen3-30b-a3b-fp8": (None, None)}
 RANDOM_PREFIX = "random:"
+# every random target's name (a geometry, or a packed form that may share its geometry's name: gpt-oss-120b)
+RANDOM_TARGETS = tuple(dict.fromkeys([*RANDOM_SHAPES, *PACKED_SHAPES]))
 
 
 def parse_random(value: str, flag: str) -> Optional[str]:
@@ -160,7 +162,7 @@ def random_target(shape: str, dtype, seed: int = 0, mesh=None, experts: str = "e
     geometry, fmt = PACKED_SHAPES.get(shape, (shape, None))
     if geometry not in RANDOM_SHAPES:
         raise BenchError(f"--target random:{shape}: unknown shape (expected one of "
-                         f"{', '.join('random:' + s for s in [*RANDOM_SHAPES, *PACKED_SHAPES])})")
+                         f"{', '.join('random:' + s for s in RANDOM_TARGETS)})")
     cfg = config_from_hf(RANDOM_SHAPES[geometry], f"random:{shape}")
     abstract = abstract_target(cfg, dtype)
     key = jax.random.key(seed)

@@ -15,7 +15,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-__all__ = ["FORMATS", "QuantizedWeight", "dequantize", "is_quantized", "take"]
+__all__ = ["FORMATS", "QuantizedWeight", "dequantize", "is_quantized", "mxfp4_tile", "take"]
 
 FORMATS = ("mxfp4", "fp8")
 MXFP4_BLOCK = 32
@@ -59,6 +59,17 @@ def mxfp4_halves(nibbles):
     denormal m * 2 ** -15). Exact; bit operations only (the same in a Triton kernel)."""
     bits = ((nibbles & 8) << 12) | ((nibbles & 7) << 9)
     return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16)
+
+
+def mxfp4_tile(codes, scale_codes, dtype):
+    """Packed MXFP4 bytes [n, b / 2] (int32) and their E8M0 scale codes [n, b / 32] -> the values [n, b] in
+    `dtype`: codes decoded to exact float16 (`mxfp4_halves`), low / high nibbles interleaved, scaled in float32
+    (exact: powers of two). jnp only: the same in a Pallas (Triton) kernel's registers as in XLA."""
+    n, half = codes.shape
+    vals = jnp.stack([mxfp4_halves(codes & 15), mxfp4_halves(codes >> 4)], axis=-1)  # [n, b / 2, 2]
+    vals = vals.reshape(n, scale_codes.shape[1], MXFP4_BLOCK).astype(jnp.float32)
+    scale = e8m0_values(scale_codes) * MXFP4_HALF_SCALE
+    return (vals * scale[:, :, None]).reshape(n, 2 * half).astype(dtype)
 
 
 def mxfp4_values(nibbles):

@@ -21,7 +21,9 @@ class ExpertMatmulConfig:
     stages: int = 3  # weight tiles in flight per program
     lowbit_block_n: int = 64  # low-bit weights: output columns per program at most (FP8 at 64 pairs x 128 columns
     #                           overflowed the 227 KiB of shared memory)
-    lowbit_steps: int = 4  # low-bit weights: k tiles per loop iteration at most at 16 padded pairs (fewer above, see
+    mxfp4_block_k: int = 256  # MXFP4 inputs per step (8 scale groups): 1.1x 128 inputs, 1.5x 512
+    mxfp4_stages: int = 2  # MXFP4 tiles in flight: 2 ran 1.02-1.09x 3 (decode in registers, not loads, bounds it)
+    lowbit_steps: int = 4  # FP8 weights: k tiles per loop iteration at most at 16 padded pairs (fewer above, see
     #                        pallas.k_steps): FP8 at 4 x 128 ran 1.2x faster than at 16 x 128
 
 

@@ -11,11 +11,12 @@ Bytes moved: distinct selected experts x din x dout x itemsize + P x (din + dout
 Numerics: float32 accumulation, output cast to x's dtype (as the reference); float32 inputs multiply at the
 precision JAX's default matmul precision asks for (`_pallas_util.dot_precision`).
 Low-bit weights (`pjax.kernels.quantized.QuantizedWeight`, the checkpoint's [E, out, in] layout) are dequantised
-in registers, one [bn, bk] tile per step and several steps per loop iteration (`k_steps`): MXFP4 codes decoded
-with bit operations to exact float16 (even and odd inputs multiplied in two dots, so the packed nibbles are never
-interleaved), the group's E8M0 scales applied to the [pp, bn] product (bk = 32, one group); FP8 tiles cast to the
-activation dtype, their block scale applied to the product likewise. Bytes moved: the packed data and scales of
-the selected experts instead of 2 bytes a weight.
+in registers: MXFP4 tiles of `mxfp4_block_k` inputs a step (the last steps smaller when it does not divide din),
+codes decoded with bit operations to exact float16 and interleaved, their E8M0 group scales applied to the tile
+(exact: powers of two), one dot a step (a step per 32-input group, or even / odd inputs in two dots, measured
+1.1-2.4x slower); FP8 tiles cast to the activation dtype, several per loop iteration (`k_steps`), their block
+scale applied to each product. Bytes moved: the packed data and scales of the selected experts instead of 2 bytes
+a weight.
 Measured against the XLA path at the Qwen3-30B-A3B and GPT-OSS-20B expert shapes: docs/performance.md.
 """
 from __future__ import annotations
@@ -33,7 +34,7 @@ from pjax.kernels import dispatch, hardware
 from pjax.kernels._pallas_util import call_kwargs, dot_precision, next_pow2
 from pjax.kernels.expert_matmul.config import DEFAULT, ExpertMatmulConfig
 from pjax.kernels.expert_matmul.reference import check_inputs
-from pjax.kernels.quantized import MXFP4_BLOCK, MXFP4_HALF_SCALE, e8m0_values, is_quantized, mxfp4_halves
+from pjax.kernels.quantized import MXFP4_BLOCK, is_quantized, mxfp4_tile
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -56,31 +57,44 @@ def tiles(p: int, din: int, dout: int, config: ExpertMatmulConfig = DEFAULT) -> 
 
 
 def k_tile(din: int, w, config: ExpertMatmulConfig = DEFAULT) -> int:
-    """The contraction tile: a power of two <= block_k dividing din (and an FP8 weight's input block); one MXFP4
-    scale group (32)."""
+    """The contraction tile: a power of two <= block_k dividing din (and an FP8 weight's input block); MXFP4: the
+    largest power of two <= mxfp4_block_k and din (the remainder of din runs as smaller tail tiles, `k_plan`)."""
     if is_quantized(w) and w.format == "mxfp4":
-        return MXFP4_BLOCK
+        return max(MXFP4_BLOCK, min(config.mxfp4_block_k, 1 << (din.bit_length() - 1)))
     if is_quantized(w) and w.format == "fp8":
         return _pow2_divisor(math.gcd(din, w.block[1]), config.block_k)
     return _pow2_divisor(din, config.block_k)
 
 
 def k_steps(din: int, w, pp: int, config: ExpertMatmulConfig = DEFAULT) -> int:
-    """k tiles per loop iteration: 1 for plain weights; for low-bit ones the largest divisor of their count up to
+    """k tiles per loop iteration: 1 for plain and MXFP4 weights; for FP8 the largest divisor of their count up to
     lowbit_steps x 16 / pp (the pipelined tiles grow with the padded pairs pp: FP8 at 64 pairs and 4 steps overflowed
     the shared memory, at 1 step it ran)."""
+    if not is_quantized(w) or w.format == "mxfp4":
+        return 1
     n = din // k_tile(din, w, config)
     cap = max(1, config.lowbit_steps * 16 // pp)
-    return max(d for d in range(1, min(n, cap) + 1) if n % d == 0) if is_quantized(w) else 1
+    return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
+
+
+def k_plan(din: int, w, pp: int, config: ExpertMatmulConfig = DEFAULT) -> tuple[int, int, int, tuple]:
+    """(bk, steps, iterations, tail): a loop of `iterations` x `steps` k tiles of bk, then the static tail tiles
+    ((offset, size), ...): the binary decomposition of din mod bk (MXFP4 only; multiples of 32)."""
+    bk, steps = k_tile(din, w, config), k_steps(din, w, pp, config)
+    iterations = din // (bk * steps)
+    tail, k0 = [], iterations * bk * steps
+    for size in (1 << b for b in reversed(range(bk.bit_length()))):
+        if k0 + size <= din and size >= MXFP4_BLOCK:
+            tail.append((k0, size))
+            k0 += size
+    return bk, steps, iterations, tuple(tail)
 
 
 def measured_faster(w) -> bool:
-    """Whether the kernel beat the reference on an H200 for this weight (docs/performance.md): plain weights at every
-    measured shape; MXFP4 only for dout > din (GPT-OSS-20B gate_up: 1.8x / 2.5x at 1 / 8 tokens, down 0.4x / 0.7x);
-    FP8 tied (0.9-0.95x at 1 token), so the reference."""
-    if not is_quantized(w):
-        return True
-    return w.format == "mxfp4" and w.shape[2] > w.shape[1]
+    """Whether the kernel beat the reference on an H200 for this weight (docs/performance.md): plain and MXFP4
+    weights at every measured shape (MXFP4: 2.4-4.5x the dequantise-then-multiply reference); FP8 tied (0.9-0.95x
+    at 1 token), so the reference."""
+    return not is_quantized(w) or w.format == "mxfp4"
 
 
 def unsupported_reason(x, w, repeat: int = 1, config: ExpertMatmulConfig = DEFAULT):
@@ -127,23 +141,16 @@ def _fp8_product(x_tile, w_refs, e, k0, j, bk, bn, precision, block):
 
 
 def _mxfp4_product(x_tile, w_refs, e, k0, j, bk, bn, precision):
-    """MXFP4 data [E, N, K / 2], one scale group (bk = 32) per call: the low nibbles multiply the even inputs, the
-    high nibbles the odd ones (exact codes in the activation dtype), the group's scales the product's columns."""
+    """MXFP4 data [E, N, K / 2], bk inputs (bk / 32 scale groups) a step: the tile decoded and scaled in registers
+    (`quantized.mxfp4_tile`), one dot."""
     data_ref, scales_ref = w_refs
-    byte = jnp.arange(bk // 2, dtype=jnp.int32)
-    codes = data_ref[e, pl.ds(j * bn, bn), pl.ds(k0 // 2, bk // 2)].astype(jnp.int32)
-    cols = j * bn + jnp.arange(bn, dtype=jnp.int32)
-    scale = e8m0_values(pltriton.load(scales_ref.at[e, cols, k0 // MXFP4_BLOCK])) * MXFP4_HALF_SCALE  # [bn]
-    acc = None
-    for parity, nib in ((0, codes & 15), (1, codes >> 4)):
-        xt = x_tile(k0 + parity + 2 * byte)
-        wt = mxfp4_halves(nib).astype(xt.dtype)
-        part = jax.lax.dot(xt, wt.T, precision=precision, preferred_element_type=jnp.float32)
-        acc = part if acc is None else acc + part
-    return acc * scale[None, :]
+    codes = data_ref[e, pl.ds(j * bn, bn), pl.ds(k0 // 2, bk // 2)].astype(jnp.int32)  # [bn, bk / 2]
+    xt = x_tile(k0 + jnp.arange(bk, dtype=jnp.int32))
+    wt = mxfp4_tile(codes, scales_ref[e, pl.ds(j * bn, bn), pl.ds(k0 // MXFP4_BLOCK, bk // MXFP4_BLOCK)], xt.dtype)
+    return jax.lax.dot(xt, wt.T, precision=precision, preferred_element_type=jnp.float32)
 
 
-def _kernel(ids_ref, x_ref, *refs, p, pp, din, bk, bn, steps, e_count, repeat, product):
+def _kernel(ids_ref, x_ref, *refs, p, pp, plan, bn, e_count, repeat, product):
     *w_refs, o_ref = refs
     s, j = pl.program_id(0), pl.program_id(1)
     pairs = jnp.arange(pp, dtype=jnp.int32)
@@ -159,12 +166,16 @@ def _kernel(ids_ref, x_ref, *refs, p, pp, din, bk, bn, steps, e_count, repeat, p
         def x_tile(cols):  # the rows of this expert's pairs (others zero) at input columns `cols`
             return pltriton.load(x_ref.at[(row // repeat)[:, None], cols[None, :]], mask=mine[:, None], other=0)
 
+        bk, steps, iterations, tail = plan
+
         def step(c, acc):  # `steps` k tiles, unrolled
             for s_ in range(steps):
                 acc = acc + product(x_tile, w_refs, e, pl.multiple_of((c * steps + s_) * bk, bk), j, bk, bn)
             return acc
 
-        acc = jax.lax.fori_loop(0, din // (bk * steps), step, jnp.zeros((pp, bn), jnp.float32))
+        acc = jax.lax.fori_loop(0, iterations, step, jnp.zeros((pp, bn), jnp.float32))
+        for k0, size in tail:
+            acc = acc + product(x_tile, w_refs, e, k0, j, size, bn)
         # interpret mode stores masked lanes as a read-modify-write scatter: there every lane has its own row
         out_row = pairs if o_ref.shape[0] == pp else row
         cols = j * bn + jnp.arange(bn, dtype=jnp.int32)
@@ -187,7 +198,6 @@ def expert_matmul(x, expert_ids, w, *, repeat: int = 1, block_n=None, config: Ex
     _, bn = tiles(p, din, dout, config)
     if is_quantized(w):
         bn = min(bn, config.lowbit_block_n)
-    bk = k_tile(din, w, config)
     if block_n is not None:
         if block_n < 16 or block_n & (block_n - 1) or dout % block_n or pp * block_n > config.acc_elements:
             raise ValueError(f"expert_matmul: block_n={block_n} must be a power of two >= 16 dividing dout={dout}, "
@@ -206,10 +216,11 @@ def expert_matmul(x, expert_ids, w, *, repeat: int = 1, block_n=None, config: Ex
         product = functools.partial(_mxfp4_product, precision=precision)
     full = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
     out = pl.pallas_call(
-        functools.partial(_kernel, p=p, pp=pp, din=din, bk=bk, bn=bn, steps=k_steps(din, w, pp, config),
-                          e_count=w.shape[0], repeat=repeat, product=product),
+        functools.partial(_kernel, p=p, pp=pp, plan=k_plan(din, w, pp, config), bn=bn, e_count=w.shape[0],
+                          repeat=repeat, product=product),
         grid=(p, dout // bn), out_shape=jax.ShapeDtypeStruct((out_rows, dout), x.dtype),
         in_specs=[full(a.shape) for a in (ids, x, *w_arrays)], out_specs=full((out_rows, dout)),
-        name=name, **call_kwargs(config.warps, config.stages, interpret),
+        name=name, **call_kwargs(config.warps, config.mxfp4_stages if name.endswith("mxfp4") else config.stages,
+                                 interpret),
     )(ids, x, *w_arrays)
     return out[:p] if out_rows != p else out

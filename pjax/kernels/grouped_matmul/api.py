@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from pjax.kernels import dispatch
@@ -20,16 +21,16 @@ def grouped_matmul(x, w, group_sizes, *, transpose_rhs: bool = False, implementa
     (dw). implementation (`pjax.kernels.dispatch`): the kernel takes one floating dtype for x and w (else the
     reference, for "pallas" too); "auto" runs it on a GPU from `config.MIN_ROWS_PER_GROUP` mean rows per group (its
     cost grows with the rows, ragged_dot's GPU lowering with rows x groups: 2.8x at 1,024 GPT-OSS-20B pairs, 15-20x
-    at 32,768). A `QuantizedWeight` w is dequantised to x's dtype first (a constant: prefill and
-    training over a packed target hold one layer's dequantised experts at a time)."""
+    at 32,768). A `QuantizedWeight` w (logical [G, K, N], no transpose_rhs) is a constant: the kernel dequantises
+    it per tile; the reference and the kernel's backward dequantise the whole stack to x's dtype first."""
     from pjax.kernels.grouped_matmul import pallas
     reference.check_inputs(x, w, group_sizes, transpose_rhs)
-    if is_quantized(w):
-        w = jax.lax.stop_gradient(dequantize(w, x.dtype))
-    supported = pallas.unsupported_reason(x, w) is None
+    supported = pallas.unsupported_reason(x, w) is None and not (is_quantized(w) and transpose_rhs)
     faster = x.shape[0] >= MIN_ROWS_PER_GROUP * w.shape[0]
     if dispatch.use_kernel(implementation, supported=supported, faster=faster, op="grouped_matmul"):
         return _pallas_gmm(x, w, group_sizes, transpose_rhs)
+    if is_quantized(w):
+        w = jax.lax.stop_gradient(dequantize(w, x.dtype))
     return reference.grouped_matmul(x, w, group_sizes, transpose_rhs)
 
 
@@ -47,6 +48,11 @@ def _bwd(transpose_rhs, res, g):
     from pjax.kernels.grouped_matmul import pallas
     x, w, group_sizes = res
     g = g.astype(x.dtype)
+    if is_quantized(w):  # a constant: only dx, through the dequantised stack
+        dx = pallas.grouped_matmul(g, dequantize(w, x.dtype), group_sizes, transpose_rhs=True)
+        dw = jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0) if jnp.issubdtype(a.dtype, jnp.integer)
+                          else jnp.zeros_like(a), w)
+        return dx, dw, np.zeros(group_sizes.shape, jax.dtypes.float0)
     dx = pallas.grouped_matmul(g, w, group_sizes, transpose_rhs=not transpose_rhs)
     if transpose_rhs:  # w [G, N, K]: dw[g] = dy_g.T @ x_g
         dw = pallas.transposed_grouped_matmul(g, x, group_sizes, w.dtype)

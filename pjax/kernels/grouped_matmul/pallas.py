@@ -10,6 +10,10 @@ The weight gradient (`transposed_grouped_matmul`): program (g, i, j) loops over 
 Bytes moved (forward): x once per column tile, every non-empty group's weight once per row tile of it, out once.
 Numerics: float32 accumulation, the output cast to the input dtype; float32 inputs at JAX's default matmul
 precision (`_pallas_util.dot_precision`).
+Low-bit weights (`pjax.kernels.quantized.QuantizedWeight`, [G, N, K] packed) are dequantised per tile in registers:
+MXFP4 codes and group scales (`quantized.mxfp4_tile`), FP8 tiles cast to x's dtype with their block scale applied to
+the product's columns (block_k divides the input block). Bytes moved: the packed weights instead of 2 bytes a weight
+(forward only; the backward dequantises, `api.py`).
 """
 from __future__ import annotations
 
@@ -25,10 +29,20 @@ from pjax.kernels import dispatch
 from pjax.kernels._pallas_util import call_kwargs, dot_precision
 from pjax.kernels.grouped_matmul.config import DEFAULT, GroupedMatmulConfig, for_shape
 from pjax.kernels.grouped_matmul.reference import check_inputs
+from pjax.kernels.quantized import MXFP4_BLOCK, is_quantized, mxfp4_tile
 
 
-def unsupported_reason(x, w):
+def unsupported_reason(x, w, config: Optional[GroupedMatmulConfig] = None):
     """None when the kernels take these inputs, else why not (the caller uses the reference)."""
+    if is_quantized(w):
+        bk = (config or for_shape(x.shape[0], w.shape[0])).block_k
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            return f"x {x.dtype}: floating only"
+        if w.format == "mxfp4" and (w.shape[1] % MXFP4_BLOCK or bk % MXFP4_BLOCK):
+            return f"MXFP4 K {w.shape[1]}, block_k {bk}: multiples of {MXFP4_BLOCK} only"
+        if w.format == "fp8" and w.block[1] % bk:
+            return f"FP8 blocks {w.block}: block_k {bk} must divide the input block"
+        return None
     if x.dtype != w.dtype:
         return f"x {x.dtype} and w {w.dtype}: one dtype only (the tensor-core dot)"
     if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -82,8 +96,32 @@ def _load(ref, rows, cols, mask, *lead):
     return pltriton.load(ref.at[(*lead, rows[:, None], cols[None, :])], mask=mask, other=None if mask is None else 0)
 
 
-def _gmm_kernel(group_ref, tile_ref, lo_ref, hi_ref, x_ref, w_ref, o_ref, *, m, k, n, g_count, bm, bk, bn,
-                transpose_rhs, interpret, precision):
+def _weight_product(xt, w_refs, ge, k0, ks, k_ok, cols, col_ok, *, k, bk, transpose_rhs, fmt, block, interpret,
+                    precision):
+    """xt [bm, bk] times the weight tile (contraction ks, columns cols) of group ge: float32 [bm, bn]."""
+    if fmt is None:
+        (w_ref,) = w_refs
+        if transpose_rhs:  # w [G, N, K]
+            wt = _load(w_ref, cols, ks, _both(col_ok, k_ok), ge).T
+        else:
+            wt = _load(w_ref, ks, cols, _both(k_ok, col_ok), ge)
+        return jax.lax.dot(xt, wt, precision=precision, preferred_element_type=jnp.float32)
+    data_ref, scales_ref = w_refs  # [G, N, K / 2] and [G, N, K / 32] (MXFP4), [G, N, K] and its blocks (FP8)
+    if fmt == "mxfp4":
+        kp, kp_ok = _indices(k0 // 2, bk // 2, k // 2, interpret)
+        kg, kg_ok = _indices(k0 // MXFP4_BLOCK, bk // MXFP4_BLOCK, k // MXFP4_BLOCK, interpret)
+        codes = _load(data_ref, cols, kp, _both(col_ok, kp_ok), ge).astype(jnp.int32)
+        wt = mxfp4_tile(codes, _load(scales_ref, cols, kg, _both(col_ok, kg_ok), ge), xt.dtype)
+        return jax.lax.dot(xt, wt.T, precision=precision, preferred_element_type=jnp.float32)
+    wt = _load(data_ref, cols, ks, _both(col_ok, k_ok), ge).astype(xt.dtype)
+    rows = jnp.minimum(cols // block[0], scales_ref.shape[1] - 1)  # masked columns: any block (not stored)
+    scale = pltriton.load(scales_ref.at[ge, rows, k0 // block[1]]).astype(jnp.float32)
+    return jax.lax.dot(xt, wt.T, precision=precision, preferred_element_type=jnp.float32) * scale[None, :]
+
+
+def _gmm_kernel(group_ref, tile_ref, lo_ref, hi_ref, x_ref, *refs, m, k, n, g_count, bm, bk, bn, transpose_rhs,
+                fmt, block, interpret, precision):
+    *w_refs, o_ref = refs
     t, j = pl.program_id(0), pl.program_id(1)
     group = group_ref[t]
     raw = tile_ref[t] * bm + jnp.arange(bm, dtype=jnp.int32)
@@ -93,13 +131,12 @@ def _gmm_kernel(group_ref, tile_ref, lo_ref, hi_ref, x_ref, w_ref, o_ref, *, m, 
     ge = jnp.minimum(group, g_count - 1)
 
     def step(c, acc):
-        ks, k_ok = _indices(pl.multiple_of(c * bk, bk), bk, k, interpret)
+        k0 = pl.multiple_of(c * bk, bk)
+        ks, k_ok = _indices(k0, bk, k, interpret)
         xt = _load(x_ref, x_rows, ks, _both(mine, k_ok))
-        if transpose_rhs:  # w [G, N, K]
-            wt = _load(w_ref, cols, ks, _both(col_ok, k_ok), ge).T
-        else:
-            wt = _load(w_ref, ks, cols, _both(k_ok, col_ok), ge)
-        return acc + jax.lax.dot(xt, wt, precision=precision, preferred_element_type=jnp.float32)
+        return acc + _weight_product(xt, w_refs, ge, k0, ks, k_ok, cols, col_ok, k=k, bk=bk,
+                                     transpose_rhs=transpose_rhs, fmt=fmt, block=block, interpret=interpret,
+                                     precision=precision)
 
     def store(acc):  # interpret mode: the output is padded to whole tiles, so raw addresses are in bounds
         out_cols = j * bn + jnp.arange(bn, dtype=jnp.int32)
@@ -117,10 +154,13 @@ def _gmm_kernel(group_ref, tile_ref, lo_ref, hi_ref, x_ref, w_ref, o_ref, *, m, 
 
 def grouped_matmul(x, w, group_sizes, *, transpose_rhs: bool = False, config: Optional[GroupedMatmulConfig] = None,
                    interpret: Optional[bool] = None):
-    """Same contract as `reference.grouped_matmul`; config None: by the mean rows per group (`config.for_shape`);
-    interpret: None = interpret mode off GPU."""
+    """Same contract as `reference.grouped_matmul` (w may be a `QuantizedWeight` of logical shape [G, K, N], not
+    with transpose_rhs); config None: by the mean rows per group (`config.for_shape`); interpret: None = interpret
+    mode off GPU."""
+    if is_quantized(w) and transpose_rhs:
+        raise ValueError("grouped_matmul: a QuantizedWeight is [G, K, N] (packed as [G, N, K]): no transpose_rhs")
     check_inputs(x, w, group_sizes, transpose_rhs)
-    reason = unsupported_reason(x, w)
+    reason = unsupported_reason(x, w, config)
     if reason:
         raise ValueError(f"grouped_matmul implementation='pallas': {reason}")
     interpret = dispatch.interpret(interpret)
@@ -130,16 +170,19 @@ def grouped_matmul(x, w, group_sizes, *, transpose_rhs: bool = False, config: Op
     config = config or for_shape(m, g_count)
     bm, bk, bn = config.block_m, config.block_k, config.block_n
     schedule = tile_schedule(group_sizes, m, bm)
+    w_arrays = (w.data, w.scales) if is_quantized(w) else (w,)
+    fmt, block = (w.format, w.block) if is_quantized(w) else (None, None)
     # interpret mode: the output padded to whole tiles (masked stores are read-modify-write scatters there)
     out_shape = (_cdiv(m, bm) * bm, _cdiv(n, bn) * bn) if interpret else (m, n)
     full = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
     out = pl.pallas_call(
         functools.partial(_gmm_kernel, m=m, k=k, n=n, g_count=g_count, bm=bm, bk=bk, bn=bn,
-                          transpose_rhs=transpose_rhs, interpret=interpret, precision=dot_precision(x.dtype)),
+                          transpose_rhs=transpose_rhs, fmt=fmt, block=block, interpret=interpret,
+                          precision=dot_precision(x.dtype)),
         grid=(schedule[0].shape[0], _cdiv(n, bn)), out_shape=jax.ShapeDtypeStruct(out_shape, x.dtype),
-        in_specs=[full(s.shape) for s in schedule] + [full(x.shape), full(w.shape)], out_specs=full(out_shape),
-        name="pjax_grouped_matmul", **call_kwargs(config.warps, config.stages, interpret),
-    )(*schedule, x, w)
+        in_specs=[full(a.shape) for a in (*schedule, x, *w_arrays)], out_specs=full(out_shape),
+        name="pjax_grouped_matmul" + (f"_{fmt}" if fmt else ""), **call_kwargs(config.warps, config.stages, interpret),
+    )(*schedule, x, *w_arrays)
     return out[:m, :n] if out_shape != (m, n) else out
 
 
