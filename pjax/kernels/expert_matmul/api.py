@@ -21,9 +21,8 @@ def expert_matmul(x, expert_ids, w, *, repeat: int = 1, implementation: str = "a
     a plain w (the kernel's VJP is the reference's; quantised weights are constants). implementation
     (`pjax.kernels.dispatch`): the kernel takes one dtype for x and a plain w (any floating x for quantised w), at most
     `ExpertMatmulConfig.max_rows` (128) pairs and din / dout multiples of 16; other inputs run the reference, for
-    "pallas" too. "auto" runs the kernel on a GPU where it takes the shapes and was measured faster: plain weights
-    at every measured decode / verify shape, MXFP4 weights with dout > din (GPT-OSS gate_up); other low-bit
-    weights run the reference (`pallas.measured_faster`)."""
+    "pallas" too. "auto" runs the kernel on a GPU where it takes the shapes and was measured faster: plain and MXFP4
+    weights at every measured decode / verify shape; FP8 weights run the reference (`pallas.measured_faster`)."""
     from pjax.kernels.expert_matmul import pallas
     reference.check_inputs(x, expert_ids, w, repeat)
     supported = pallas.unsupported_reason(x, w, repeat) is None
