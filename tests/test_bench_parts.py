@@ -322,15 +322,15 @@ def test_published_geometries(shape, params, layers, hidden, vocab):
 def test_random_packed_targets():
     """Quantised random targets hold packed experts generated in packed form (GPT-OSS-120B's MXFP4 experts: ~61 GB,
     no bf16 copy: checked on shapes), dequantising to the dense weights' spread."""
-    from pjax.bench.models import PACKED_SHAPES, _packed
-    from pjax.kernels.quantized import QuantizedWeight, dequantize
+    from pjax.bench.models import PACKED_SHAPES
+    from pjax.kernels.quantized import QuantizedWeight, dequantize, random_weight
     assert set(PACKED_SHAPES) >= {"gpt-oss-120b", "qwen3-30b-a3b-fp8", "gpt-oss-20b-mxfp4"}
     cfg = config_from_hf(RANDOM_SHAPES["gpt-oss-120b"])
     e, h, i = cfg.moe.num_experts, cfg.hidden_size, cfg.moe.intermediate_size
-    layer = [jax.eval_shape(lambda s=s: _packed(jax.random.key(0), s, "mxfp4")) for s in ((e, h, 2 * i), (e, i, h))]
+    layer = [jax.eval_shape(lambda s=s: random_weight(jax.random.key(0), s, "mxfp4")) for s in ((e, h, 2 * i), (e, i, h))]
     assert all(x.dtype == jnp.uint8 for w in layer for x in jax.tree.leaves(w))
     assert cfg.num_layers * sum(x.size for w in layer for x in jax.tree.leaves(w)) == pytest.approx(60.9e9, rel=1e-2)
-    fp8 = jax.eval_shape(lambda: _packed(jax.random.key(0), (128, 2048, 1536), "fp8"))
+    fp8 = jax.eval_shape(lambda: random_weight(jax.random.key(0), (128, 2048, 1536), "fp8"))
     assert fp8.data.dtype == jnp.float8_e4m3fn and fp8.scales.shape == (128, 12, 16)
     target = random_target("tiny-moe-mxfp4", jnp.float32)
     gate_up = target.params["layers"][0]["mlp"]["gate_up"]

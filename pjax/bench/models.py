@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from pjax.bench.errors import BenchError
-from pjax.kernels.quantized import MXFP4_BLOCK, QuantizedWeight
+from pjax.kernels.quantized import random_weight
 from pjax.models.drafter import Drafter, abstract_drafter
 from pjax.models.families import config_from_hf
 from pjax.models.sharding import MODEL_AXIS, axis_size, leaf_spec, param_specs
@@ -78,7 +78,6 @@ RANDOM_SHAPES["tiny-moe"] = {  # a CPU smoke-test MoE geometry (packed experts: 
 PACKED_SHAPES = {"gpt-oss-20b-mxfp4": ("gpt-oss-20b", "mxfp4"), "gpt-oss-120b": ("gpt-oss-120b", "mxfp4"),
                  "gpt-oss-120b-bf16": ("gpt-oss-120b", None),
                  "qwen3-30b-a3b-fp8": ("qwen3-30b-a3b", "fp8"), "tiny-moe-mxfp4": ("tiny-moe", "mxfp4")}
-FP8_BLOCK = (128, 128)
 # openai/gpt-oss-120b: gpt-oss-20b's widths with 36 layers and 128 experts
 RANDOM_SHAPES["gpt-oss-120b"] = dict(
     RANDOM_SHAPES["gpt-oss-20b"], num_hidden_layers=36, num_local_experts=128,
@@ -144,17 +143,6 @@ def _random_params(abstract, key, scale: float = 0.02, shardings=None):
     return jax.tree.unflatten(treedef, out)
 
 
-def _packed(key, shape, fmt):
-    """Random packed experts of logical shape [E, in, out] (std ~0.02 once dequantised)."""
-    e, din, dout = shape
-    if fmt == "mxfp4":  # uniform E2M1 codes (rms ~2.9) x 2 ** -7
-        data = jax.random.bits(key, (e, dout, din // 2), jnp.uint8)
-        return QuantizedWeight(data, jnp.full((e, dout, din // MXFP4_BLOCK), 127 - 7, jnp.uint8))
-    data = (64 * jax.random.normal(key, (e, dout, din), jnp.bfloat16)).astype(jnp.float8_e4m3fn)
-    blocks = (e, -(-dout // FP8_BLOCK[0]), -(-din // FP8_BLOCK[1]))
-    return QuantizedWeight(data, jnp.full(blocks, 0.02 / 64, jnp.float32), "fp8", FP8_BLOCK)
-
-
 def random_target(shape: str, dtype, seed: int = 0, mesh=None, experts: str = "expert") -> Target:
     """A target of the named geometry (`RANDOM_SHAPES`, or `PACKED_SHAPES` with packed MXFP4 / FP8 experts) with
     random weights; mesh: generated in place on it, split by the plan of `pjax.models.sharding` (a target larger
@@ -181,10 +169,10 @@ def random_target(shape: str, dtype, seed: int = 0, mesh=None, experts: str = "e
                 unpacked[(i, name)] = mlp.pop(name)
     params = _random_params(params, key, shardings=on_mesh(params))  # everything else, one leaf at a time
     for j, ((i, name), leaf) in enumerate(sorted(unpacked.items())):
-        packed = jax.eval_shape(functools.partial(_packed, shape=tuple(leaf.shape), fmt=fmt), jax.random.key(0))
+        packed = jax.eval_shape(functools.partial(random_weight, shape=tuple(leaf.shape), fmt=fmt), jax.random.key(0))
         sharding = None if mesh is None else jax.tree.map(lambda s: NamedSharding(mesh, s),
                                                           leaf_spec(("layers", i, "mlp", name), packed, cfg, n, experts))
-        params["layers"][i]["mlp"][name] = _on(_packed, (1, 2), sharding)(jax.random.fold_in(key, 2 ** 31 + j),
+        params["layers"][i]["mlp"][name] = _on(random_weight, (1, 2), sharding)(jax.random.fold_in(key, 2 ** 31 + j),
                                                                           tuple(leaf.shape), fmt)
     return Target(cfg, abstract.graphdef, params, experts)
 

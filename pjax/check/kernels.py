@@ -20,11 +20,13 @@ import numpy as np
 
 from pjax.check.report import BF16_ATTN_BOUND, BF16_REL_BOUND, F32_BOUND, Report, float_errors, kernels_in
 from pjax.kernels import IMPLEMENTATIONS, accept, attention, build_draft_inputs, cache_attention, causal_mask
-from pjax.kernels import document_mask, expert_matmul
+from pjax.kernels import document_mask, expert_matmul, grouped_matmul
 from pjax.kernels.acceptance import reference as acc_ref
 from pjax.kernels.cache_attention import mosaic
 from pjax.kernels.cache_attention import reference as attn_ref
 from pjax.kernels.expert_matmul import reference as em_ref
+from pjax.kernels.grouped_matmul import reference as gm_ref
+from pjax.kernels.quantized import dequantize, random_weight
 from pjax.kernels.metadata import reference as meta_ref
 
 __all__ = ["CHECKS"]
@@ -141,25 +143,38 @@ def check_flash_attention(report: Report, quick: bool) -> None:
 
 
 def expert_cases(quick):
-    """(label, tokens, top_k, experts, din, dout, dtype)."""
+    """(label, tokens, top_k, experts, din, dout, dtype, packed format or None)."""
     if quick:
-        return [("f32", 4, 2, 8, 64, 96, jnp.float32), ("bf16", 3, 2, 8, 48, 64, jnp.bfloat16),
-                ("past 128 pairs", 65, 2, 8, 32, 48, jnp.float32)]
-    return [("qwen3-30b-a3b gate_up decode", 1, 8, 128, 2048, 1536, jnp.bfloat16),
-            ("qwen3-30b-a3b down verify K=7", 8, 8, 128, 768, 2048, jnp.bfloat16),
-            ("gpt-oss-20b gate_up decode", 1, 4, 32, 2880, 5760, jnp.bfloat16),
-            ("gpt-oss-20b down verify K=3", 4, 4, 32, 2880, 2880, jnp.bfloat16),
-            ("f32 verify K=3", 4, 4, 16, 512, 256, jnp.float32),
-            ("past 128 pairs", 40, 4, 32, 256, 256, jnp.bfloat16)]
+        return [("f32", 4, 2, 8, 64, 96, jnp.float32, None), ("bf16", 3, 2, 8, 48, 64, jnp.bfloat16, None),
+                ("past 128 pairs", 65, 2, 8, 32, 48, jnp.float32, None),
+                ("MXFP4", 2, 2, 4, 96, 64, jnp.bfloat16, "mxfp4"), ("FP8", 3, 2, 4, 128, 64, jnp.bfloat16, "fp8")]
+    return [("qwen3-30b-a3b gate_up decode", 1, 8, 128, 2048, 1536, jnp.bfloat16, None),
+            ("qwen3-30b-a3b down verify K=7", 8, 8, 128, 768, 2048, jnp.bfloat16, None),
+            ("gpt-oss-20b gate_up decode", 1, 4, 32, 2880, 5760, jnp.bfloat16, None),
+            ("gpt-oss-20b down verify K=3", 4, 4, 32, 2880, 2880, jnp.bfloat16, None),
+            ("f32 verify K=3", 4, 4, 16, 512, 256, jnp.float32, None),
+            ("past 128 pairs", 40, 4, 32, 256, 256, jnp.bfloat16, None),
+            ("gpt-oss-20b gate_up decode MXFP4", 1, 4, 32, 2880, 5760, jnp.bfloat16, "mxfp4"),
+            ("gpt-oss-20b down verify K=7 MXFP4", 8, 4, 32, 2880, 2880, jnp.bfloat16, "mxfp4"),
+            ("qwen3-30b-a3b gate_up verify K=3 FP8", 4, 8, 128, 2048, 1536, jnp.bfloat16, "fp8")]
+
+
+def _weights(key, e, din, dout, dtype, fmt):
+    """Random expert weights [e, din, dout] (packed for fmt) and the dense stack the reference multiplies."""
+    if fmt is None:
+        w = (jax.random.normal(key, (e, din, dout), jnp.float32) * din ** -0.5).astype(dtype)
+        return w, w
+    w = random_weight(key, (e, din, dout), fmt)
+    return w, dequantize(w, dtype)
 
 
 def check_expert_matmul(report: Report, quick: bool) -> None:
-    for i, (label, n, top, e, din, dout, dtype) in enumerate(expert_cases(quick)):
+    for i, (label, n, top, e, din, dout, dtype, fmt) in enumerate(expert_cases(quick)):
         kx, kw_, ki = jax.random.split(jax.random.key(100 + i), 3)
         x = jax.random.normal(kx, (n, din), jnp.float32).astype(dtype)
-        w = (jax.random.normal(kw_, (e, din, dout), jnp.float32) * din ** -0.5).astype(dtype)
+        w, dense = _weights(kw_, e, din, dout, dtype, fmt)
         ids = jnp.argsort(jax.random.uniform(ki, (n, e)), axis=1)[:, :top].reshape(-1).astype(jnp.int32)
-        want = jax.jit(functools.partial(em_ref.expert_matmul, repeat=top))(x, ids, w)
+        want = jax.jit(functools.partial(em_ref.expert_matmul, repeat=top))(x, ids, dense)
         shape = f"{label}: {n} tokens x top-{top} of {e}, {din}x{dout} {jnp.dtype(dtype).name}"
         bound = F32_BOUND if dtype == jnp.float32 else BF16_REL_BOUND
         for impl in IMPLEMENTATIONS:
@@ -167,6 +182,35 @@ def check_expert_matmul(report: Report, quick: bool) -> None:
             abs_err, rel = float_errors(jax.jit(fn)(x, ids, w), want)
             report.record("kernels", "expert_matmul", impl, shape, abs_err=abs_err, rel_err=rel,
                           bound=f"rel<={bound}", ok=rel <= bound, ran=kernels_in(fn, x, ids, w))
+
+
+def grouped_cases(quick):
+    """(label, rows, experts, din, dout, dtype, packed format or None): uniform random routing, plus one expert with
+    no rows and rows past the groups."""
+    if quick:
+        return [("f32", 70, 4, 64, 48, jnp.float32, None), ("MXFP4", 80, 4, 96, 64, jnp.bfloat16, "mxfp4"),
+                ("FP8", 80, 4, 128, 64, jnp.bfloat16, "fp8")]
+    return [("gpt-oss-20b gate_up, c = 64 verify K = 3", 1024, 32, 2880, 5760, jnp.bfloat16, None),
+            ("gpt-oss-20b gate_up MXFP4, c = 64 verify K = 3", 1024, 32, 2880, 5760, jnp.bfloat16, "mxfp4"),
+            ("qwen3-30b-a3b gate_up FP8, prefill 1K", 8192, 128, 2048, 1536, jnp.bfloat16, "fp8"),
+            ("f32 down", 2048, 16, 512, 256, jnp.float32, None)]
+
+
+def check_grouped_matmul(report: Report, quick: bool) -> None:
+    for i, (label, m, e, din, dout, dtype, fmt) in enumerate(grouped_cases(quick)):
+        kx, kw_ = jax.random.split(jax.random.key(200 + i))
+        x = jax.random.normal(kx, (m, din), jnp.float32).astype(dtype)
+        w, dense = _weights(kw_, e, din, dout, dtype, fmt)
+        sizes = np.bincount(np.random.default_rng(i).integers(1, e, m - 5), minlength=e)  # expert 0 empty
+        sizes = jnp.asarray(sizes, jnp.int32)
+        want = jax.jit(gm_ref.grouped_matmul)(x, dense, sizes)
+        shape = f"{label}: {m} rows over {e} experts, {din}x{dout} {jnp.dtype(dtype).name}"
+        bound = F32_BOUND if dtype == jnp.float32 else BF16_REL_BOUND
+        for impl in IMPLEMENTATIONS:
+            fn = lambda *a, impl=impl: grouped_matmul(*a, implementation=impl)  # noqa: E731
+            abs_err, rel = float_errors(jax.jit(fn)(x, w, sizes), want)
+            report.record("kernels", "grouped_matmul", impl, shape, abs_err=abs_err, rel_err=rel,
+                          bound=f"rel<={bound}", ok=rel <= bound, ran=kernels_in(fn, x, w, sizes))
 
 
 def acceptance_cases(quick):
@@ -229,4 +273,5 @@ def check_metadata(report: Report, quick: bool) -> None:
                           rel_err=bad, bound="rows equal", ok=bad == 0, ran=kernels_in(fn, *args))
 
 
-CHECKS = (check_attention, check_flash_attention, check_expert_matmul, check_acceptance, check_metadata)
+CHECKS = (check_attention, check_flash_attention, check_expert_matmul, check_grouped_matmul, check_acceptance,
+          check_metadata)

@@ -11,11 +11,12 @@ logical shape of the unquantised pjax weight [..., in, out].
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
 
-__all__ = ["FORMATS", "QuantizedWeight", "dequantize", "is_quantized", "mxfp4_tile", "take"]
+__all__ = ["FORMATS", "FP8_BLOCK", "QuantizedWeight", "dequantize", "is_quantized", "mxfp4_tile", "random_weight", "take"]
 
 FORMATS = ("mxfp4", "fp8")
 MXFP4_BLOCK = 32
@@ -96,6 +97,25 @@ def dequantize(w: QuantizedWeight, dtype=jnp.float32):
         s = jnp.repeat(jnp.repeat(w.scales.astype(jnp.float32), bo, -2), bi, -1)[..., :rows, :cols]
         out = w.data.astype(jnp.float32) * s
     return jnp.swapaxes(out, -1, -2).astype(dtype)
+
+
+FP8_BLOCK = (128, 128)  # the block-scaled FP8 checkpoints' (out, in) scale blocks
+
+
+def random_weight(key, shape: tuple, fmt: str, std: float = 0.02) -> QuantizedWeight:
+    """Random packed weights of logical shape [..., in, out] whose dequantised values spread about `std`, generated
+    in packed form (no float copy): MXFP4 uniform random codes (rms ~2.9) with one scale, FP8 normal values in
+    FP8_BLOCK blocks with one scale. For benchmarks and device checks."""
+    *lead, din, dout = shape
+    if fmt == "mxfp4":
+        exponent = round(math.log2(std / 2.9))
+        data = jax.random.bits(key, (*lead, dout, din // 2), jnp.uint8)
+        return QuantizedWeight(data, jnp.full((*lead, dout, din // MXFP4_BLOCK), 127 + exponent, jnp.uint8))
+    if fmt != "fp8":
+        raise ValueError(f"random_weight: format {fmt!r}, expected one of {FORMATS}")
+    data = (64 * jax.random.normal(key, (*lead, dout, din), jnp.bfloat16)).astype(jnp.float8_e4m3fn)
+    blocks = (*lead, -(-dout // FP8_BLOCK[0]), -(-din // FP8_BLOCK[1]))
+    return QuantizedWeight(data, jnp.full(blocks, std / 64, jnp.float32), "fp8", FP8_BLOCK)
 
 
 def take(w: QuantizedWeight, ids) -> QuantizedWeight:
