@@ -324,10 +324,13 @@ def test_random_packed_targets():
     no bf16 copy: checked on shapes), dequantising to the dense weights' spread."""
     from pjax.bench.models import PACKED_SHAPES
     from pjax.kernels.quantized import QuantizedWeight, dequantize, random_weight
+    with pytest.raises(ValueError, match=r"MXFP4 needs in % 32 == 0, found shape \(2, 48, 16\)"):
+        random_weight(jax.random.key(0), (2, 48, 16), "mxfp4")
     assert set(PACKED_SHAPES) >= {"gpt-oss-120b", "qwen3-30b-a3b-fp8", "gpt-oss-20b-mxfp4"}
     cfg = config_from_hf(RANDOM_SHAPES["gpt-oss-120b"])
     e, h, i = cfg.moe.num_experts, cfg.hidden_size, cfg.moe.intermediate_size
-    layer = [jax.eval_shape(lambda s=s: random_weight(jax.random.key(0), s, "mxfp4")) for s in ((e, h, 2 * i), (e, i, h))]
+    layer = [jax.eval_shape(lambda s=s: random_weight(jax.random.key(0), s, "mxfp4"))
+             for s in ((e, h, 2 * i), (e, i, h))]
     assert all(x.dtype == jnp.uint8 for w in layer for x in jax.tree.leaves(w))
     assert cfg.num_layers * sum(x.size for w in layer for x in jax.tree.leaves(w)) == pytest.approx(60.9e9, rel=1e-2)
     fp8 = jax.eval_shape(lambda: random_weight(jax.random.key(0), (128, 2048, 1536), "fp8"))

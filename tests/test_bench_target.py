@@ -46,7 +46,7 @@ def test_bench_target_tiny(tmp_path):
             assert 0 < r["pipelined_ms"] < 1000
             assert r["roofline_fraction"] == pytest.approx(r["roofline_ms"] / r["pipelined_ms"])
             assert r["sync_fraction"] == pytest.approx(r["roofline_ms"] / r["median_ms"])
-            assert r["peak_device_bytes"] == (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+            assert r["process_peak_device_bytes"] == (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
     # the extend step reads the same weights plus 7 more embedding rows and KV writes: more bytes than decode
     for m in ("tiny", "tiny-moe-mxfp4"):
         assert rows[(m, "extend")]["bytes"] > rows[(m, "decode")]["bytes"]

@@ -142,7 +142,7 @@ def test_lowbit_grouped_kernel_equals_dequantise_then_ragged_dot(fmt):
 
 def test_lowbit_grouped_kernel_errors_and_lowering():
     """A packed stack takes no transpose_rhs; tiles the format cannot take run the reference; the kernels lower to
-    Triton at the GPT-OSS-20B (MXFP4) and Qwen3-30B-A3B (FP8) expert shapes."""
+    Triton at the GPT-OSS-20B (MXFP4) and Qwen3-30B-A3B (FP8) expert shapes, and with partial FP8 tiles."""
     rs = np.random.default_rng(1)
     w = mxfp4_weight(rs, 2, 64, 32)
     x, gs = jnp.ones((8, 64), jnp.float32), jnp.asarray([3, 5], jnp.int32)
@@ -158,3 +158,6 @@ def test_lowbit_grouped_kernel_errors_and_lowering():
     f8 = QuantizedWeight(sd((128, 1536, 2048), jnp.float8_e4m3fn), sd((128, 12, 16), jnp.float32), "fp8", (128, 128))
     lower_for_gpu(lambda x_, g_, w_: gm_pallas.grouped_matmul(x_, w_, g_, interpret=False),
                   sd((8192, 2048), jnp.bfloat16), sd((128,), jnp.int32), f8)
+    partial = QuantizedWeight(sd((8, 136, 200), jnp.float8_e4m3fn), sd((8, 2, 2), jnp.float32), "fp8", (128, 128))
+    lower_for_gpu(lambda x_, g_, w_: gm_pallas.grouped_matmul(x_, w_, g_, interpret=False),  # masked FP8 tiles
+                  sd((100, 200), jnp.bfloat16), sd((8,), jnp.int32), partial)

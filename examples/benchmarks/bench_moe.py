@@ -136,6 +136,7 @@ def bench_lowbit(label, fmt, e, din, dout, n, k, *, calls, reps, config=EM_DEFAU
                       10 ** 9 if fmt == "bf16" else config.lowbit_block_n),
                bk=em_pallas.k_tile(din, w, config),
                steps=em_pallas.k_steps(din, w, em_pallas.padded_rows(n * k), config),
+               tail=[size for _, size in em_pallas.k_plan(din, w, em_pallas.padded_rows(n * k), config)[3]],
                config=dataclasses.asdict(config))
     ROWS.append(row)
     return row
@@ -143,7 +144,7 @@ def bench_lowbit(label, fmt, e, din, dout, n, k, *, calls, reps, config=EM_DEFAU
 
 def lowbit_table(calls, reps, shapes, configs=(EM_DEFAULT,)):
     log("\n| shape | tokens x top-k | din x dout | bf16 us | bf16 TB/s | packed | packed us | packed TB/s | "
-        "of roofline | bf16/packed | packed xla us | rel err | bk x steps, bn, warps, stages |")
+        "of roofline | bf16/packed | packed xla us | rel err | bk x steps + tail tiles, bn, warps, stages |")
     log("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for label, fmt, e, din, dout, n, k in shapes:
         b = bench_lowbit(label, "bf16", e, din, dout, n, k, calls=calls, reps=reps)
@@ -152,7 +153,8 @@ def lowbit_table(calls, reps, shapes, configs=(EM_DEFAULT,)):
             log(f"| {label} | {n} x {k} | {din}x{dout} | {b['us']:.1f} | {b['tbps']:.2f} | {fmt} | {q['us']:.1f} | "
                 f"{q['tbps']:.2f} | {q['tbps'] / ROOF[0]:.0%} | {b['us'] / q['us']:.2f} | {q['xla_us']:.1f} | "
                 f"{q['err']:.1e} | "
-                f"{q['bk']}x{q['steps']}, {q['bn']}, {cfg.warps}, {cfg.stages} |")
+                f"{q['bk']}x{q['steps']} + {q['tail']}, {q['bn']}, {cfg.warps}, "
+                f"{cfg.mxfp4_stages if fmt == 'mxfp4' else cfg.stages} |")
 
 
 ROOF = [float("nan")]

@@ -16,7 +16,8 @@ generation loop); the synchronised per-call median also counts the host round tr
 the embedding table, of which only the looked-up rows; MoE layers: the experts actually selected —
 top_k for one token, the expected number of distinct experts E(1 - (1 - k/E)^T) under uniform routing for
 T tokens; packed experts count their packed bytes and scales) + the whole KV cache buffer read by attention + the
-new K/V written. peak_device_bytes: the device's peak allocation after the step (no bf16 copy of packed experts).
+new K/V written. process_peak_device_bytes: the device's peak allocation in the process so far (a model's own peak
+where it is the first or largest of the run: `--models NAME` for one).
 Prints a markdown table; writes JSON to $OUT/bench_target.json when $OUT is set (or to --json PATH).
 """
 from __future__ import annotations
@@ -42,7 +43,6 @@ from pjax.models.target import Target, forward, logits_from_hidden  # noqa: E402
 
 MODELS = ("llama3.1-8b", "qwen3-30b-a3b", "qwen3-30b-a3b-fp8", "gpt-oss-20b", "gpt-oss-20b-mxfp4", "gpt-oss-120b")
 TINY = ("tiny", "tiny-moe-mxfp4")
-KNOWN = RANDOM_TARGETS
 
 
 def make_step(last_only: bool, implementation: str = "auto"):
@@ -130,14 +130,14 @@ def bench_model(name, *, context, k1, warmup, repeats, bandwidth, dtype, impleme
                          median_ms=1e3 * med,
                          p10_ms=1e3 * float(np.percentile(ts, 10)), p90_ms=1e3 * float(np.percentile(ts, 90)),
                          pipelined_ms=1e3 * pipelined, roofline_ms=1e3 * roof, roofline_fraction=roof / pipelined, sync_fraction=roof / med,
-                         weight_bytes_total=nbytes(target.params), peak_device_bytes=peak_bytes(), **b))
+                         weight_bytes_total=nbytes(target.params), process_peak_device_bytes=peak_bytes(), **b))
         print(f"  {name} {kind}: {1e3 * med:.3f} ms (roofline {1e3 * roof:.3f} ms)", flush=True)
     del target, cache
     return rows
 
 
 def peak_bytes():
-    """The device's peak allocated bytes so far (None where the backend does not report it, e.g. CPU)."""
+    """The device's peak allocated bytes in this process so far (None where the backend does not report it)."""
     stats = jax.devices()[0].memory_stats() or {}
     return stats.get("peak_bytes_in_use")
 
@@ -157,7 +157,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
     ap.add_argument("--models", default=None, help=f"comma-separated random target shapes (default {','.join(MODELS)}; "
-                                                   f"any of {', '.join(KNOWN)})")
+                                                   f"any of {', '.join(RANDOM_TARGETS)})")
     ap.add_argument("--context", type=int, default=None, help="tokens already in the cache (default 1024; tiny 32)")
     ap.add_argument("--k", type=int, default=7, help="speculative tokens K (extend step = K+1 tokens)")
     ap.add_argument("--repeats", type=int, default=None, help="timed calls (default 30, tiny 3)")
@@ -168,8 +168,8 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     names = a.models.split(",") if a.models else list(TINY if a.tiny else MODELS)
     for n in names:
-        if n not in KNOWN:
-            ap.error(f"unknown model {n!r} (choose from {KNOWN})")
+        if n not in RANDOM_TARGETS:
+            ap.error(f"unknown model {n!r} (choose from {', '.join(RANDOM_TARGETS)})")
     context = a.context or (32 if a.tiny else 1024)
     repeats = a.repeats or (3 if a.tiny else 30)
     warmup = a.warmup or (1 if a.tiny else 5)

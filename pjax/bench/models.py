@@ -30,7 +30,8 @@ from pjax.models.families import config_from_hf
 from pjax.models.sharding import MODEL_AXIS, axis_size, leaf_spec, param_specs
 from pjax.models.target import Target, abstract_target
 
-__all__ = ["PACKED_SHAPES", "RANDOM_SHAPES", "RANDOM_TARGETS", "geometry", "parse_random", "random_head", "random_target"]
+__all__ = ["PACKED_SHAPES", "RANDOM_SHAPES", "RANDOM_TARGETS", "geometry", "parse_random", "random_head",
+           "random_target"]
 
 RANDOM_SHAPES = {
     "llama3.1-8b": {
@@ -172,8 +173,8 @@ def random_target(shape: str, dtype, seed: int = 0, mesh=None, experts: str = "e
         packed = jax.eval_shape(functools.partial(random_weight, shape=tuple(leaf.shape), fmt=fmt), jax.random.key(0))
         sharding = None if mesh is None else jax.tree.map(lambda s: NamedSharding(mesh, s),
                                                           leaf_spec(("layers", i, "mlp", name), packed, cfg, n, experts))
-        params["layers"][i]["mlp"][name] = _on(random_weight, (1, 2), sharding)(jax.random.fold_in(key, 2 ** 31 + j),
-                                                                          tuple(leaf.shape), fmt)
+        draw = _on(random_weight, (1, 2), sharding)
+        params["layers"][i]["mlp"][name] = draw(jax.random.fold_in(key, 2 ** 31 + j), tuple(leaf.shape), fmt)
     return Target(cfg, abstract.graphdef, params, experts)
 
 

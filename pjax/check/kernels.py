@@ -26,8 +26,8 @@ from pjax.kernels.cache_attention import mosaic
 from pjax.kernels.cache_attention import reference as attn_ref
 from pjax.kernels.expert_matmul import reference as em_ref
 from pjax.kernels.grouped_matmul import reference as gm_ref
-from pjax.kernels.quantized import dequantize, random_weight
 from pjax.kernels.metadata import reference as meta_ref
+from pjax.kernels.quantized import dequantize, random_weight
 
 __all__ = ["CHECKS"]
 
@@ -159,22 +159,23 @@ def expert_cases(quick):
             ("qwen3-30b-a3b gate_up verify K=3 FP8", 4, 8, 128, 2048, 1536, jnp.bfloat16, "fp8")]
 
 
-def _weights(key, e, din, dout, dtype, fmt):
-    """Random expert weights [e, din, dout] (packed for fmt) and the dense stack the reference multiplies."""
+def _weights(key, x, e, din, dout, fmt):
+    """Random expert weights [e, din, dout] of x's dtype (packed for fmt), and the (activations, dense stack) the
+    reference multiplies: packed weights exactly dequantised, in float32."""
     if fmt is None:
-        w = (jax.random.normal(key, (e, din, dout), jnp.float32) * din ** -0.5).astype(dtype)
-        return w, w
+        w = (jax.random.normal(key, (e, din, dout), jnp.float32) * din ** -0.5).astype(x.dtype)
+        return w, (x, w)
     w = random_weight(key, (e, din, dout), fmt)
-    return w, dequantize(w, dtype)
+    return w, (x.astype(jnp.float32), dequantize(w))
 
 
 def check_expert_matmul(report: Report, quick: bool) -> None:
     for i, (label, n, top, e, din, dout, dtype, fmt) in enumerate(expert_cases(quick)):
         kx, kw_, ki = jax.random.split(jax.random.key(100 + i), 3)
         x = jax.random.normal(kx, (n, din), jnp.float32).astype(dtype)
-        w, dense = _weights(kw_, e, din, dout, dtype, fmt)
+        w, (xr, dense) = _weights(kw_, x, e, din, dout, fmt)
         ids = jnp.argsort(jax.random.uniform(ki, (n, e)), axis=1)[:, :top].reshape(-1).astype(jnp.int32)
-        want = jax.jit(functools.partial(em_ref.expert_matmul, repeat=top))(x, ids, dense)
+        want = jax.jit(functools.partial(em_ref.expert_matmul, repeat=top))(xr, ids, dense)
         shape = f"{label}: {n} tokens x top-{top} of {e}, {din}x{dout} {jnp.dtype(dtype).name}"
         bound = F32_BOUND if dtype == jnp.float32 else BF16_REL_BOUND
         for impl in IMPLEMENTATIONS:
@@ -193,6 +194,7 @@ def grouped_cases(quick):
     return [("gpt-oss-20b gate_up, c = 64 verify K = 3", 1024, 32, 2880, 5760, jnp.bfloat16, None),
             ("gpt-oss-20b gate_up MXFP4, c = 64 verify K = 3", 1024, 32, 2880, 5760, jnp.bfloat16, "mxfp4"),
             ("qwen3-30b-a3b gate_up FP8, prefill 1K", 8192, 128, 2048, 1536, jnp.bfloat16, "fp8"),
+            ("FP8 partial tiles", 1000, 8, 200, 136, jnp.bfloat16, "fp8"),
             ("f32 down", 2048, 16, 512, 256, jnp.float32, None)]
 
 
@@ -200,10 +202,10 @@ def check_grouped_matmul(report: Report, quick: bool) -> None:
     for i, (label, m, e, din, dout, dtype, fmt) in enumerate(grouped_cases(quick)):
         kx, kw_ = jax.random.split(jax.random.key(200 + i))
         x = jax.random.normal(kx, (m, din), jnp.float32).astype(dtype)
-        w, dense = _weights(kw_, e, din, dout, dtype, fmt)
+        w, (xr, dense) = _weights(kw_, x, e, din, dout, fmt)
         sizes = np.bincount(np.random.default_rng(i).integers(1, e, m - 5), minlength=e)  # expert 0 empty
         sizes = jnp.asarray(sizes, jnp.int32)
-        want = jax.jit(gm_ref.grouped_matmul)(x, dense, sizes)
+        want = jax.jit(gm_ref.grouped_matmul)(xr, dense, sizes)
         shape = f"{label}: {m} rows over {e} experts, {din}x{dout} {jnp.dtype(dtype).name}"
         bound = F32_BOUND if dtype == jnp.float32 else BF16_REL_BOUND
         for impl in IMPLEMENTATIONS:

@@ -11,8 +11,8 @@ from pjax.kernels.acceptance import AcceptResult, accept
 from pjax.kernels.cache_attention import cache_attention
 from pjax.kernels.dispatch import IMPLEMENTATIONS
 from pjax.kernels.expert_matmul import expert_matmul
-from pjax.kernels.grouped_matmul import grouped_matmul
 from pjax.kernels.flash_attention import AttentionMask, attention, causal_mask, document_mask, position_mask
+from pjax.kernels.grouped_matmul import grouped_matmul
 from pjax.kernels.metadata import DraftInputs, build_draft_inputs
 
 __all__ = ["IMPLEMENTATIONS", "AcceptResult", "AttentionMask", "DraftInputs", "accept", "attention",

@@ -15,11 +15,14 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-__all__ = ["FORMATS", "FP8_BLOCK", "QuantizedWeight", "dequantize", "is_quantized", "mxfp4_tile", "random_weight", "take"]
+__all__ = ["FORMATS", "FP8_BLOCK", "QuantizedWeight", "dequantize", "is_quantized", "mxfp4_tile", "random_weight",
+           "take", "zero_cotangent"]
 
 FORMATS = ("mxfp4", "fp8")
 MXFP4_BLOCK = 32
+FP8_BLOCK = (128, 128)  # the block-scaled FP8 checkpoints' (out, in) scale blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,11 +76,6 @@ def mxfp4_tile(codes, scale_codes, dtype):
     return (vals * scale[:, :, None]).reshape(n, 2 * half).astype(dtype)
 
 
-def mxfp4_values(nibbles):
-    """FP4-E2M1 codes (int32, 0..15) -> float32 values."""
-    return mxfp4_halves(nibbles).astype(jnp.float32) * MXFP4_HALF_SCALE
-
-
 def e8m0_values(codes):
     """E8M0 scale codes (uint8) -> float32 2 ** (code - 127) (code 0 flushes to 0, 255 is inf: neither occurs in
     real checkpoints)."""
@@ -87,10 +85,9 @@ def e8m0_values(codes):
 def dequantize(w: QuantizedWeight, dtype=jnp.float32):
     """The weight in `dtype`, logical layout [..., in, out]."""
     if w.format == "mxfp4":
-        d = w.data.astype(jnp.int32)
-        vals = jnp.stack([mxfp4_values(d & 15), mxfp4_values(d >> 4)], axis=-1)  # [..., out, in / 2, 2]
-        vals = vals.reshape(*d.shape[:-1], -1, MXFP4_BLOCK) * e8m0_values(w.scales)[..., None]
-        out = vals.reshape(*d.shape[:-1], -1)
+        *lead, rows, half = w.data.shape
+        codes = w.data.reshape(-1, half).astype(jnp.int32)
+        out = mxfp4_tile(codes, w.scales.reshape(codes.shape[0], -1), jnp.float32).reshape(*lead, rows, 2 * half)
     else:
         bo, bi = w.block
         *_, rows, cols = w.data.shape
@@ -99,14 +96,14 @@ def dequantize(w: QuantizedWeight, dtype=jnp.float32):
     return jnp.swapaxes(out, -1, -2).astype(dtype)
 
 
-FP8_BLOCK = (128, 128)  # the block-scaled FP8 checkpoints' (out, in) scale blocks
-
-
 def random_weight(key, shape: tuple, fmt: str, std: float = 0.02) -> QuantizedWeight:
-    """Random packed weights of logical shape [..., in, out] whose dequantised values spread about `std`, generated
-    in packed form (no float copy): MXFP4 uniform random codes (rms ~2.9) with one scale, FP8 normal values in
-    FP8_BLOCK blocks with one scale. For benchmarks and device checks."""
+    """Random packed weights of logical shape [..., in, out] whose dequantised values spread about `std` (MXFP4:
+    within a factor sqrt(2), one power-of-two scale), generated in packed form (no float copy): MXFP4 uniform random
+    codes (rms ~2.9), FP8 bfloat16-normal values in FP8_BLOCK blocks with one scale. For benchmarks and device
+    checks."""
     *lead, din, dout = shape
+    if fmt == "mxfp4" and din % MXFP4_BLOCK:
+        raise ValueError(f"random_weight: MXFP4 needs in % {MXFP4_BLOCK} == 0, found shape {tuple(shape)}")
     if fmt == "mxfp4":
         exponent = round(math.log2(std / 2.9))
         data = jax.random.bits(key, (*lead, dout, din // 2), jnp.uint8)
@@ -116,6 +113,12 @@ def random_weight(key, shape: tuple, fmt: str, std: float = 0.02) -> QuantizedWe
     data = (64 * jax.random.normal(key, (*lead, dout, din), jnp.bfloat16)).astype(jnp.float8_e4m3fn)
     blocks = (*lead, -(-dout // FP8_BLOCK[0]), -(-din // FP8_BLOCK[1]))
     return QuantizedWeight(data, jnp.full(blocks, std / 64, jnp.float32), "fp8", FP8_BLOCK)
+
+
+def zero_cotangent(w: QuantizedWeight) -> QuantizedWeight:
+    """The cotangent of a packed weight (a constant): float0 for its integer codes, zeros for float ones."""
+    return jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0) if jnp.issubdtype(a.dtype, jnp.integer)
+                        else jnp.zeros_like(a), w)
 
 
 def take(w: QuantizedWeight, ids) -> QuantizedWeight:

@@ -4,12 +4,11 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from pjax.kernels import dispatch
 from pjax.kernels.expert_matmul import reference
-from pjax.kernels.quantized import is_quantized
+from pjax.kernels.quantized import is_quantized, zero_cotangent
 
 
 @functools.partial(jax.jit, static_argnames=("repeat", "implementation"))
@@ -20,7 +19,8 @@ def expert_matmul(x, expert_ids, w, *, repeat: int = 1, implementation: str = "a
     registers, in the reference before the product); float32 accumulation, x's dtype out. Differentiable in x and
     a plain w (the kernel's VJP is the reference's; quantised weights are constants). implementation
     (`pjax.kernels.dispatch`): the kernel takes one dtype for x and a plain w (any floating x for quantised w), at most
-    `ExpertMatmulConfig.max_rows` (128) pairs and din / dout multiples of 16; other inputs run the reference, for
+    `ExpertMatmulConfig.max_rows` (128) pairs and din / dout multiples of 16 (MXFP4: din a multiple of 32; FP8: a
+    k tile of 16 dividing din and the input block); other inputs run the reference, for
     "pallas" too. "auto" runs the kernel on a GPU where it takes the shapes and was measured faster: plain and MXFP4
     weights at every measured decode / verify shape; FP8 weights run the reference (`pallas.measured_faster`)."""
     from pjax.kernels.expert_matmul import pallas
@@ -46,9 +46,7 @@ def _bwd(repeat, res, g):
     x, expert_ids, w = res
     if is_quantized(w):  # a constant: only dx
         _, vjp = jax.vjp(lambda x_: reference.expert_matmul(x_, expert_ids, w, repeat), x)
-        dw = jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0) if jnp.issubdtype(a.dtype, jnp.integer)
-                          else jnp.zeros_like(a), w)
-        return vjp(g)[0], np.zeros(expert_ids.shape, jax.dtypes.float0), dw
+        return vjp(g)[0], np.zeros(expert_ids.shape, jax.dtypes.float0), zero_cotangent(w)
     _, vjp = jax.vjp(lambda x_, w_: reference.expert_matmul(x_, expert_ids, w_, repeat), x, w)
     dx, dw = vjp(g)
     return dx, np.zeros(expert_ids.shape, jax.dtypes.float0), dw

@@ -206,13 +206,14 @@ def expert_matmul(x, expert_ids, w, *, repeat: int = 1, block_n=None, config: Ex
     out_rows = pp if interpret else p  # interpret mode: every padding lane its own row (see the store in _kernel)
     ids = expert_ids.astype(jnp.int32)
     precision = dot_precision(x.dtype)
+    stages = config.stages
     if not is_quantized(w):
         w_arrays, product, name = (w,), functools.partial(_dense_product, precision=precision), "pjax_expert_matmul"
     elif w.format == "fp8":
         w_arrays, name = (w.data, w.scales), "pjax_expert_matmul_fp8"
         product = functools.partial(_fp8_product, precision=precision, block=w.block)
     else:
-        w_arrays, name = (w.data, w.scales), "pjax_expert_matmul_mxfp4"
+        w_arrays, name, stages = (w.data, w.scales), "pjax_expert_matmul_mxfp4", config.mxfp4_stages
         product = functools.partial(_mxfp4_product, precision=precision)
     full = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
     out = pl.pallas_call(
@@ -220,7 +221,6 @@ def expert_matmul(x, expert_ids, w, *, repeat: int = 1, block_n=None, config: Ex
                           repeat=repeat, product=product),
         grid=(p, dout // bn), out_shape=jax.ShapeDtypeStruct((out_rows, dout), x.dtype),
         in_specs=[full(a.shape) for a in (ids, x, *w_arrays)], out_specs=full((out_rows, dout)),
-        name=name, **call_kwargs(config.warps, config.mxfp4_stages if name.endswith("mxfp4") else config.stages,
-                                 interpret),
+        name=name, **call_kwargs(config.warps, stages, interpret),
     )(ids, x, *w_arrays)
     return out[:p] if out_rows != p else out

@@ -4,13 +4,12 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from pjax.kernels import dispatch
 from pjax.kernels.grouped_matmul import reference
 from pjax.kernels.grouped_matmul.config import MIN_ROWS_PER_GROUP
-from pjax.kernels.quantized import dequantize, is_quantized
+from pjax.kernels.quantized import dequantize, is_quantized, zero_cotangent
 
 
 @functools.partial(jax.jit, static_argnames=("transpose_rhs", "implementation"))
@@ -18,11 +17,12 @@ def grouped_matmul(x, w, group_sizes, *, transpose_rhs: bool = False, implementa
     """out [M, N]: x [M, K] rows sorted by group, group g's group_sizes[g] rows times w[g] ([G, K, N]; w[g].T of
     [G, N, K] with transpose_rhs); rows past sum(group_sizes) are zero; float32 accumulation, x's dtype out.
     Differentiable: the kernel's backward is the transposed grouped matmul (dx) and a per-group transposed product
-    (dw). implementation (`pjax.kernels.dispatch`): the kernel takes one floating dtype for x and w (else the
-    reference, for "pallas" too); "auto" runs it on a GPU from `config.MIN_ROWS_PER_GROUP` mean rows per group (its
-    cost grows with the rows, ragged_dot's GPU lowering with rows x groups: 2.8x at 1,024 GPT-OSS-20B pairs, 15-20x
-    at 32,768). A `QuantizedWeight` w (logical [G, K, N], no transpose_rhs) is a constant: the kernel dequantises
-    it per tile; the reference and the kernel's backward dequantise the whole stack to x's dtype first."""
+    (dw). implementation (`pjax.kernels.dispatch`): the kernel takes one floating dtype for x and a plain w, or any
+    floating x with a packed w whose tiles fit its format (else the reference, for "pallas" too); "auto" runs it
+    on a GPU from `config.MIN_ROWS_PER_GROUP` mean rows per group (its cost grows with the rows, ragged_dot's GPU
+    lowering with rows x groups: 2.8x at 1,024 GPT-OSS-20B pairs, 15-20x at 32,768). A `QuantizedWeight` w (logical [G, K, N]) is a constant: the kernel dequantises it per tile
+    (with transpose_rhs the reference runs); the reference and the kernel's backward dequantise the whole stack to
+    x's dtype first."""
     from pjax.kernels.grouped_matmul import pallas
     reference.check_inputs(x, w, group_sizes, transpose_rhs)
     supported = pallas.unsupported_reason(x, w) is None and not (is_quantized(w) and transpose_rhs)
@@ -50,9 +50,7 @@ def _bwd(transpose_rhs, res, g):
     g = g.astype(x.dtype)
     if is_quantized(w):  # a constant: only dx, through the dequantised stack
         dx = pallas.grouped_matmul(g, dequantize(w, x.dtype), group_sizes, transpose_rhs=True)
-        dw = jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0) if jnp.issubdtype(a.dtype, jnp.integer)
-                          else jnp.zeros_like(a), w)
-        return dx, dw, np.zeros(group_sizes.shape, jax.dtypes.float0)
+        return dx, zero_cotangent(w), np.zeros(group_sizes.shape, jax.dtypes.float0)
     dx = pallas.grouped_matmul(g, w, group_sizes, transpose_rhs=not transpose_rhs)
     if transpose_rhs:  # w [G, N, K]: dw[g] = dy_g.T @ x_g
         dw = pallas.transposed_grouped_matmul(g, x, group_sizes, w.dtype)

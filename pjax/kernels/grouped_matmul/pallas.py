@@ -90,10 +90,12 @@ def _both(a, b):
 
 
 def _load(ref, rows, cols, mask, *lead):
-    """ref[*lead, rows, cols] (an outer product of index vectors), masked lanes zero."""
+    """ref[*lead, rows, cols] (an outer product of index vectors), masked lanes zero (of the ref's dtype: Triton
+    casts no integer to float8)."""
     shape = (rows.shape[0], cols.shape[0])
     mask = None if mask is None else jnp.broadcast_to(mask, shape)
-    return pltriton.load(ref.at[(*lead, rows[:, None], cols[None, :])], mask=mask, other=None if mask is None else 0)
+    return pltriton.load(ref.at[(*lead, rows[:, None], cols[None, :])], mask=mask,
+                         other=None if mask is None else jnp.zeros((), ref.dtype))
 
 
 def _weight_product(xt, w_refs, ge, k0, ks, k_ok, cols, col_ok, *, k, bk, transpose_rhs, fmt, block, interpret,
