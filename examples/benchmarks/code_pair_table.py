@@ -45,7 +45,8 @@ RUNS = (  # name, planned seconds (the share of a deadline it may take), bench a
                          "--tree-score min"),
     ("c8-64-tree-min", 400, "--scheduling static --dataset humaneval --concurrency 8,64 --k 3 --tree-budget 6,12 "
                             "--tree-score min"),
-    ("c1-8-64-auto", 400, "--scheduling static --dataset humaneval --concurrency 1,8,64 --k 7,3,auto"),
+    ("c1-128-auto", 500, "--scheduling static --dataset humaneval --drafting parallel,none --concurrency 1,8,32,64,128 "
+                         "--k 7,3,auto"),
     ("c1-humaneval", 380, "--scheduling static --dataset humaneval --concurrency 1 --k 11,7,5,3,1,9"),
     ("c1-t1-sampled", 130, "--scheduling static --dataset humaneval --num-prompts 82 --concurrency 1 --temperature 1 "
                            "--draft-sampling sample --k 3,7"),
