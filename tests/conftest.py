@@ -5,7 +5,10 @@ import signal
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+# 4 fake CPU devices; LLVM without optimisation: the tests' programs are tiny, compiling them is most of the suite's
+# time and -O0 compiles them ~2x faster (numerics unchanged in kind). Compute-heavy runs ask for optimised code by
+# compiler_options={"xla_backend_optimization_level": 2} (the training run of test_parallel_consistency).
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0")
 # One persistent compilation cache per test run, made by the first process (pytest-xdist's controller) and passed by
 # the environment to its workers and to the commands the tests start: compiling dominates the suite, and the same tiny
 # programs recur across modules (each module drops its programs, see below), workers and commands, where loading one
