@@ -23,12 +23,13 @@ from examples.tiny_pair import tiny_run
 
 K = 4
 FAST = {"xla_backend_optimization_level": 0}  # CPU: much faster compiles of these tiny programs
+OPTIMISED = {"xla_backend_optimization_level": 2}  # the training steps: 270 runs of each program (conftest: -O0)
 
 
 @pytest.fixture(scope="module")
 def run():
     return tiny_run(target_steps=150, head_steps=120, batch_rows=4, seq_len=128, num_depths=K, log_every=10,
-                    max_files=6)
+                    max_files=6, compiler_options=OPTIMISED)
 
 
 def test_tiny_pair_learns(run):

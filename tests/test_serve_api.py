@@ -452,8 +452,7 @@ def test_bad_requests_name_the_field(served, client):
 
 
 def run_serve(*args, **kw):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0",
-               PYTHONPATH=str(ROOT))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))  # the suite's XLA flags (conftest.py)
     return subprocess.Popen([sys.executable, "-m", "pjax", "serve", *map(str, args)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT, **kw)
 

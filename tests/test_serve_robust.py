@@ -383,8 +383,7 @@ class _IdleEngine:
 
 # ------------------------------------------------------------------------------------------ shutdown under load
 def run_serve(*args):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0",
-               PYTHONPATH=str(ROOT))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))  # the suite's XLA flags (conftest.py)
     return subprocess.Popen([sys.executable, "-m", "pjax", "serve", *map(str, args)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
 

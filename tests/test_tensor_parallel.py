@@ -108,7 +108,8 @@ def planned_bytes(tree, n: int) -> int:
 @pytest.mark.skipif(EIGHT, reason="the 8-device subprocess itself")
 def test_on_8_devices(request):
     """This module's tests in one subprocess with 8 fake CPU devices."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")  # the suite's flags (conftest.py), the device count replaced
     args = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(Path(__file__))]
     if request.config.getoption("--full"):
         args.append("--full")
@@ -132,8 +133,8 @@ def test_two_processes(tmp_path):
     save_hf_target(tp_target(family), tmp_path / "target", dtype="float32")
     pjax.save_drafter(tp_drafter(family), tmp_path / "head", dtype="float32")
     port = _free_port()
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
-               PYTHONPATH=str(HERE.parent))
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4",
+               JAX_PLATFORMS="cpu", PYTHONPATH=str(HERE.parent))
     procs = [subprocess.Popen([sys.executable, str(HERE / "tp_distributed.py"), str(i), str(port), str(tmp_path),
                                json.dumps(PROMPTS), str(NEW), str(K)], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for i in range(2)]
