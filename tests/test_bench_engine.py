@@ -58,13 +58,13 @@ def test_continuous_equals_static_per_request(models, drafting, k, concurrency, 
     in_flight, admitted, step = [], [], eng.step
 
     def watched(**kw):
-        in_flight.append(eng.num_running + eng.num_waiting)
         queued = [r for r in eng._queue.values()]
         events = step(**kw)
-        if queued and not eng._queue:  # one admission program per group of max_admit_rows
-            a = eng.max_admit_rows
-            admitted.extend(prefill_buckets([len(r.prompt) for r in queued[i:i + a]], eng.max_len, eng.prefill)
-                            for i in range(0, len(queued), a))
+        in_flight.append(eng.num_running)
+        taken = [r for r in queued if r.id not in eng._queue]  # one admission program per group of max_admit_rows
+        a = eng.max_admit_rows
+        admitted.extend(prefill_buckets([len(r.prompt) for r in taken[i:i + a]], eng.max_len, eng.prefill)
+                        for i in range(0, len(taken), a))
         return events
     eng.step = watched
     progress = []

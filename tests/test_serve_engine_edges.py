@@ -37,15 +37,17 @@ def _random_request(rng: random.Random, drafting: str):
     return prompt, params
 
 
-# the default run keeps one case per drafting mode, and both slot counts
+# the default run keeps one case per drafting mode, and three slot counts (3: four device rows, three requests)
 @pytest.mark.parametrize("seed, drafting, slots", [pytest.param(0, "parallel", 2, marks=pytest.mark.full),
-                                                   (1, "parallel", 4), (2, "sequential", 2), (3, "none", 2)])
+                                                   (1, "parallel", 4), (2, "sequential", 2), (3, "none", 3)])
 def test_random_arrivals_and_cancellations_equal_generate(models, seed, drafting, slots):
     """Requests arrive 0-3 at a time between steps and a random live one is cancelled now and then (queued or
     running, with or without keep, sometimes twice): every request finishes once; an uncancelled one equals
-    generate's output and statistics; a cancelled one streamed a prefix of it and reports min(streamed, keep)."""
+    generate's output and statistics; a cancelled one streamed a prefix of it and reports min(streamed, keep).
+    Never more than max_slots requests run, though the device rows are a power of two."""
     rng = random.Random(seed)
     eng = engine(models, drafting, max_slots=slots, rounds_per_step=rng.choice([1, 2, 3]))
+    running = []
     todo, reqs, outputs, finals, cancelled = 12, {}, {}, {}, {}
     while todo or eng.has_work:
         for _ in range(min(todo, rng.choice([0, 0, 1, 1, 2, 3]))):
@@ -61,7 +63,9 @@ def test_random_arrivals_and_cancellations_equal_generate(models, seed, drafting
             if rng.random() < 0.3:
                 eng.cancel(rid)  # a second cancel is a no-op
         drain(eng, outputs, finals, steps=1)
+        running.append(eng.num_running)
     assert sorted(finals) == sorted(reqs) and cancelled
+    assert max(running) == slots and eng.max_slots == 1 << (slots - 1).bit_length()
     for rid, (prompt, params) in reqs.items():
         final, tokens = finals[rid], outputs[rid]
         s = final.stats

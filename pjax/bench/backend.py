@@ -119,10 +119,10 @@ class Backend(Protocol):
 
 
 class EngineBackend:
-    """The engine with `concurrency` requests in flight: the run's requests are fed in order, the next one as soon as
-    one finishes, into an engine of `concurrency` slots (rounded up to a power of two: a power of two of device rows,
-    never more than `concurrency` requests). A request's TTFT and end-to-end latency count from its admission into a
-    slot (the moment vLLM's client would send it).
+    """The engine with `concurrency` requests in flight: the run's requests are queued in order in an engine of
+    `max_slots` = `concurrency` (device rows rounded up to a power of two, never more than `concurrency` requests
+    running), which admits the next one as soon as one finishes. A request's TTFT and end-to-end latency count from
+    its admission into a slot (the moment vLLM's client would send it).
 
     drafters: the head of each drafting mode ({"parallel": head, "sequential": head}; "none" needs none). config: the
     engine's settings (kernels, cache dtype, prefill layout, draft sampling, rounds per chunk, admission rows); the
@@ -130,9 +130,9 @@ class EngineBackend:
     `bucket_capacity(settings.max_positions)` positions. One engine is kept (the last configuration's, reused by its
     `run`). mesh: the engines' (`pjax.decode.Engine`; None: one device).
     """
-    scheduling = ("continuous batching: concurrency c = c requests in flight in one pjax.decode.Engine (c slots, "
-                  "rounded up to a power of two); the next request joins as soon as one finishes, between device "
-                  "chunks (vLLM's --max-concurrency c); TTFT and end-to-end latency count from a request's admission")
+    scheduling = ("continuous batching: concurrency c = c requests in flight in one pjax.decode.Engine (c slots); "
+                  "the next request joins as soon as one finishes, between device chunks (vLLM's --max-concurrency "
+                  "c); TTFT and end-to-end latency count from a request's admission")
     static = False
 
     def __init__(self, target, drafters: Mapping[str, object], config: EngineConfig = EngineConfig(), mesh=None):
@@ -185,16 +185,17 @@ class EngineBackend:
 
     def _serve(self, eng: Engine, requests: Sequence[Request], settings: RunSettings, max_new_tokens: int,
                on_progress=None) -> list[tuple[list[int], object]]:
-        """Keep `concurrency` requests in the engine (its slots are a power of two, possibly more), submitting the
-        next one as one finishes (static: the next `concurrency` when all have finished); returns each request's
-        (tokens, final event) in order."""
+        """Run `concurrency` requests at once: every request queued in the engine (`max_slots` = concurrency: it
+        admits the next one as one finishes), or, static, the next `concurrency` submitted when all have finished;
+        returns each request's (tokens, final event) in order."""
         params = [self._params(r, settings, max_new_tokens) for r in requests]
         ids: list[int] = []
         tokens: dict[int, list[int]] = {}
         finals: dict[int, object] = {}
+        batch = settings.concurrency if self.static else len(requests)
         while len(ids) < len(requests) or eng.has_work:
             room = not eng.has_work if self.static else True
-            while room and len(ids) < len(requests) and eng.num_running + eng.num_waiting < settings.concurrency:
+            while room and len(ids) < len(requests) and eng.num_running + eng.num_waiting < batch:
                 rid = eng.submit(list(requests[len(ids)].tokens), params[len(ids)])
                 ids.append(rid)
                 tokens[rid] = []

@@ -1,10 +1,10 @@
 """The continuous-batching engine: requests join and leave a fixed device batch between device chunks.
 
 Slot model. The device holds one `DecodeState` and one `Sampling` of `max_slots` rows (slots; a power of two), each
-row with a KV cache of `max_len` positions. A free slot is a row marked done: every round computes it (rounds have
-static shapes) but masks it, so it writes no KV and emits nothing. A request waits in a FIFO queue until a slot is
-free, is prefilled into it, decodes together with whatever else runs, and frees the slot when it stops (EOS, its
-max_new_tokens, cancellation).
+row with a KV cache of `max_len` positions; at most `max_running` (the config's max_slots) requests run at once. A
+free slot is a row marked done: every round computes it (rounds have static shapes) but masks it, so it writes no KV
+and emits nothing. A request waits in a FIFO queue until a slot is free, is prefilled into it, decodes together with
+whatever else runs, and frees the slot when it stops (EOS, its max_new_tokens, cancellation).
 
 A step (`step`) dispatches device work, then reads a result on the host. The work: (a) an admission, when requests
 wait and slots are free: up to (free slots) queued requests, oldest first, are prefilled in groups of at most
@@ -320,7 +320,7 @@ class Engine:
                                  "(fine only if its RoPE scaling covers it)")
         for w in self.warnings:
             warnings.warn(w, stacklevel=2)
-        self.config, self.spec, self.max_slots = c, spec, I.bucket_batch(slots)
+        self.config, self.spec, self.max_slots, self.max_running = c, spec, I.bucket_batch(slots), slots
         data = SH.axis_size(mesh, SH.DATA_AXIS)
         if self.max_slots % data:
             raise ValueError(f"EngineConfig.max_slots: the mesh's {data} data-parallel rows must divide the "
@@ -630,7 +630,7 @@ class Engine:
     def _admit(self, now: float) -> list[_Request]:
         """Queued requests into free slots, oldest first: one admission program per group of max_admit_rows (their
         calls queue on the device one after the other; the step reads the result once)."""
-        free = [s for s in range(self.max_slots) if s not in self._slots]
+        free = [s for s in range(self.max_slots) if s not in self._slots][:self.max_running - len(self._slots)]
         reqs = list(itertools.islice(self._queue.values(), len(free)))
         a = self.max_admit_rows
         for i in range(0, len(reqs), a):
@@ -756,7 +756,7 @@ class Engine:
         t0 = time.perf_counter()
         self._clear_filters()
         starved = self._admitted_last and self._slots  # a step after an admission runs a chunk
-        admitted = self._admit(t0) if self._queue and len(self._slots) < self.max_slots and not starved else []
+        admitted = self._admit(t0) if self._queue and len(self._slots) < self.max_running and not starved else []
         self._admitted_last = bool(admitted)
         pipelined = bool(self._slots) and self._can_pipeline()
         if self._slots and (pipelined or not admitted):

@@ -163,7 +163,7 @@ def run(args) -> int:
             url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
             limits = ServerLimits(max_body_bytes=args.max_request_bytes, body_timeout_s=args.request_timeout)
             started = _serve(create_app(bridge, model, limits=limits), sock,
-                             f"serving {model.name} on {url} (max {engine.max_slots} requests at once, "
+                             f"serving {model.name} on {url} (max {engine.max_running} requests at once, "
                              f"{model.max_len} positions each)", grace_s=args.shutdown_grace,
                              head_timeout_s=args.request_timeout, keep_alive_s=args.keep_alive_timeout)
         finally:
