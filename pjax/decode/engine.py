@@ -19,13 +19,15 @@ a fresh `host_view` of the rows (outputs and counters in one array: one transfer
 finished, whose slots are freed. Cancellation ends a row on the device state between steps.
 
 Pipelining. While some running request surely outlives the chunk in flight and the next one (its max_new_tokens and
-its cache allow more tokens than two chunks can emit), the chunk runs a fixed trip count of rounds and is dispatched
-before the host reads the previous program's view: on a GPU the call returns at once, so the host's reading,
-bookkeeping and the next admission overlap the running chunk and the device never waits for the host. A step then
-reports what the device finished one program earlier, and a slot freed in a chunk is refilled after the next one.
-Rows that stop inside a fixed-trip chunk are masked for its remaining rounds (no token past a stop). Otherwise (the
-tail of the work) a step waits for its own chunk, which ends early once every row is done; `step(final=True)` (a
-static batch: no arrival expected) runs that tail in one device call.
+its cache allow more tokens than two chunks can emit), the chunk runs a fixed trip count of rounds (no per-round
+read of a loop condition) and is dispatched before the host reads the previous program's view; a step then reports
+what the device finished one program earlier, and a slot freed in a chunk is refilled after the next one. (On an H200
+the call handing a chunk the donated state returns only about when the chunk before it ends, so the host's work
+between two calls is device idle time: `docs/performance.md`.) Rows that stop inside a fixed-trip chunk are masked
+for its remaining rounds (no token past a stop). Otherwise (the tail of the work) a step waits for its own chunk,
+which ends early once every row is done. `step(final=True)` (a static batch: no arrival expected) always waits for
+its own chunk, sized to about FINAL_CHUNK_S of device time (from the rounds per second of the previous final chunk):
+few chunk boundaries, and still progress and Ctrl-C between them.
 
 Cost model. Every round computes all max_slots rows (target verify of K + 1 positions per row, drafter pass(es)),
 running or not, so a round costs what a batch of max_slots costs whatever the occupancy; an admission costs a
@@ -72,6 +74,7 @@ __all__ = ["Engine", "EngineConfig", "Event", "RequestParams", "STOP_WIDTH", "ac
            "state_shardings"]
 
 STOP_WIDTH = 8  # stop ids per request: the width of the device's stop table (fixed: it never recompiles)
+FINAL_CHUNK_S = 0.5  # seconds of device work a final step (a static batch) aims for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -357,6 +360,7 @@ class Engine:
         self._seen = None  # those counters (accepted_at, tested_at [B, K_max], accepted, rounds [B])
         self.compile_s = 0.0
         self.chunks = 0  # device chunks run so far
+        self._final_rounds = 4 * self.rounds_per_step  # rounds of the next final chunk (sized by the last one)
         self._compile_lock = threading.Lock()  # precompile's threads add to compile_s
 
     # -- device state ------------------------------------------------------------------------------------------
@@ -732,7 +736,7 @@ class Engine:
     def _dispatch(self, fixed: bool, final: bool):
         """Queue one chunk of rounds on the device (fixed trip count, or ending early: every round left when
         `final`, rows' limits ending it sooner) and its view."""
-        rounds = self.max_len if final else self.rounds_per_step
+        rounds = self._final_rounds if final else self.rounds_per_step
         if self.chooser is not None:
             self.budget = self.chooser.choose()
         self._state, view = self._chunk_program(fixed, self.budget)(*self._chunk_args(fixed, rounds))
@@ -749,8 +753,8 @@ class Engine:
         reading, bookkeeping and the next admission overlap the running chunk, and a step reports what the device
         finished one chunk earlier (an admission's first tokens right away). Otherwise the step waits for its own
         chunk, which ends once every row is done (a step that admits then runs no chunk: its first tokens come back
-        at once). final: no request will be submitted before the running ones finish (a static batch): such a
-        waiting chunk runs every round left, in one device call."""
+        at once). final: no request will be submitted before the running ones finish (a static batch): the step
+        waits for its own chunk, of about FINAL_CHUNK_S of device time."""
         if not self._timed and not self._slots:
             self._time_budgets()
         t0 = time.perf_counter()
@@ -758,7 +762,9 @@ class Engine:
         starved = self._admitted_last and self._slots  # a step after an admission runs a chunk
         admitted = self._admit(t0) if self._queue and len(self._slots) < self.max_running and not starved else []
         self._admitted_last = bool(admitted)
-        pipelined = bool(self._slots) and self._can_pipeline()
+        pipelined = bool(self._slots) and not final and self._can_pipeline()
+        sized = final and self._slots and not admitted and self._host is not None
+        before = (time.perf_counter(), self._host["rounds"]) if sized else None
         if self._slots and (pipelined or not admitted):
             self._dispatch(pipelined, final)
             if pipelined and len(self._views) == 1:  # nothing older to read: run one more ahead, or wait for this one
@@ -768,6 +774,11 @@ class Engine:
         if self._views:
             self._read(-2 if pipelined else -1)
         now = time.perf_counter()
+        if before is not None:  # the next final chunk: about FINAL_CHUNK_S at this one's rounds per second
+            ran = int(np.max(self._host["rounds"] - before[1], initial=0))
+            if ran and ran >= self._final_rounds:
+                per_round = (now - before[0]) / ran
+                self._final_rounds = int(min(self.max_len, max(self.rounds_per_step, FINAL_CHUNK_S / per_round)))
         events = [self._finished(r, row, t_end) for r, row, t_end in self._ended]
         self._ended = []
         h, seen = self._host, self._host_seq if self._host is not None else -1
