@@ -43,7 +43,8 @@ class EngineConfig:
       `pjax.decode.tree.build_tree`).
     temperature / top_k / top_p: the sampling of a request that gives none (0 = greedy; 0 and 1 = no filter).
     prefill: the target prefill's layout, "auto" | "packed" | "padded" (`pjax.generate`).
-    rounds_per_step: rounds per device chunk: requests join, tokens stream and host stops apply between chunks.
+    rounds_per_step: rounds per device chunk: requests join, tokens stream and host stops apply between chunks (a
+      static batch run to its end, `pjax.generate`, takes chunks of about 0.5 s instead, the first 4 x this).
     max_slots: requests decoded at once (the device holds that many rows rounded up to a power of two);
       `pjax.generate` uses one per prompt. max_len: KV positions per request (prompt + max_new_tokens + 2 K must fit); None = what the batch needs
       for `pjax.generate`, DEFAULT_MAX_LEN (at most the target's max_position_embeddings) for the serving engine.
