@@ -24,9 +24,10 @@ def models():
 
 def test_a_k_sweep_compiles_one_admission_and_one_chunk_per_setting(models, monkeypatch):
     """Across K and drafting modes each setting compiles its admission (the prefill of the batch) and its decode chunk
-    once, the fixed-trip chunk only where a request can outlive a chunk (20 tokens do at K = 1 and without drafting,
-    not in 8 rounds of K + 1 = 4), and the speculative settings' greedy output equals plain decoding's. (The module's
-    first test: its programs are new; the next test reuses the sequential and plain ones.)"""
+    once (`generate` runs to the end: no fixed-trip chunk; a streamed generation builds it where a request can outlive
+    a chunk: 20 tokens do at K = 1 and without drafting, not in 8 rounds of K + 1 = 4), and the speculative settings'
+    greedy output equals plain decoding's. (The module's first test: its programs are new; the next test reuses the
+    sequential and plain ones.)"""
     target, drafter = models
     G = sys.modules["pjax.decode.engine"]
     built = []
@@ -38,10 +39,16 @@ def test_a_k_sweep_compiles_one_admission_and_one_chunk_per_setting(models, monk
             built.append(name)
         return exe, seconds
     monkeypatch.setattr(G, "compiled", record)
+    settings = [("parallel", 1), ("sequential", 3), ("none", 3)]
     outs = [gen(target, drafter, PROMPTS, max_new_tokens=20, drafting=d, num_speculative_tokens=k).tokens
-            for d, k in [("parallel", 1), ("sequential", 3), ("none", 3)]]
-    assert built.count("admit") == 3 and built.count("chunk_ending") == 3 and built.count("chunk") == 2, built
+            for d, k in settings]
+    assert built.count("admit") == 3 and built.count("chunk_ending") == 3 and "chunk" not in built, built
     assert outs[0] == outs[1] == outs[2]
+    for d, k in settings:
+        g = Generation(target, drafter, PROMPTS, max_new_tokens=20, drafting=d, num_speculative_tokens=k,
+                       compiler_options=FAST)
+        assert [sum(c, []) for c in zip(*(ch.new_tokens for ch in g))] == outs[0]
+    assert built.count("admit") == 3 and built.count("chunk_ending") == 3 and built.count("chunk") == 2, built
 
 
 @pytest.mark.parametrize("drafting", ["parallel", "sequential", "none"])
@@ -176,15 +183,17 @@ def test_precompile_in_threads_builds_each_program_once(models, monkeypatch):
 
 
 def test_pipelined_chunks_stop_exactly(models):
-    """Rows that hit a stop id inside a fixed-trip chunk dispatched ahead of the host emit nothing past it: the
-    pipelined engine (8 rounds a chunk, the default) gives the outputs and stop reasons of one round per call."""
+    """Rows that hit a stop id inside a fixed-trip chunk dispatched ahead of the host emit nothing past it: a streamed
+    generation (pipelined, 8 rounds a chunk, the default) gives the outputs and stop reasons of one round per call."""
     target, drafter = models
     ref = gen(target, drafter, PROMPTS, max_new_tokens=40, **SAMPLED)
     eos = [[row[12]] for row in ref.tokens]  # each row stops at its first occurrence of its 13th token
     kw = dict(max_new_tokens=40, eos_token_id=eos, compiler_options=FAST, num_speculative_tokens=3, **SAMPLED)
     g = Generation(target, drafter, PROMPTS, rounds_per_step=8, **kw)
+    streamed = [ch.new_tokens for ch in g]  # streaming: the pipelined steps
     piped = g.result()
     assert (True, 3) in g._engine._chunk_exe  # the fixed-trip chunk (K = 3) ran ahead of the host
+    assert [sum(c, []) for c in zip(*streamed)] == piped.tokens
     one = gen(target, drafter, PROMPTS, rounds_per_step=1, max_new_tokens=40, eos_token_id=eos, **SAMPLED)
     assert piped.tokens == one.tokens and piped.stats["stop_reasons"] == one.stats["stop_reasons"] == ["eos"] * 3
     assert [t[:len(p)] for t, p in zip(ref.tokens, piped.tokens)] == piped.tokens

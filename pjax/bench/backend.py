@@ -214,7 +214,7 @@ class EngineBackend:
         `concurrency` requests for K + 2 new tokens (warm-up; K_max + 2 with "auto")."""
         eng = self.engine(settings)
         before = eng.compile_s
-        eng.precompile_admissions(self._admission_runs(eng, requests, settings), warm=True)
+        eng.precompile_admissions(self._admission_runs(eng, requests, settings), warm=True, pipelined=not self.static)
         self._serve(eng, requests[:settings.concurrency], settings, min(settings.max_new_tokens, eng.spec.k + 2))
         return eng.compile_s - before
 

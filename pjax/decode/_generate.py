@@ -80,7 +80,8 @@ class Generation:
         c = dataclasses.replace(c, max_slots=n, max_len=max(max_len, 2), max_admit_rows=None)
         self._engine = eng = Engine(target, drafter, c, acceptance=acceptance, mesh=mesh)
         self.n, self.spec, self._lengths = n, eng.spec, lengths
-        eng.precompile_admissions([lengths], max_new_tokens=most)
+        eng.precompile_admissions([lengths], max_new_tokens=most, pipelined=False)
+        self._most, self._streaming = most, False
         self._layout = I.prefill_buckets(lengths, eng.max_len, eng.prefill)
         self._ids = [eng.submit(r, RequestParams(int(m), float(t), int(a), float(p), int(s),
                                                  tuple(int(x) for x in e if x >= 0)), stop_at_capacity=True)
@@ -145,6 +146,9 @@ class Generation:
         if self.done or self._closed:
             self.close()
             raise StopIteration
+        if not self._streaming:  # streaming runs the pipelined chunks that `result()` never needs: built now
+            self._engine.precompile_admissions([], max_new_tokens=self._most)
+            self._streaming = True
         return self._step()
 
     def finish(self, row: int, *, keep: Optional[int] = None):

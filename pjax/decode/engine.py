@@ -493,12 +493,12 @@ class Engine:
         return self._precompile(keys, warm)
 
     def precompile_admissions(self, admissions: Iterable[Sequence[int]], *, warm: bool = False,
-                              max_new_tokens: Optional[int] = None) -> float:
+                              max_new_tokens: Optional[int] = None, pipelined: bool = True) -> float:
         """`precompile` for given admissions, each the prompt lengths of its requests (in queue order): the chunk
         programs and exactly the admission programs these admissions run, one per group of max_admit_rows
         (`precompile` builds every program of their buckets). max_new_tokens: the most tokens any of these requests
         may emit, if known: requests too short to outlive a chunk never run the fixed-trip chunk, which is then not
-        built (it would still compile on first use)."""
+        built (it would still compile on first use); nor is it with pipelined=False (only final steps will run)."""
         keys = []
         for lengths in admissions:
             if not 1 <= len(lengths) <= self.max_slots or not all(1 <= n <= self.max_len for n in lengths):
@@ -507,7 +507,7 @@ class Engine:
             a = self.max_admit_rows
             keys += [I.prefill_buckets(lengths[i:i + a], self.max_len, self.prefill)
                      for i in range(0, len(lengths), a)]
-        fixed = max_new_tokens is None or max_new_tokens > self.rounds_per_step * (self.spec.k + 1) \
+        fixed = pipelined and (max_new_tokens is None or max_new_tokens > self.rounds_per_step * (self.spec.k + 1)) \
             or not self._timed  # (an "auto" engine times its budgets' fixed-trip chunks)
         return self._precompile(keys, warm, fixed)
 
