@@ -63,6 +63,9 @@ def test_chunked_equals_one_call_and_one_round_per_call(models, drafting):
     assert many.tokens == one.tokens
     assert many.stats["rounds"] == one.stats["rounds"]
     assert one.stats["device_chunks"] == 1 and many.stats["device_chunks"] > 3
+    # run to its end with 1 round a step: a first chunk of 4 rounds, then one sized to ~0.5 s (every round left)
+    sized = gen(target, drafter, PROMPTS, rounds_per_step=1, **kw)
+    assert sized.tokens == one.tokens and sized.stats["device_chunks"] == 2 and sized.stats["rounds"] > 4
     assert many.stats["num_accepted_tokens"] == one.stats["num_accepted_tokens"]
 
 
