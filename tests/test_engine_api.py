@@ -220,11 +220,14 @@ def test_one_round_per_call_equals_chunks(models):
     assert host.tokens == dev.tokens and host.stats["rounds"] == dev.stats["rounds"]
 
 
-def test_vmap_single_round_equals_batched_engine(models):
-    """The research API: vmap the single-sequence prefill / round over sequences with their own seeds."""
+@pytest.mark.parametrize("tree_budget", [None, 6])
+def test_vmap_single_round_equals_batched_engine(models, tree_budget):
+    """The research API: vmap the single-sequence prefill / round over sequences with their own seeds (a chain, or a
+    tree of 6 nodes)."""
     target, drafter = models
-    batched = gen(target, drafter, PROMPTS, seed=[11, 12, 13], **SAMPLED)
-    spec = make_spec(target, drafter, EngineConfig(num_speculative_tokens=3, drafting="parallel"), max_new_tokens=12)
+    batched = gen(target, drafter, PROMPTS, seed=[11, 12, 13], tree_budget=tree_budget, **SAMPLED)
+    spec = make_spec(target, drafter, EngineConfig(num_speculative_tokens=3, drafting="parallel",
+                                                   tree_budget=tree_budget), max_new_tokens=12)
     b = len(PROMPTS)
     pad = np.zeros((b, 16), np.int32)
     for i, p in enumerate(PROMPTS):
@@ -235,7 +238,7 @@ def test_vmap_single_round_equals_batched_engine(models):
     step = jax.jit(jax.vmap(functools.partial(round_single, spec=spec), in_axes=(None, None, 0, 0)),
                    compiler_options=FAST)
     state = init(target, drafter, jnp.asarray(pad), jnp.asarray([len(p) for p in PROMPTS]), samp)
-    assert state.drafts.shape == (b, 3)
+    assert state.drafts.shape == ((b, 3) if tree_budget is None else (b, 0))
     while not bool(state.done.all()):
         state = step(target, drafter, state, samp)
     got = [np.asarray(state.out)[i, :int(state.num_out[i])].tolist() for i in range(b)]
