@@ -9,8 +9,8 @@ experts as `*_blocks` [E, out, in / 32, 16] (e2m1 pairs) and `*_scales` [E, out,
 (scales giving the dense weights' ~0.02 spread), every other tensor random bf16. Shards are written one at a time:
 the host never holds more than one. Then `pjax.load_target(DIR, weights=--weights)`: load seconds, the process's
 peak host memory, the device's bytes in use and peak; then `pjax.generate` with a random 4-layer P-EAGLE head (K = 3,
-acceptance simulated) for --new-tokens tokens of one 128-token prompt. Prints and writes JSON ($OUT/bench_checkpoint.json
-when $OUT is set). An existing DIR with a config.json is loaded as it is (no rewrite).
+acceptance simulated) for --new-tokens tokens of one 128-token prompt. Prints and writes JSON
+($OUT/bench_checkpoint.json when $OUT is set). An existing DIR with a config.json is loaded as it is (no rewrite).
 """
 from __future__ import annotations
 

@@ -749,11 +749,10 @@ class Engine:
 
         The device work: an admission of queued requests into free slots (one batched prefill), then one chunk of
         rounds_per_step rounds if anything runs. While some running request surely outlives two chunks, the chunk
-        has a fixed trip count and is dispatched before the host reads the previous chunk's outputs: the host's
-        reading, bookkeeping and the next admission overlap the running chunk, and a step reports what the device
-        finished one chunk earlier (an admission's first tokens right away). Otherwise the step waits for its own
-        chunk, which ends once every row is done (a step that admits then runs no chunk: its first tokens come back
-        at once). final: no request will be submitted before the running ones finish (a static batch): the step
+        has a fixed trip count and is dispatched before the host reads the previous chunk's outputs, and a step
+        reports what the device finished one chunk earlier (an admission's first tokens right away). Otherwise the
+        step waits for its own chunk, which ends once every row is done (a step that admits then runs no chunk: its
+        first tokens come back at once). final: no request will be submitted before the running ones finish (a static batch): the step
         waits for its own chunk, of about FINAL_CHUNK_S of device time."""
         if not self._timed and not self._slots:
             self._time_budgets()

@@ -46,8 +46,9 @@ class EngineConfig:
     rounds_per_step: rounds per device chunk: requests join, tokens stream and host stops apply between chunks (a
       static batch run to its end, `pjax.generate`, takes chunks of about 0.5 s instead, the first 4 x this).
     max_slots: requests decoded at once (the device holds that many rows rounded up to a power of two);
-      `pjax.generate` uses one per prompt. max_len: KV positions per request (prompt + max_new_tokens + 2 K must fit); None = what the batch needs
-      for `pjax.generate`, DEFAULT_MAX_LEN (at most the target's max_position_embeddings) for the serving engine.
+      `pjax.generate` uses one per prompt. max_len: KV positions per request (prompt + max_new_tokens + 2 K must
+      fit); None = what the batch needs for `pjax.generate`, DEFAULT_MAX_LEN (at most the target's
+      max_position_embeddings) for the serving engine.
     max_admit_rows: requests prefilled by one admission program at most (rounded up to a power of two); None = every
       free slot at once (`pjax.generate`: one prefill of the whole batch). Larger admissions launch fewer programs
       (at c = 64, 64 rows run 1.13x faster than 8: `docs/performance.md`); smaller ones hold running requests for a
