@@ -35,14 +35,11 @@ from pjax.bench.models import PACKED_SHAPES, RANDOM_SHAPES, random_head  # noqa:
 from pjax.bench.simulate import SimulatedAcceptance  # noqa: E402
 from pjax.checkpoint.hf import hf_name  # noqa: E402
 from pjax.models.families import config_from_hf  # noqa: E402
+from pjax.models.paths import param_path  # noqa: E402
 from pjax.models.target import abstract_target  # noqa: E402
 
 SCALE_CODE = 121  # e8m0 exponent 2**-6: e2m1 codes (|v| <= 6) times it spread like N(0, 0.02)
 NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
-
-
-def _key(k) -> str:
-    return str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
 
 
 def tensor_specs(hf: dict) -> list[tuple[str, tuple, str]]:
@@ -52,7 +49,7 @@ def tensor_specs(hf: dict) -> list[tuple[str, tuple, str]]:
     e, h, i = cfg.moe.num_experts, cfg.hidden_size, cfg.moe.intermediate_size
     out = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_target(cfg, jnp.bfloat16).params)[0]:
-        p = tuple(_key(k) for k in path)
+        p = tuple(map(str, param_path(path)))
         if len(p) == 4 and p[0] == "layers" and p[2] == "mlp":
             base = f"model.layers.{p[1]}.mlp.experts"
             if p[3] in ("gate_up", "down"):

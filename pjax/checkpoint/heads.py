@@ -32,6 +32,7 @@ from pjax.dtypes import parse_dtype
 from pjax.models.drafter import Drafter, DrafterConfig, abstract_drafter
 from pjax.models.families import PARSERS, config_from_hf, rope_to_hf
 from pjax.models.pairing import check_pair
+from pjax.models.paths import param_path
 from pjax.models.sharding import put
 
 # Training-only frozen copies that speculators never saves; tolerated if an older writer kept them.
@@ -56,10 +57,6 @@ def tensor_name(path: tuple, layout: str = "speculators") -> tuple[str, bool]:
     if layout == "vllm" and name.startswith("layers.0."):
         name = "midlayer." + name[len("layers.0."):]
     return name, transpose
-
-
-def _path_of(kpath) -> tuple:
-    return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in kpath)
 
 
 # ----------------------------------------------------------------------------------------- config
@@ -308,7 +305,7 @@ def load_drafter(path, dtype=jnp.bfloat16, target_config: Optional[ModelConfig] 
     leaves, treedef = jax.tree.flatten_with_path(abstract.params)
     out, described = [], []
     for kpath, leaf in leaves:
-        p = _path_of(kpath)
+        p = param_path(kpath)
         name, transpose = tensor_name(p, layout)
         described.append(f"{ckpt.file_of(name)}: tensor {name!r}" if name in ckpt else
                          f"{path}: embed_tokens shared from the target")
@@ -434,7 +431,7 @@ def drafter_tensors(drafter: Drafter, dtype=ml_dtypes.bfloat16) -> dict[str, np.
         raise CheckpointError("a peagle head without mask_hidden cannot be written in the speculators format")
     tensors = {}
     for kpath, leaf in jax.tree.flatten_with_path(drafter.params)[0]:
-        p = _path_of(kpath)
+        p = param_path(kpath)
         name, transpose = tensor_name(p)
         arr = np.asarray(jax.device_get(leaf))
         arr = arr.T if transpose else arr

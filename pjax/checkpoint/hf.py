@@ -23,6 +23,7 @@ from pjax.checkpoint.safetensors import Checkpoint
 from pjax.config import ConfigError, ModelConfig
 from pjax.kernels.quantized import QuantizedWeight, is_quantized
 from pjax.models.families import config_from_hf
+from pjax.models.paths import param_path
 from pjax.models.sharding import MODEL_AXIS, axis_size, leaf_spec, put
 from pjax.models.target import Target, abstract_target
 
@@ -322,7 +323,7 @@ def load_hf_params(path, cfg: ModelConfig, hf: dict, dtype, *, materialize: bool
     model = axis_size(mesh, MODEL_AXIS)
     out, finite, described = [], [], []  # finite: (array, index into described) pairs to check
     for kpath, leaf in leaves:
-        path = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in kpath)
+        path = param_path(kpath)
         before = set(src.consumed)
         arr = hook(path, leaf.shape, src, prefix, cfg) if hook else None
         if arr is None:

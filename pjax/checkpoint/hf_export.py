@@ -32,6 +32,7 @@ from pjax.checkpoint.safetensors import save_file
 from pjax.config import ConfigError, ModelConfig, RopeSpec
 from pjax.dtypes import parse_dtype
 from pjax.models.families import config_from_hf, rope_to_hf
+from pjax.models.paths import param_path
 from pjax.models.target import Target
 
 __all__ = ["EXPORT_KIND", "TOKENIZER_FILE_NAMES", "hf_config", "hf_tensors", "save_hf_target"]
@@ -137,7 +138,7 @@ def hf_config(cfg: ModelConfig, *, dtype: str = "bfloat16", bos_token_id: Option
 def _named_leaves(target: Target):
     """(Hugging Face name, transpose?, leaf) of every parameter (the names `pjax.checkpoint.hf` reads)."""
     for kpath, leaf in jax.tree.flatten_with_path(target.params)[0]:
-        path = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in kpath)
+        path = param_path(kpath)
         name, transpose = hf_name(path, "model.", target.config.model_type)
         yield name, transpose, leaf
 

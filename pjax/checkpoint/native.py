@@ -30,6 +30,7 @@ from pjax.checkpoint.files import read_hf_config
 from pjax.config import ConfigError
 from pjax.dtypes import parse_dtype
 from pjax.models.families import config_from_hf
+from pjax.models.paths import param_path
 from pjax.models.sharding import MODEL_AXIS, axis_size, param_specs
 from pjax.models.target import Target, abstract_target
 
@@ -61,7 +62,7 @@ def param_count(params) -> int:
 def _names(params) -> tuple[list[str], list, object]:
     """(dotted parameter names, leaves, treedef) of a params tree."""
     flat, treedef = jax.tree.flatten_with_path(params)
-    names = [".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in kpath) for kpath, _ in flat]
+    names = [".".join(map(str, param_path(kpath))) for kpath, _ in flat]
     return names, [leaf for _, leaf in flat], treedef
 
 

@@ -32,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from pjax.config import ModelConfig
 from pjax.kernels.quantized import is_quantized
+from pjax.models.paths import param_path
 
 __all__ = ["DATA_AXIS", "EXPERT_SHARDING", "MODEL_AXIS", "axis_size", "kv_spec", "leaf_spec", "make_mesh", "param_spec",
            "param_specs", "place", "place_drafter", "place_target", "put", "rows_spec"]
@@ -116,10 +117,6 @@ def param_spec(path: tuple, shape: tuple, cfg: ModelConfig, n: int, experts: str
     return P()
 
 
-def _key(k):
-    return getattr(k, "key", getattr(k, "idx", k))
-
-
 def leaf_spec(path: tuple, x, cfg: ModelConfig, n: int, experts: str = "expert"):
     """`param_spec` of one parameter leaf (anything with a shape); a packed `QuantizedWeight`: a QuantizedWeight of
     specs, its arrays split by expert where n divides the experts (in either expert mode)."""
@@ -131,7 +128,7 @@ def leaf_spec(path: tuple, x, cfg: ModelConfig, n: int, experts: str = "expert")
 
 def param_specs(params, cfg: ModelConfig, n: int, experts: str = "expert"):
     """The plan of a params tree: a matching tree of PartitionSpecs (`leaf_spec`)."""
-    return jax.tree_util.tree_map_with_path(lambda kp, x: leaf_spec(tuple(_key(k) for k in kp), x, cfg, n, experts),
+    return jax.tree_util.tree_map_with_path(lambda kp, x: leaf_spec(param_path(kp), x, cfg, n, experts),
                                             params, is_leaf=is_quantized)
 
 
