@@ -18,8 +18,9 @@ from transformers import LlamaConfig, Qwen3Config  # noqa: E402
 
 import speculators.models.peagle.core as peagle_core  # noqa: E402
 from pjax.checkpoint import load_drafter  # noqa: E402
-from pjax.checkpoint.heads import _path_of, tensor_name  # noqa: E402
+from pjax.checkpoint.heads import tensor_name  # noqa: E402
 from pjax.config import LayerSpec, ModelConfig, RopeSpec  # noqa: E402
+from pjax.models.paths import param_path  # noqa: E402
 from pjax.models.target import init_target  # noqa: E402
 from pjax.train.eagle3 import eagle3_row_loss  # noqa: E402
 from pjax.train.losses import peagle_loss, peagle_loss_and_metrics, with_params  # noqa: E402
@@ -106,7 +107,7 @@ def grad_errors(model, grads):
     tgrads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
     errs, seen = {}, set()
     for kp, leaf in jax.tree.flatten_with_path(grads)[0]:
-        name, tr = tensor_name(_path_of(kp))
+        name, tr = tensor_name(param_path(kp))
         arr = np.asarray(leaf)
         arr = arr.T if tr else arr
         if name in tgrads:
