@@ -14,7 +14,7 @@ def load_bench():
 def test_bench_target_tiny(tmp_path):
     import jax
     bench = load_bench()
-    report = bench.main(["--tiny", "--repeats", "3", "--json", str(tmp_path / "b.json")])
+    report = bench.main(["--tiny", "--repeats", "3", "--profile", "--json", str(tmp_path / "b.json")])
     assert json.loads((tmp_path / "b.json").read_text())["rows"] == report["rows"]
     rows = {(r["model"], r["step"]): r for r in report["rows"]}
     assert set(rows) == {(m, s) for m in ("tiny", "tiny-moe-mxfp4") for s in ("decode", "extend")}

@@ -4,6 +4,8 @@ expert kernel, with bytes-moved bandwidth over the measured HBM copy bandwidth.
 
     cd examples/benchmarks && PYTHONPATH=../..:. python3 bench_moe.py   # GPU: roofline, low-bit, grouped (~2 min)
     ... bench_moe.py --only tune,small-tune,lowbit-tune,lowbit-120b      # tile sweeps, GPT-OSS-120B rows
+    ... bench_moe.py --only candidates    # grouped matmuls side by side: ragged_dot (XLA, Triton lowering),
+                                          # JAX's Hopper ragged_dot_mgpu, tokamax (where installed), pjax's
     ... bench_moe.py --smoke                                             # CPU: tiny shapes, interpret mode
 
 Timing as bench_kernels.py (`timed`: R copies of the op on distinct inputs in one program, median device span
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -97,6 +100,59 @@ def bench_grouped(label, e, din, dout, pairs, *, calls, configs=(None,), backwar
             f"{t_x / t_p:.1f} | {2 * flops / t_p / 1e12:.0f} | {err:.1e} | |")
 
 
+def grouped_candidates():
+    """{name: (x [M, K], w [G, K, N], sizes [G]) -> [M, N]} of every grouped matmul this device and install run:
+    jax.lax.ragged_dot (XLA's lowering, and its Pallas Triton lowering behind a JAX flag), JAX's Hopper
+    ragged_dot_mgpu at a few tile settings, tokamax's ragged_dot (mosaic, triton) if installed, pjax's kernel."""
+    out = {"ragged_dot (XLA)": jax.lax.ragged_dot,
+           "ragged_dot (Triton lowering)": ("jax_ragged_dot_use_gpu_pallas_triton_lowering", jax.lax.ragged_dot),
+           "pjax grouped_matmul": lambda a, b, c: gm_pallas.grouped_matmul(a, b, c)}
+    if on_gpu() and "H" in jax.devices()[0].device_kind:
+        from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+        for bm, bn, gbn in ((64, 128, 1), (128, 128, 1), (128, 256, 1), (128, 128, 4)):
+            out[f"ragged_dot_mgpu {bm}x{bn}x64, grid_block_n {gbn}"] = functools.partial(
+                lambda a, b, c, **kw: ragged_dot_mgpu.ragged_dot(a, b, group_sizes=c, **kw), block_m=bm, block_n=bn,
+                block_k=64, max_concurrent_steps=4, grid_block_n=gbn)
+    try:
+        import tokamax
+        from absl import flags
+        flags.FLAGS.mark_as_parsed()  # tokamax reads absl flags; this script's own arguments are not theirs
+        for impl in ("mosaic", "triton"):
+            out[f"tokamax ({impl})"] = functools.partial(
+                lambda a, b, c, impl: tokamax.ragged_dot(a, b, c, implementation=impl), impl=impl)
+    except ImportError as e:
+        log(f"  (tokamax not installed: {e})")
+    return out
+
+
+def bench_candidates(label, e, din, dout, pairs, *, calls):
+    rs = np.random.default_rng(pairs)
+    sizes = jnp.asarray(np.bincount(rs.integers(0, e, pairs), minlength=e), jnp.int32)
+    w = (jax.random.normal(jax.random.key(0), (e, din, dout), jnp.float32) * 0.05).astype(jnp.bfloat16)
+    sets = [(jax.random.normal(jax.random.key(i + 1), (pairs, din), jnp.bfloat16), w, sizes) for i in range(2)]
+    want = jax.jit(gm_ref.grouped_matmul)(*sets[0])
+    flops = 2 * pairs * din * dout
+    for name, op in grouped_candidates().items():
+        flag, op = op if isinstance(op, tuple) else (None, op)
+        try:
+            if flag:
+                jax.config.update(flag, True)
+            err = rel_err(jax.jit(op)(*sets[0]), want)
+            t = timed(op, sets, calls=calls)
+        except Exception as ex:  # a candidate that cannot run this shape: say why, go on
+            log(f"| {label} | {pairs} | {din}x{dout} | {name} | - | - | {type(ex).__name__}: "
+                f"{str(ex).splitlines()[0][:120]} |")
+            ROWS.append(dict(op="grouped_candidate", shape=label, pairs=pairs, din=din, dout=dout, candidate=name,
+                             error=str(ex)[:500]))
+            continue
+        finally:
+            if flag:
+                jax.config.update(flag, False)
+        ROWS.append(dict(op="grouped_candidate", shape=label, pairs=pairs, din=din, dout=dout, candidate=name,
+                         us=t * 1e6, tflops=flops / t / 1e12, err=err))
+        log(f"| {label} | {pairs} | {din}x{dout} | {name} | {t * 1e6:.0f} | {flops / t / 1e12:.0f} | {err:.1e} |")
+
+
 # ------------------------------------------------------------------------------------------- low-bit expert matmul
 def packed(fmt, e, din, dout, key):
     if fmt == "mxfp4":
@@ -158,6 +214,8 @@ def lowbit_table(calls, reps, shapes, configs=(EM_DEFAULT,)):
 
 
 ROOF = [float("nan")]
+CANDIDATES_HEADER = ("\n| shape | pairs | din x dout | grouped matmul | us | TFLOP/s | rel err |\n"
+                     "|---|---|---|---|---|---|---|")
 GROUPED_HEADER = ("\n| op | shape | pairs | din x dout | xla us | pallas us | xla/pallas | pallas TFLOP/s | rel err | "
                   "tiles |\n|---|---|---|---|---|---|---|---|---|---|")
 
@@ -178,6 +236,8 @@ def main():
         lowbit_table(calls, 2, [("tiny", "mxfp4", 4, 64, 32, 1, 2), ("tiny", "fp8", 4, 128, 128, 2, 2)])
         log(GROUPED_HEADER)
         bench_grouped("tiny", 4, 32, 48, 40, calls=calls, backward=True)
+        log(CANDIDATES_HEADER)
+        bench_candidates("tiny", 4, 32, 48, 40, calls=calls)
         return
     if "lowbit" in only:
         gpt20, gpt120, qwen = ("gpt-oss-20b", 32), ("gpt-oss-120b", 128), ("qwen3-30b-a3b", 128)
@@ -202,6 +262,15 @@ def main():
             bench_grouped("gpt-oss-20b gate_up", 32, 2880, 5760, pairs, calls=calls, backward=pairs == 4096)
             bench_grouped("gpt-oss-20b down", 32, 2880, 2880, pairs, calls=calls)
         bench_grouped("qwen3-30b-a3b gate_up", 128, 2048, 1536, 8192, calls=calls)
+        log(f"[{time.time() - t0:.0f} s]")
+    if "candidates" in only:
+        log(CANDIDATES_HEADER)
+        for label, e, din, dout, pairs in (
+                ("gpt-oss-20b gate_up", 32, 2880, 5760, 256), ("gpt-oss-20b gate_up", 32, 2880, 5760, 1024),
+                ("gpt-oss-20b gate_up", 32, 2880, 5760, 4096), ("gpt-oss-20b gate_up", 32, 2880, 5760, 32768),
+                ("gpt-oss-20b down", 32, 2880, 2880, 1024), ("gpt-oss-20b down", 32, 2880, 2880, 32768),
+                ("qwen3-30b-a3b gate_up", 128, 2048, 1536, 8192)):
+            bench_candidates(label, e, din, dout, pairs, calls=calls)
         log(f"[{time.time() - t0:.0f} s]")
     if "small-tune" in only:  # between the few-pair kernel and prefill
         cfgs = [dataclasses.replace(GM_DEFAULT, **c) for c in (

@@ -18,13 +18,18 @@ top_k for one token, the expected number of distinct experts E(1 - (1 - k/E)^T) 
 T tokens; packed experts count their packed bytes and scales) + the whole KV cache buffer read by attention + the
 new K/V written. process_peak_device_bytes: the device's peak allocation in the process so far (a model's own peak
 where it is the first or largest of the run: `--models NAME` for one).
+--profile (GPU): each step's kernels from the profiler (`devtime.py`): how many, their summed time against the
+step's device span (the rest is the device waiting between kernels), and the kernels taking the most time, grouped
+by name with the numbers stripped.
 Prints a markdown table; writes JSON to $OUT/bench_target.json when $OUT is set (or to --json PATH).
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -35,6 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from devtime import profile_calls  # noqa: E402
 
 from pjax.bench.models import RANDOM_TARGETS, random_target  # noqa: E402
 from pjax.kernels import IMPLEMENTATIONS  # noqa: E402
@@ -113,7 +121,32 @@ def time_step(step, target, tokens, positions, cache, *, warmup: int, repeats: i
     return ts, (time.perf_counter() - t) / repeats, cache
 
 
-def bench_model(name, *, context, k1, warmup, repeats, bandwidth, dtype, implementation="auto") -> list[dict]:
+def kernel_profile(step, target, tokens, positions, cache, *, calls: int = 10, top: int = 12):
+    """GPU: the step's kernels (per call, medians over `calls`): count, device span and summed kernel time in us,
+    and the `top` name groups by time (names with their numbers stripped: one group per kind of fusion or
+    kernel); None without a GPU plane. Returns (that, the cache: each call donates it to the next)."""
+    state = [cache]
+
+    def call():
+        out, state[0] = step(target, tokens, positions, state[0])
+        return out
+    prof = profile_calls(call, (), calls=calls)
+    if prof is None:
+        return None, state[0]
+    spans, kernels = prof
+    groups = collections.defaultdict(lambda: [0, 0])
+    for name, _, dur in (k for ks in kernels for k in ks):
+        g = groups[re.sub(r"[_.]?\d+", "", name)[:60]]
+        g[0] += 1
+        g[1] += dur
+    busy = statistics.median(sum(d for _, _, d in ks) for ks in kernels)
+    return {"kernels": len(kernels[0]), "span_us": statistics.median(spans) / 1e3, "busy_us": busy / 1e3,
+            "top": [(name, n / calls, t / calls / 1e3) for name, (n, t) in
+                    sorted(groups.items(), key=lambda kv: -kv[1][1])[:top]]}, state[0]
+
+
+def bench_model(name, *, context, k1, warmup, repeats, bandwidth, dtype, implementation="auto",
+                profile=False) -> list[dict]:
     target = random_target(name, dtype)  # pjax.bench.models: published geometries, packed experts where named
     cfg = target.config
     cache = init_cache(cfg, 1, context + k1, dtype)
@@ -126,12 +159,18 @@ def bench_model(name, *, context, k1, warmup, repeats, bandwidth, dtype, impleme
         ts, pipelined, cache = time_step(step, target, tokens, positions, cache, warmup=warmup, repeats=repeats)
         med = statistics.median(ts)
         roof = b["bytes"] / bandwidth
-        rows.append(dict(model=name, step=kind, tokens=t, context=context, implementation=implementation,
+        prof, cache = kernel_profile(step, target, tokens, positions, cache) if profile else (None, cache)
+        rows.append(dict(model=name, step=kind, tokens=t, context=context, implementation=implementation, profile=prof,
                          median_ms=1e3 * med,
                          p10_ms=1e3 * float(np.percentile(ts, 10)), p90_ms=1e3 * float(np.percentile(ts, 90)),
                          pipelined_ms=1e3 * pipelined, roofline_ms=1e3 * roof, roofline_fraction=roof / pipelined, sync_fraction=roof / med,
                          weight_bytes_total=nbytes(target.params), process_peak_device_bytes=peak_bytes(), **b))
         print(f"  {name} {kind}: {1e3 * med:.3f} ms (roofline {1e3 * roof:.3f} ms)", flush=True)
+        if prof:
+            print(f"    {prof['kernels']} kernels, span {prof['span_us']:.0f} us, kernels busy {prof['busy_us']:.0f} us "
+                  f"({prof['busy_us'] / prof['span_us']:.0%}); by time (count, us per step):", flush=True)
+            for kname, n, us in prof["top"]:
+                print(f"      {us:8.1f} us {n:6.0f}x  {kname}", flush=True)
     del target, cache
     return rows
 
@@ -164,6 +203,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--warmup", type=int, default=None, help="warm-up calls (default 5, tiny 1)")
     ap.add_argument("--implementation", default="auto", choices=IMPLEMENTATIONS,
                     help="kernel switch of the forward (pjax.kernels; default auto)")
+    ap.add_argument("--profile", action="store_true", help="GPU: each step's kernels (count, busy time, the top ones)")
     ap.add_argument("--json", default=None, help="JSON output path (default $OUT/bench_target.json)")
     a = ap.parse_args(argv)
     names = a.models.split(",") if a.models else list(TINY if a.tiny else MODELS)
@@ -179,7 +219,8 @@ def main(argv=None) -> dict:
     rows = []
     for n in names:
         rows += bench_model(n, context=context, k1=a.k + 1, warmup=warmup, repeats=repeats,
-                            bandwidth=bandwidth, dtype=jnp.bfloat16, implementation=a.implementation)
+                            bandwidth=bandwidth, dtype=jnp.bfloat16, implementation=a.implementation,
+                            profile=a.profile)
     report = {"device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__,
               "copy_bandwidth_Bps": bandwidth, "rows": rows}
     print(markdown(rows, bandwidth))
