@@ -11,7 +11,7 @@ import inspect
 import jax
 
 __all__ = ["JAX_VERSION", "mosaic_gpu", "mosaic_gpu_interpret_params", "mosaic_gpu_interpret_runs",
-           "mosaic_gpu_load", "mosaic_gpu_warp_specialization", "pallas_call_name"]
+           "mosaic_gpu_load", "mosaic_gpu_warp_specialization", "pallas_call_name", "ragged_dot_mgpu"]
 
 JAX_VERSION: tuple[int, int] = tuple(int(x) for x in jax.__version__.split(".")[:2])
 
@@ -23,6 +23,16 @@ def mosaic_gpu():
     except ImportError:  # pragma: no cover - JAX builds without Mosaic GPU
         return None
     return plgpu
+
+
+def ragged_dot_mgpu():
+    """JAX's Hopper grouped matmul (`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`, in 0.10 and 0.11), or None
+    where it does not import."""
+    try:
+        from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+    except ImportError:  # pragma: no cover - JAX builds without Mosaic GPU
+        return None
+    return ragged_dot_mgpu
 
 
 def mosaic_gpu_warp_specialization() -> bool:

@@ -123,6 +123,42 @@ def test_tiles_and_auto_threshold_follow_the_rows_per_group(monkeypatch):
     jax.clear_caches()
 
 
+def test_mosaic_kernel_choice_reasons_and_lowering(monkeypatch):
+    """JAX's Hopper kernel: "auto" takes it on Hopper for bf16 / f16 plain weights from 8 mean rows per group (the
+    Triton kernel for packed weights, f32, transposed w; the reference below its thresholds); off Hopper "mosaic"
+    is an error saying why; each unsupported input names its reason; it lowers to Mosaic GPU at the GPT-OSS-20B
+    gate_up shape (layout inference, shared-memory check) on this CPU host."""
+    from pjax.kernels import dispatch
+    from pjax.kernels.grouped_matmul import api, mosaic
+    from pjax.kernels.quantized import random_weight
+    from tests.gpu_lowering import MOSAIC_CALL, export_for_gpu
+    bf = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
+    x, w = jnp.zeros((256, 64), jnp.bfloat16), jnp.zeros((32, 64, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match="mosaic.*Hopper"):
+        api.choose(x, w, "mosaic")
+    assert api.choose(x, w, "auto") == "xla" and api.choose(x, w, "pallas") == "pallas"
+    packed = random_weight(jax.random.key(0), (32, 64, 128), "mxfp4")
+    assert "packed" in mosaic.unsupported_reason(x, packed)
+    assert "16-bit" in mosaic.unsupported_reason(x.astype(jnp.float32), w.astype(jnp.float32))
+    assert "contraction 96" in mosaic.unsupported_reason(x[:, :48].repeat(2, 1), w[:, :48].repeat(2, 1))
+    assert "transpose_rhs" in mosaic.unsupported_reason(x, w, transpose_rhs=True)
+    assert mosaic.unsupported_reason(x, w) is None
+    monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+    monkeypatch.setattr(mosaic, "available", lambda: True)
+    assert api.choose(x, w) == "mosaic" and api.choose(x, w, "mosaic") == "mosaic"
+    assert api.choose(x[:200], w) == "xla"  # 6 rows per group
+    assert api.choose(jnp.zeros((512, 64), jnp.bfloat16), packed) == "pallas"
+    assert api.choose(x.astype(jnp.float32)[:, :64].repeat(2, 0), w.astype(jnp.float32)) == "pallas"
+    assert api.choose(x, w, "pallas") == "pallas"
+    with pytest.raises(ValueError, match="implementation='mosaic': packed"):
+        api.choose(x, packed, "mosaic")
+    monkeypatch.undo()
+    for rows in (1000, 333):  # its TMA takes a multiple of 8 rows: the wrapper pads 333
+        text, _ = export_for_gpu(lambda x_, w_, g_: mosaic.grouped_matmul(x_, w_, g_), bf(rows, 2880),
+                                 bf(32, 2880, 5760), jax.ShapeDtypeStruct((32,), jnp.int32))
+        assert MOSAIC_CALL in text
+
+
 def test_moe_many_pairs_use_the_grouped_kernel():
     """Past the few-pair threshold the MoE layer sorts pairs by expert and runs the grouped kernel ("pallas"),
     equal to the reference path, gradients included."""

@@ -25,6 +25,7 @@ from pjax.kernels.acceptance import reference as acc_ref
 from pjax.kernels.cache_attention import mosaic
 from pjax.kernels.cache_attention import reference as attn_ref
 from pjax.kernels.expert_matmul import reference as em_ref
+from pjax.kernels.grouped_matmul import mosaic as gm_mosaic
 from pjax.kernels.grouped_matmul import reference as gm_ref
 from pjax.kernels.metadata import reference as meta_ref
 from pjax.kernels.quantized import dequantize, random_weight
@@ -186,29 +187,34 @@ def check_expert_matmul(report: Report, quick: bool) -> None:
 
 
 def grouped_cases(quick):
-    """(label, rows, experts, din, dout, dtype, packed format or None): uniform random routing, plus one expert with
-    no rows and rows past the groups."""
+    """(label, rows, experts, din, dout, dtype, packed format or None, one expert's rows or None): uniform random
+    routing (expert 0 empty) or every row to one expert, and rows past the groups."""
     if quick:
-        return [("f32", 70, 4, 64, 48, jnp.float32, None), ("MXFP4", 80, 4, 96, 64, jnp.bfloat16, "mxfp4"),
-                ("FP8", 80, 4, 128, 64, jnp.bfloat16, "fp8")]
-    return [("gpt-oss-20b gate_up, c = 64 verify K = 3", 1024, 32, 2880, 5760, jnp.bfloat16, None),
-            ("gpt-oss-20b gate_up MXFP4, c = 64 verify K = 3", 1024, 32, 2880, 5760, jnp.bfloat16, "mxfp4"),
-            ("qwen3-30b-a3b gate_up FP8, prefill 1K", 8192, 128, 2048, 1536, jnp.bfloat16, "fp8"),
-            ("FP8 partial tiles", 1000, 8, 200, 136, jnp.bfloat16, "fp8"),
-            ("f32 down", 2048, 16, 512, 256, jnp.float32, None)]
+        return [("f32", 70, 4, 64, 48, jnp.float32, None, None),
+                ("MXFP4", 80, 4, 96, 64, jnp.bfloat16, "mxfp4", None),
+                ("FP8", 80, 4, 128, 64, jnp.bfloat16, "fp8", None)]
+    return [("gpt-oss-20b gate_up, c = 64 verify K = 3", 1024, 32, 2880, 5760, jnp.bfloat16, None, None),
+            ("gpt-oss-20b gate_up MXFP4, c = 64 verify K = 3", 1024, 32, 2880, 5760, jnp.bfloat16, "mxfp4", None),
+            ("qwen3-30b-a3b gate_up FP8, prefill 1K", 8192, 128, 2048, 1536, jnp.bfloat16, "fp8", None),
+            ("FP8 partial tiles", 1000, 8, 200, 136, jnp.bfloat16, "fp8", None),
+            ("qwen3-30b-a3b down, c = 8 verify K = 3", 256, 128, 768, 2048, jnp.bfloat16, None, None),
+            ("gpt-oss-20b down, odd rows, partial column tiles", 333, 32, 2880, 2880, jnp.bfloat16, None, None),
+            ("one expert takes every row", 300, 8, 128, 192, jnp.bfloat16, None, 5),
+            ("f32 down", 2048, 16, 512, 256, jnp.float32, None, None)]
 
 
 def check_grouped_matmul(report: Report, quick: bool) -> None:
-    for i, (label, m, e, din, dout, dtype, fmt) in enumerate(grouped_cases(quick)):
+    for i, (label, m, e, din, dout, dtype, fmt, one) in enumerate(grouped_cases(quick)):
         kx, kw_ = jax.random.split(jax.random.key(200 + i))
         x = jax.random.normal(kx, (m, din), jnp.float32).astype(dtype)
         w, (xr, dense) = _weights(kw_, x, e, din, dout, fmt)
-        sizes = np.bincount(np.random.default_rng(i).integers(1, e, m - 5), minlength=e)  # expert 0 empty
-        sizes = jnp.asarray(sizes, jnp.int32)
+        ids = np.full(m - 5, one) if one is not None else np.random.default_rng(i).integers(1, e, m - 5)
+        sizes = jnp.asarray(np.bincount(ids, minlength=e), jnp.int32)  # 5 rows past the groups
         want = jax.jit(gm_ref.grouped_matmul)(xr, dense, sizes)
         shape = f"{label}: {m} rows over {e} experts, {din}x{dout} {jnp.dtype(dtype).name}"
         bound = F32_BOUND if dtype == jnp.float32 else BF16_REL_BOUND
-        for impl in IMPLEMENTATIONS:
+        on_mosaic = gm_mosaic.available() and gm_mosaic.unsupported_reason(x, w) is None
+        for impl in list(IMPLEMENTATIONS) + (["mosaic"] if on_mosaic else []):
             fn = lambda *a, impl=impl: grouped_matmul(*a, implementation=impl)  # noqa: E731
             abs_err, rel = float_errors(jax.jit(fn)(x, w, sizes), want)
             report.record("kernels", "grouped_matmul", impl, shape, abs_err=abs_err, rel_err=rel,
