@@ -148,6 +148,7 @@ def test_mosaic_kernel_choice_reasons_and_lowering(monkeypatch):
     assert api.choose(x, w) == "mosaic" and api.choose(x, w, "mosaic") == "mosaic"
     assert api.choose(x[:200], w) == "xla"  # 6 rows per group
     assert api.choose(jnp.zeros((512, 64), jnp.bfloat16), packed) == "pallas"
+    assert api.choose(jnp.zeros((64, 64), jnp.bfloat16), packed) == "pallas"  # the reference would unpack the stack
     assert api.choose(x.astype(jnp.float32)[:, :64].repeat(2, 0), w.astype(jnp.float32)) == "pallas"
     assert api.choose(x, w, "pallas") == "pallas"
     with pytest.raises(ValueError, match="implementation='mosaic': packed"):
