@@ -8,7 +8,6 @@ packed) weights; packed MXFP4 / FP8 weights stay on the Triton kernel, which deq
 """
 from __future__ import annotations
 
-import importlib.util
 from typing import Optional
 
 import jax
@@ -30,7 +29,7 @@ ROW_TILE = 8  # its TMA row tiling: more rows than this must be a multiple of it
 def available() -> bool:
     """True on a Hopper (sm_90) GPU whose JAX ships `ragged_dot_mgpu`."""
     return (dispatch.on_gpu() and hardware.gpu().compute_capability == (9, 0)
-            and importlib.util.find_spec("jax.experimental.pallas.ops.gpu.ragged_dot_mgpu") is not None)
+            and _compat.ragged_dot_mgpu() is not None)
 
 
 def unsupported_reason(x, w, transpose_rhs: bool = False) -> Optional[str]:
