@@ -13,7 +13,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from pjax import _compat
+import pjax._compat as _compat
 from pjax.kernels import dispatch, hardware
 from pjax.kernels.quantized import is_quantized
 
