@@ -182,13 +182,18 @@ def peak_bytes():
 
 
 def markdown(rows, bandwidth) -> str:
+    """The rows as a table; with --profile on a GPU also each step's device span (no host time) over the roofline."""
+    device = any(r["profile"] for r in rows)
     lines = [f"measured read bandwidth: {bandwidth / 1e9:.0f} GB/s", "",
              "| model | step | tokens | context | median ms | p10-p90 ms | pipelined ms | GB read | roofline ms "
-             "| pipelined / roofline |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| roofline / pipelined |" + (" device ms | roofline / device |" if device else ""),
+             "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if device else "")]
     for r in rows:
+        span = r["profile"]["span_us"] / 1e3 if r["profile"] else float("nan")
         lines.append(f"| {r['model']} | {r['step']} | {r['tokens']} | {r['context']} | {r['median_ms']:.3f} | "
                      f"{r['p10_ms']:.3f}-{r['p90_ms']:.3f} | {r['pipelined_ms']:.3f} | {r['bytes'] / 1e9:.3f} | "
-                     f"{r['roofline_ms']:.3f} | {r['roofline_fraction']:.2f} |")
+                     f"{r['roofline_ms']:.3f} | {r['roofline_fraction']:.2f} |"
+                     + (f" {span:.3f} | {r['roofline_ms'] / span:.2f} |" if device else ""))
     return "\n".join(lines)
 
 
