@@ -1,5 +1,7 @@
 """The grouped matmul (MoE prefill / training): the Pallas kernels in interpret mode equal `jax.lax.ragged_dot`
 forward and backward for ragged groups, lower to Triton for CUDA, and the MoE layer's many-pair path uses them."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -160,6 +162,47 @@ def test_mosaic_kernel_choice_reasons_and_lowering(monkeypatch):
         assert MOSAIC_CALL in text
 
 
+def test_mosaic_path_under_vmap_and_grad(monkeypatch):
+    """The Hopper kernel's wrapper under jax.vmap (its batching rule: one kernel per member, shared weights not
+    copied; nested vmaps too) and jax.grad (the Triton backward), with ragged_dot standing in for the kernel on this
+    CPU; and the real kernel lowers for CUDA under vmap."""
+    import types
+
+    import pjax._compat as compat
+    from pjax.kernels import dispatch
+    from pjax.kernels.grouped_matmul import mosaic
+    from tests.gpu_lowering import MOSAIC_CALL, export_for_gpu
+    bf = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
+    text, _ = export_for_gpu(jax.vmap(mosaic.grouped_matmul, in_axes=(0, None, 0)), bf(3, 256, 128),
+                             bf(8, 128, 256), jax.ShapeDtypeStruct((3, 8), jnp.int32))
+    assert MOSAIC_CALL in text
+    calls = []
+
+    def stand_in(x, w, group_sizes, **tiles):
+        calls.append(x.shape)
+        return jax.lax.ragged_dot(x, w, group_sizes)
+    monkeypatch.setattr(compat, "ragged_dot_mgpu", lambda: types.SimpleNamespace(ragged_dot=stand_in))
+    monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+    monkeypatch.setattr(mosaic, "available", lambda: True)
+    jax.clear_caches()
+    x = jax.random.normal(jax.random.key(0), (3, 50, 64)).astype(jnp.bfloat16)
+    w = (0.1 * jax.random.normal(jax.random.key(1), (4, 64, 128))).astype(jnp.bfloat16)
+    gs = jnp.array([[10, 0, 20, 15], [45, 0, 0, 0], [5, 5, 5, 5]], jnp.int32)  # empty experts, rows past the groups
+    f = lambda impl: lambda a, b, g: grouped_matmul(a, b, g, implementation=impl)
+    got = jax.vmap(f("mosaic"), in_axes=(0, None, 0))(x, w, gs)
+    assert calls and all(shape == (56, 64) for shape in calls)  # unbatched calls, rows padded to 8
+    each = lambda a, b, g: jnp.stack([f("xla")(a[i], b[i] if b.ndim == 4 else b, g[i]) for i in range(len(a))])
+    _close(got, each(x, w, gs), 1e-2)
+    ws = jnp.stack([w, 2 * w, -w])
+    nested = jax.vmap(jax.vmap(f("mosaic")))(x[None].repeat(2, 0), ws[None].repeat(2, 0), gs[None].repeat(2, 0))
+    _close(nested[1], each(x, ws, gs), 1e-2)
+    batched = lambda a, b: jax.vmap(f("mosaic"), in_axes=(0, None, 0))(a, b, gs)
+    loss = lambda run: lambda a, b: jnp.sum(run(a, b).astype(jnp.float32) ** 2)
+    for a, b in zip(jax.grad(loss(batched), (0, 1))(x, w), jax.grad(loss(lambda a, b: each(a, b, gs)), (0, 1))(x, w)):
+        _close(a, b, 2e-2)
+    jax.clear_caches()
+
+
 def test_moe_many_pairs_use_the_grouped_kernel():
     """Past the few-pair threshold the MoE layer sorts pairs by expert and runs the grouped kernel ("pallas"),
     equal to the reference path, gradients included."""
@@ -184,3 +227,32 @@ def test_moe_many_pairs_use_the_grouped_kernel():
     _close(out, out_ref, 1e-5)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         _close(a, b, 1e-4)
+
+
+def test_vmap_of_a_many_pair_moe_layer_equals_each_sequence():
+    """jax.vmap over sequences of a MoE layer past the few-pair threshold (its grouped matmul shares the experts
+    across the batch, which ragged_dot alone cannot batch), forward and gradients, equals one call per sequence."""
+    from flax import nnx
+
+    from pjax.config import LayerSpec, ModelConfig, MoeSpec, RopeSpec
+    from pjax.models import moe as nn
+    cfg = ModelConfig(model_type="qwen3_moe", vocab_size=11, hidden_size=32, intermediate_size=32, num_heads=2,
+                      layers=(LayerSpec(16, 1, RopeSpec(theta=1e4), moe=True),), moe=MoeSpec(4, 2, 24))
+    graph, state = nnx.split(nn.MoE(cfg, cfg.moe, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    x = jax.random.normal(jax.random.key(0), (3, 9, 32))  # 18 pairs a sequence > 2 x 4 experts
+
+    def loss(s, a, impl):
+        return jnp.sum(jnp.sin(nnx.merge(graph, s)(a, implementation=impl)))
+
+    @functools.partial(jax.jit, static_argnums=2)  # one program (eager: an op each)
+    def batched_and_each(s, a, impl):
+        forward = lambda a_: nnx.merge(graph, s)(a_, implementation=impl)
+        return ((jax.vmap(forward)(a), jax.vmap(jax.grad(loss, (0, 1)), in_axes=(None, 0, None))(s, a, impl)),
+                [(forward(a[i]), jax.grad(loss, (0, 1))(s, a[i], impl)) for i in range(len(a))])
+    for impl in ("xla", "pallas"):
+        (out, grads), each = batched_and_each(state, x, impl)
+        for i, (out_i, grads_i) in enumerate(each):
+            _close(out[i], out_i, 1e-5)
+            for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_i)):
+                _close(a[i], b, 1e-4)
+

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 import pjax._compat as _compat
 from pjax.kernels import dispatch, hardware
+from pjax.kernels.batching import loop_vmap
 from pjax.kernels.quantized import is_quantized
 
 # Tiles measured fastest of 64 / 128 rows x 128 / 256 columns x grid_block_n 1 / 4 on the GPT-OSS-20B and
@@ -50,10 +51,15 @@ def unsupported_reason(x, w, transpose_rhs: bool = False) -> Optional[str]:
 
 def grouped_matmul(x, w, group_sizes):
     """out [M, N] = each group's rows of x [M, K] times w[g] ([G, K, N]); rows past sum(group_sizes) are zero (the
-    kernel leaves them unwritten). Hopper only (`available`); ValueError for inputs it does not take."""
+    kernel leaves them unwritten). Hopper only (`available`); ValueError for inputs it does not take. Under `jax.vmap`
+    one kernel per batch member, in a loop (the kernel has no batching rule of its own)."""
     reason = unsupported_reason(x, w)
     if reason is not None:
         raise ValueError(f"grouped_matmul (mosaic): {reason}")
+    return _kernel(x, w, group_sizes)
+
+
+def _one_kernel(x, w, group_sizes):
     m = x.shape[0]
     pad = -m % ROW_TILE if m > ROW_TILE else 0  # zero rows past every group; sliced off below
     out = _compat.ragged_dot_mgpu().ragged_dot(
@@ -61,3 +67,6 @@ def grouped_matmul(x, w, group_sizes):
         block_n=BLOCK_N, block_k=BLOCK_K, max_concurrent_steps=STAGES, grid_block_n=GRID_BLOCK_N)[:m]
     rows = jax.lax.broadcasted_iota(jnp.int32, (m, 1), 0)
     return jnp.where(rows < jnp.sum(group_sizes), out, jnp.zeros((), out.dtype))
+
+
+_kernel = loop_vmap(_one_kernel)  # the kernel has no batching rule of its own

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from pjax.kernels.batching import loop_vmap
 
 
 def check_inputs(x, w, group_sizes, transpose_rhs: bool = False):
@@ -21,11 +24,39 @@ def check_inputs(x, w, group_sizes, transpose_rhs: bool = False):
 
 def grouped_matmul(x, w, group_sizes, transpose_rhs: bool = False):
     """out [M, N]: rows [start_g, start_g + group_sizes[g]) of x times w[g] (w[g].T with transpose_rhs), groups in
-    order from row 0; rows past sum(group_sizes) are zero. Float32 accumulation, x's dtype out."""
+    order from row 0; rows past sum(group_sizes) are zero. Float32 accumulation, x's dtype out. Under `jax.vmap` with
+    weights shared by the batch (which ragged_dot cannot batch) one product per member."""
     check_inputs(x, w, group_sizes, transpose_rhs)
     rhs = jnp.swapaxes(w, 1, 2) if transpose_rhs else w
-    return jax.lax.ragged_dot(x, rhs, group_sizes.astype(jnp.int32),
-                              preferred_element_type=jnp.float32).astype(x.dtype)
+    return _ragged_dot(x, rhs, group_sizes.astype(jnp.int32))
+
+
+def _ragged(x, rhs, group_sizes):
+    return jax.lax.ragged_dot(x, rhs, group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _ragged_vjp(x, rhs, group_sizes, g):
+    return jax.vjp(lambda a, b: _ragged(a, b, group_sizes), x, rhs)[1](g)
+
+
+_ragged_batched, _ragged_vjp_batched = loop_vmap(_ragged), loop_vmap(_ragged_vjp)
+
+
+@jax.custom_vjp
+def _ragged_dot(x, rhs, group_sizes):  # ragged_dot and its VJP, each batched by `loop_vmap`
+    return _ragged_batched(x, rhs, group_sizes)
+
+
+def _ragged_dot_fwd(x, rhs, group_sizes):
+    return _ragged_dot(x, rhs, group_sizes), (x, rhs, group_sizes)
+
+
+def _ragged_dot_bwd(res, g):
+    x, rhs, group_sizes = res
+    return (*_ragged_vjp_batched(x, rhs, group_sizes, g), np.zeros(group_sizes.shape, jax.dtypes.float0))
+
+
+_ragged_dot.defvjp(_ragged_dot_fwd, _ragged_dot_bwd)
 
 
 def transposed_grouped_matmul(a, b, group_sizes, out_dtype):
