@@ -61,11 +61,17 @@ def on_gpu():
 
 
 # ------------------------------------------------------------------------------------------- grouped matmul
-def bench_grouped(label, e, din, dout, pairs, *, calls, configs=(None,), backward=False):
+def grouped_inputs(e, din, dout, pairs):
+    """Two argument sets (x [pairs, din], w [e, din, dout], group sizes [e]) of bf16 inputs, uniform routing."""
     rs = np.random.default_rng(pairs)
     sizes = jnp.asarray(np.bincount(rs.integers(0, e, pairs), minlength=e), jnp.int32)
     w = (jax.random.normal(jax.random.key(0), (e, din, dout), jnp.float32) * 0.05).astype(jnp.bfloat16)
-    sets = [(jax.random.normal(jax.random.key(i + 1), (pairs, din), jnp.bfloat16), w, sizes) for i in range(2)]
+    return [(jax.random.normal(jax.random.key(i + 1), (pairs, din), jnp.bfloat16), w, sizes) for i in range(2)]
+
+
+def bench_grouped(label, e, din, dout, pairs, *, calls, configs=(None,), backward=False):
+    sets = grouped_inputs(e, din, dout, pairs)
+    w, sizes = sets[0][1:]
     x = sets[0][0]
     want = jax.jit(gm_ref.grouped_matmul)(x, w, sizes)
     flops = 2 * pairs * din * dout
@@ -126,10 +132,7 @@ def grouped_candidates():
 
 
 def bench_candidates(label, e, din, dout, pairs, *, calls):
-    rs = np.random.default_rng(pairs)
-    sizes = jnp.asarray(np.bincount(rs.integers(0, e, pairs), minlength=e), jnp.int32)
-    w = (jax.random.normal(jax.random.key(0), (e, din, dout), jnp.float32) * 0.05).astype(jnp.bfloat16)
-    sets = [(jax.random.normal(jax.random.key(i + 1), (pairs, din), jnp.bfloat16), w, sizes) for i in range(2)]
+    sets = grouped_inputs(e, din, dout, pairs)
     want = jax.jit(gm_ref.grouped_matmul)(*sets[0])
     flops = 2 * pairs * din * dout
     for name, op in grouped_candidates().items():
