@@ -167,8 +167,9 @@ def bench_model(name, *, context, k1, warmup, repeats, bandwidth, dtype, impleme
                          weight_bytes_total=nbytes(target.params), process_peak_device_bytes=peak_bytes(), **b))
         print(f"  {name} {kind}: {1e3 * med:.3f} ms (roofline {1e3 * roof:.3f} ms)", flush=True)
         if prof:
-            print(f"    {prof['kernels']} kernels, span {prof['span_us']:.0f} us, kernels busy {prof['busy_us']:.0f} us "
-                  f"({prof['busy_us'] / prof['span_us']:.0%}); by time (count, us per step):", flush=True)
+            print(f"    {prof['kernels']} kernels, span {prof['span_us']:.0f} us, kernels busy "
+                  f"{prof['busy_us']:.0f} us ({prof['busy_us'] / prof['span_us']:.0%}); by time (count, us per step):",
+                  flush=True)
             for kname, n, us in prof["top"]:
                 print(f"      {us:8.1f} us {n:6.0f}x  {kname}", flush=True)
     del target, cache

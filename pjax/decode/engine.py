@@ -752,8 +752,8 @@ class Engine:
         has a fixed trip count and is dispatched before the host reads the previous chunk's outputs, and a step
         reports what the device finished one chunk earlier (an admission's first tokens right away). Otherwise the
         step waits for its own chunk, which ends once every row is done (a step that admits then runs no chunk: its
-        first tokens come back at once). final: no request will be submitted before the running ones finish (a static batch): the step
-        waits for its own chunk, of about FINAL_CHUNK_S of device time."""
+        first tokens come back at once). final: no request will be submitted before the running ones finish (a
+        static batch): the step waits for its own chunk, of about FINAL_CHUNK_S of device time."""
         if not self._timed and not self._slots:
             self._time_budgets()
         t0 = time.perf_counter()

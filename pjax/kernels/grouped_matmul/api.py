@@ -17,9 +17,9 @@ IMPLEMENTATIONS = ("xla", "pallas", "mosaic", "auto")  # dispatch.IMPLEMENTATION
 def choose(x, w, implementation: str = "auto", transpose_rhs: bool = False) -> str:
     """'xla' | 'pallas' | 'mosaic' for these inputs. "auto" on a GPU: JAX's Hopper kernel (`mosaic`) where it takes
     them from `mosaic.MIN_ROWS_PER_GROUP` mean rows per group, else the Triton kernel where it takes them from
-    `config.MIN_ROWS_PER_GROUP` (packed weights: at any row count), else the reference; off a GPU the reference. "pallas": the Triton kernel where it
-    takes them (interpret mode off a GPU), else the reference. "mosaic" as asked: ValueError off Hopper or for inputs
-    it does not take."""
+    `config.MIN_ROWS_PER_GROUP` (packed weights: at any row count), else the reference; off a GPU the reference.
+    "pallas": the Triton kernel where it takes them (interpret mode off a GPU), else the reference. "mosaic" as
+    asked: ValueError off Hopper or for inputs it does not take."""
     from pjax.kernels.grouped_matmul import mosaic, pallas
     dispatch.check(implementation, IMPLEMENTATIONS, op="grouped_matmul")
     if implementation == "mosaic":
