@@ -20,16 +20,14 @@ new K/V written. process_peak_device_bytes: the device's peak allocation in the 
 where it is the first or largest of the run: `--models NAME` for one).
 --profile (GPU): each step's kernels from the profiler (`devtime.py`): how many, their summed time against the
 step's device span (the rest is the device waiting between kernels), and the kernels taking the most time, grouped
-by name with the numbers stripped.
+by name with their numeric suffixes folded (`devtime.kernel_groups`).
 Prints a markdown table; writes JSON to $OUT/bench_target.json when $OUT is set (or to --json PATH).
 """
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
-import re
 import statistics
 import sys
 import time
@@ -42,7 +40,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from devtime import profile_calls  # noqa: E402
+from devtime import kernel_groups, profile_calls  # noqa: E402
 
 from pjax.bench.models import RANDOM_TARGETS, random_target  # noqa: E402
 from pjax.kernels import IMPLEMENTATIONS  # noqa: E402
@@ -123,7 +121,7 @@ def time_step(step, target, tokens, positions, cache, *, warmup: int, repeats: i
 
 def kernel_profile(step, target, tokens, positions, cache, *, calls: int = 10, top: int = 12):
     """GPU: the step's kernels (per call, medians over `calls`): count, device span and summed kernel time in us,
-    and the `top` name groups by time (names with their numbers stripped: one group per kind of fusion or
+    and the `top` name groups by time (`devtime.kernel_groups`: one group per kind of fusion or
     kernel); None without a GPU plane. Returns (that, the cache: each call donates it to the next)."""
     state = [cache]
 
@@ -134,15 +132,9 @@ def kernel_profile(step, target, tokens, positions, cache, *, calls: int = 10, t
     if prof is None:
         return None, state[0]
     spans, kernels = prof
-    groups = collections.defaultdict(lambda: [0, 0])
-    for name, _, dur in (k for ks in kernels for k in ks):
-        g = groups[re.sub(r"[_.]?\d+", "", name)[:60]]
-        g[0] += 1
-        g[1] += dur
     busy = statistics.median(sum(d for _, _, d in ks) for ks in kernels)
     return {"kernels": len(kernels[0]), "span_us": statistics.median(spans) / 1e3, "busy_us": busy / 1e3,
-            "top": [(name, n / calls, t / calls / 1e3) for name, (n, t) in
-                    sorted(groups.items(), key=lambda kv: -kv[1][1])[:top]]}, state[0]
+            "top": [(name, n, ns / 1e3) for name, ns, n in kernel_groups(kernels, top)]}, state[0]
 
 
 def bench_model(name, *, context, k1, warmup, repeats, bandwidth, dtype, implementation="auto",

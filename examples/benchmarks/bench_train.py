@@ -208,20 +208,11 @@ def _kernel_times(step_fn, top: int):
     steps (names with their numeric suffixes folded); [] without --profile or without a GPU."""
     if not top:
         return []
-    import collections
-    import re
-    from devtime import profile_calls
+    from devtime import kernel_groups, profile_calls
     traced = profile_calls(step_fn, (), calls=2)
     if traced is None:
         return []
-    calls = traced[1]
-    agg = collections.defaultdict(lambda: [0.0, 0])
-    for kernels in calls:
-        for name, _, duration_ns in kernels:
-            k = agg[re.sub(r"[_.]\d+", "", name)[:90]]
-            k[0] += duration_ns / 1e6 / len(calls)
-            k[1] += 1
-    return [(name, ms, n // len(calls)) for name, (ms, n) in sorted(agg.items(), key=lambda x: -x[1][0])[:top]]
+    return [(name, ns / 1e6, int(n)) for name, ns, n in kernel_groups(traced[1], top)]
 
 
 def _configs(a):

@@ -8,6 +8,7 @@ kernels are exact to the microsecond.
     spans, kernels = profile_calls(f, args, calls=20)
     span_us = median(spans) / 1e3            # device time of one call, ns -> us
     kernels[0]                               # [(kernel name, start ns, duration ns)] of the first call
+    kernel_groups(kernels, top=10)           # [(name, ns per call, launches per call)], the most time first
 
 Public APIs only: `jax.profiler.start_trace` / `stop_trace` write an XSpace file, read back with
 `jax.profiler.ProfileData.from_file`. Calls are told apart by kernel count (every call runs the same program, so
@@ -16,6 +17,8 @@ running). Without a GPU plane (CPU) `profile_calls` returns None and callers fal
 """
 from __future__ import annotations
 
+import collections
+import re
 import tempfile
 from pathlib import Path
 
@@ -80,3 +83,16 @@ def _spans(groups):
     spans = [max(e for _, e, _ in g) - g[0][0] for g in groups]
     kernels = [[(name, s, e - s) for s, e, name in g] for g in groups]
     return spans, kernels
+
+
+def kernel_groups(kernels, top: int):
+    """[(name, ns per call, launches per call)] of the `top` kernel names taking the most time, averaged over the
+    calls of `profile_calls`'s kernels, numeric suffixes folded (one group per kind of fusion or kernel)."""
+    groups = collections.defaultdict(lambda: [0, 0])
+    for name, _, duration_ns in (k for call in kernels for k in call):
+        g = groups[re.sub(r"[_.]\d+", "", name)[:90]]
+        g[0] += duration_ns
+        g[1] += 1
+    n = len(kernels)
+    return [(name, t / n, c / n) for name, (t, c) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]]
+
