@@ -6,6 +6,8 @@ expert kernel, with bytes-moved bandwidth over the measured HBM copy bandwidth.
     ... bench_moe.py --only tune,small-tune,lowbit-tune,lowbit-120b      # tile sweeps, GPT-OSS-120B rows
     ... bench_moe.py --only candidates    # grouped matmuls side by side: ragged_dot (XLA, Triton lowering),
                                           # JAX's Hopper ragged_dot_mgpu, tokamax (where installed), pjax's
+    ... bench_moe.py --only crossover     # the same at the c = 8 verifies (2-4 pairs per expert), GPT-OSS-120B's
+                                          # MXFP4 expert kernel at 32 x 4 pairs
     ... bench_moe.py --smoke                                             # CPU: tiny shapes, interpret mode
 
 Timing as bench_kernels.py (`timed`: R copies of the op on distinct inputs in one program, median device span
@@ -274,6 +276,15 @@ def main():
                 ("gpt-oss-20b down", 32, 2880, 2880, 1024), ("gpt-oss-20b down", 32, 2880, 2880, 32768),
                 ("qwen3-30b-a3b gate_up", 128, 2048, 1536, 8192)):
             bench_candidates(label, e, din, dout, pairs, calls=calls)
+        log(f"[{time.time() - t0:.0f} s]")
+    if "crossover" in only:  # the c = 8, K = 3 verifies where speculation lost: 2-4 pairs per expert
+        log(CANDIDATES_HEADER)
+        for label, e, din, dout, pairs in (
+                ("gpt-oss-20b gate_up", 32, 2880, 5760, 128), ("qwen3-30b-a3b gate_up", 128, 2048, 1536, 256),
+                ("qwen3-30b-a3b down", 128, 768, 2048, 256)):
+            bench_candidates(label, e, din, dout, pairs, calls=calls)
+        lowbit_table(calls, 8, [("gpt-oss-120b gate_up", "mxfp4", 128, 2880, 5760, 32, 4),
+                                ("gpt-oss-120b down", "mxfp4", 128, 2880, 2880, 32, 4)])
         log(f"[{time.time() - t0:.0f} s]")
     if "small-tune" in only:  # between the few-pair kernel and prefill
         cfgs = [dataclasses.replace(GM_DEFAULT, **c) for c in (
