@@ -132,10 +132,10 @@ def test_progress_bar(models, capsys):
 
 def test_a_sweep_compiles_a_handful_of_programs(models, monkeypatch):
     """Batch sizes 1, 3, 4, prompt lengths 2-14, max_new_tokens 3-8, stop lists of 0-3 ids, top-k / top-p on and off:
-    18 settings, 6 programs from an empty cache: 2 row buckets x (the decode chunk ending early, the admission
-    padded; no request outlives a chunk, so no fixed-trip chunk), and under prefill="auto" the admission packed per
-    (rows, packed row) bucket where packing saves positions (4 x 16 into 16 and into 32); the same sweep again
-    compiles nothing."""
+    18 settings, 8 programs from an empty cache: 2 row buckets x (the decode chunk ending early, without and with
+    the top-k / top-p truncation, the admission padded; no request outlives a chunk, so no fixed-trip chunk), and
+    under prefill="auto" the admission packed per (rows, packed row) bucket where packing saves positions (4 x 16
+    into 16 and into 32); the same sweep again compiles nothing."""
     target, drafter = models
     monkeypatch.setattr(sys.modules["pjax.decode.compiled"], "_COMPILED", {})
     G = sys.modules["pjax.decode._generate"]
@@ -149,7 +149,7 @@ def test_a_sweep_compiles_a_handful_of_programs(models, monkeypatch):
             gen(target, drafter, prompts, max_new_tokens=new, eos_token_id=[None, [7, 8, 9]][i // 2 % 2], seed=i,
                 prefill="auto", **samplings[i % len(samplings)])
         return G.compile_count() - before
-    assert sweep() == 6
+    assert sweep() == 8
     assert sweep() == 0
 
 
@@ -195,7 +195,7 @@ def test_pipelined_chunks_stop_exactly(models):
     g = Generation(target, drafter, PROMPTS, rounds_per_step=8, **kw)
     streamed = [ch.new_tokens for ch in g]  # streaming: the pipelined steps
     piped = g.result()
-    assert (True, 3) in g._engine._chunk_exe  # the fixed-trip chunk (K = 3) ran ahead of the host
+    assert (True, 3, True) in g._engine._chunk_exe  # the fixed-trip chunk (K = 3, a row with top-k) ran ahead
     assert [sum(c, []) for c in zip(*streamed)] == piped.tokens
     one = gen(target, drafter, PROMPTS, rounds_per_step=1, max_new_tokens=40, eos_token_id=eos, **SAMPLED)
     assert piped.tokens == one.tokens and piped.stats["stop_reasons"] == one.stats["stop_reasons"] == ["eos"] * 3

@@ -71,17 +71,22 @@ def test_sampled_output_does_not_depend_on_the_other_requests(models):
     assert out[oid] != together[ids[0]]
 
 
-def test_freed_slots_drop_their_filters(models):
-    """A finished top-k / top-p request leaves neutral filters in its slot (else every later round would sort the
-    vocabulary for nothing)."""
+def test_chunks_truncate_only_while_a_request_filters(models):
+    """The chunk programs with the top-k / top-p truncation (a vocabulary sort per position, behind a branch that on
+    a GPU stops the host every round) run only while a running request asks for it; the others have no branch."""
     eng = engine(models, max_slots=2)
+    used, program = [], eng._chunk_program
+    eng._chunk_program = lambda fixed, k=None, filters=False: used.append(filters) or program(fixed, k, filters)
     eng.submit(PROMPTS[0], RequestParams(3, temperature=1.0, top_k=3, top_p=0.5))
     eng.submit(PROMPTS[1], RequestParams(40))
     while eng.num_running + eng.num_waiting == 2:
         eng.step()
-    eng.step()  # the step after a request finished clears its slot's filters before its chunk
-    assert np.asarray(eng._sampling.top_k).tolist() == [0, 0]
-    assert np.asarray(eng._sampling.top_p).tolist() == [1.0, 1.0]
+    n = len(used)
+    while eng.num_running:
+        eng.step()
+    assert n and all(used[:n]) and len(used) > n and not any(used[n:]), used
+    branches = {key[2]: "conditional(" in exe.as_text() for key, exe in eng._chunk_exe.items()}
+    assert branches == {True: True, False: False}
 
 
 def test_simulated_acceptance_equals_generate(models):

@@ -11,7 +11,8 @@ weights, a 4-layer head). The two schedulings alternate run by run (a GPU's spee
 minute), `--repeats` runs each; the medians and their ratio are printed.
 gap: the engine's fixed-trip chunk program (plain decoding, c rows; 8 rounds) called back to back, the host reading
 the previous chunk's outputs and then working X ms after each call, as a pipelined step does: were the device a
-chunk ahead of the host, the ms per chunk would not grow with X.
+chunk ahead of the host, the ms per chunk would not grow with X. Both programs: without the top-k / top-p truncation
+(what the engine runs while no request asks for it) and with it (a branch on the device in every round).
 Prints markdown; writes JSON to $OUT/bench_scheduling.json when $OUT is set.
 """
 from __future__ import annotations
@@ -65,9 +66,9 @@ def gap(target, requests, a) -> list[dict]:
     backend = BatchBackend(target, {}, EngineConfig())
     backend.prepare(requests[:a.concurrency], s)
     eng = backend.engine(s)
-    exe = eng._chunk_program(True, 0)  # noqa: SLF001
     rows = []
-    for ms in (0.0, 0.5, 1.0, 2.0, 4.0):
+    for ms, filters in [(ms, f) for f in (False, True) for ms in (0.0, 0.5, 1.0, 2.0, 4.0)]:
+        exe = eng._chunk_program(True, 0, filters)  # noqa: SLF001
         times, calls = [], []
         for _ in range(3):
             t0, previous = time.perf_counter(), None
@@ -83,7 +84,7 @@ def gap(target, requests, a) -> list[dict]:
                     pass
             jax.block_until_ready(view)
             times.append((time.perf_counter() - t0) / 12)
-        rows.append({"host_ms": ms, "chunk_ms": 1e3 * statistics.median(times),
+        rows.append({"host_ms": ms, "filters": filters, "chunk_ms": 1e3 * statistics.median(times),
                      "call_ms": 1e3 * statistics.median(calls)})
     return rows
 
@@ -96,23 +97,26 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--only", choices=("ratio", "gap"), default=None, help="one of the two measurements")
     a = ap.parse_args()
     target = random_target(a.shape, jnp.bfloat16)
     head = random_head(target, "4", parallel=True, dtype=jnp.bfloat16, shape=a.shape)
     rng = np.random.default_rng(0)
     requests = [Request(str(i), tuple(int(t) for t in rng.integers(0, target.config.vocab_size, a.prompt_len)), i)
                 for i in range(a.prompts)]
-    out = {"device": jax.devices()[0].device_kind, "args": vars(a), "ratio": ratio(target, head, requests, a),
-           "gap": gap(target, requests, a)}
+    out = {"device": jax.devices()[0].device_kind, "args": vars(a),
+           "ratio": ratio(target, head, requests, a) if a.only != "gap" else [],
+           "gap": gap(target, requests, a) if a.only != "ratio" else []}
     print(f"## {a.shape}, c = {a.concurrency}, {a.prompts} prompts of {a.prompt_len} tokens, {a.new_tokens} new "
           f"tokens ({out['device']})\n")
     print("| drafting | static tok/s | continuous tok/s | continuous / static |\n|---|---|---|---|")
     for r in out["ratio"]:
         print(f"| {r['drafting']} (K = {r['k']}) | {r['static_tok_s']:,.1f} | {r['continuous_tok_s']:,.1f} | "
               f"{r['continuous_over_static']:.3f} |")
-    print("\n| host work between calls (ms) | ms per chunk | ms per call |\n|---|---|---|")
+    print("\n| round | host work between calls (ms) | ms per chunk | ms per call |\n|---|---|---|---|")
     for r in out["gap"]:
-        print(f"| {r['host_ms']} | {r['chunk_ms']:.2f} | {r['call_ms']:.2f} |")
+        print(f"| {'with' if r['filters'] else 'without'} top-k / top-p | {r['host_ms']} | {r['chunk_ms']:.2f} | "
+              f"{r['call_ms']:.2f} |")
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "bench_scheduling.json").write_text(json.dumps(out, indent=1))
 

@@ -80,7 +80,8 @@ class Generation:
         c = dataclasses.replace(c, max_slots=n, max_len=max(max_len, 2), max_admit_rows=None)
         self._engine = eng = Engine(target, drafter, c, acceptance=acceptance, mesh=mesh)
         self.n, self.spec, self._lengths = n, eng.spec, lengths
-        eng.precompile_admissions([lengths], max_new_tokens=most, pipelined=False)
+        self._filters = bool(((tk > 0) | (tp < 1)).any())  # rows with top-k / top-p
+        eng.precompile_admissions([lengths], max_new_tokens=most, pipelined=False, sampling_filters=self._filters)
         self._most, self._streaming = most, False
         self._layout = I.prefill_buckets(lengths, eng.max_len, eng.prefill)
         self._ids = [eng.submit(r, RequestParams(int(m), float(t), int(a), float(p), int(s),
@@ -147,7 +148,7 @@ class Generation:
             self.close()
             raise StopIteration
         if not self._streaming:  # streaming runs the pipelined chunks that `result()` never needs: built now
-            self._engine.precompile_admissions([], max_new_tokens=self._most)
+            self._engine.precompile_admissions([], max_new_tokens=self._most, sampling_filters=self._filters)
             self._streaming = True
         return self._step()
 

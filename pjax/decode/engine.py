@@ -342,11 +342,10 @@ class Engine:
         self._queue: dict[int, _Request] = {}  # FIFO (insertion order)
         self._slots: dict[int, _Request] = {}  # slot -> running request
         self._ended: list[tuple[_Request, Optional[dict], float]] = []  # cancelled (row, when), reported next step
-        self._unfilter: set[int] = set()  # freed slots whose sampling still asks for top-k / top-p
         self._admitted_last = False  # the previous step admitted (the next one runs a chunk)
         self._ids = itertools.count()
         self._admit_exe: dict[tuple[int, int, Optional[int]], object] = {}
-        self._chunk_exe: dict[tuple, object] = {}  # (fixed, budget) -> program
+        self._chunk_exe: dict[tuple, object] = {}  # (fixed, budget, filters) -> program
         self._round_specs = {k: dataclasses.replace(spec, num_speculative_tokens=spec.k, tree_budget=k.nodes)
                              if isinstance(k, TreeBudget) else dataclasses.replace(spec, num_speculative_tokens=k)
                              for k in self.budgets}
@@ -431,20 +430,28 @@ class Engine:
         args = (self._target, self._drafter, self._state, self._sampling)
         return args if fixed else args + (np.int32(rounds),)
 
-    def _chunk_program(self, fixed: bool, k: Optional[int] = None):
+    def _chunk_program(self, fixed: bool, k: Optional[int] = None, filters: bool = False):
         """The chunk program of budget k (None: the engine's K): a fixed trip count of rounds_per_step rounds
-        (pipelined), or ending early."""
+        (pipelined), or ending early; filters: with the top-k / top-p truncation (`EngineSpec.sampling_filters`),
+        which runs only in chunks where some running request asks for it (`_filters`)."""
         k = self.spec.k if k is None else k
-        exe = self._chunk_exe.get((fixed, k))
+        exe = self._chunk_exe.get((fixed, k, filters))
         if exe is None:
-            spec = self._round_specs[k]
+            spec = dataclasses.replace(self._round_specs[k], sampling_filters=filters)
             name, statics = ("chunk", dict(spec=spec, rounds=self.rounds_per_step, mesh=self.mesh)) if fixed \
                 else ("chunk_ending", dict(spec=spec, mesh=self.mesh))
             exe, c = compiled(name, self._chunk_args(fixed), statics, self._options, self._precision)
             with self._compile_lock:
                 self.compile_s += c
-                self._chunk_exe[(fixed, k)] = exe
+                self._chunk_exe[(fixed, k, filters)] = exe
         return exe
+
+    def _filters(self) -> bool:
+        """Whether a running request asks for top-k / top-p: the host picks the chunk program with the truncation
+        (a vocabulary sort per position) only then. A branch on this inside the round would stop the host in every
+        round on a GPU (XLA reads a conditional's predicate back before it runs a branch), so a chunk could not be
+        queued ahead of the device."""
+        return any(r.params.top_k > 0 or r.params.top_p < 1 for r in self._slots.values())
 
     def _time_budgets(self, chunks: int = 4):
         """Seconds per round of every budget's fixed-trip chunk, run on the empty state (a round computes every slot
@@ -476,12 +483,14 @@ class Engine:
                 "alpha": [round(float(a), 4) for a in self.chooser.alpha],
                 "round_seconds": {label(k): self.chooser.round_seconds(k) for k in self.budgets}}
 
-    def precompile(self, rows: Sequence[int], prompt_lengths: Sequence[int], *, warm: bool = False) -> float:
+    def precompile(self, rows: Sequence[int], prompt_lengths: Sequence[int], *, warm: bool = False,
+                   sampling_filters: bool = True) -> float:
         """Compile the chunk program and the admission programs of every admission in the buckets of n in `rows`
         requests whose longest prompt has a length in `prompt_lengths` (with a packing `prefill`, every packed row
         such an admission can take); returns the compile seconds this took (summed over programs, which compile in
         parallel threads). warm: also run each once (admissions of padding rows only and, when nothing runs, a chunk
-        of no rounds: no slot changes), so that a timed first use pays no first-run costs."""
+        of no rounds: no slot changes), so that a timed first use pays no first-run costs. sampling_filters: also
+        the chunk programs that run while a request asks for top-k / top-p (else they compile on first use)."""
         keys = []
         for n, length in itertools.product(sorted(set(rows)), sorted(set(prompt_lengths))):
             if not 1 <= n <= self.max_slots or not 1 <= length <= self.max_len:
@@ -490,15 +499,17 @@ class Engine:
             for group in {min(n, self.max_admit_rows), n % self.max_admit_rows} - {0}:
                 b, lp = self._buckets(group, length)
                 keys += [(b, lp, packed_len) for packed_len in self._packed_options(b, lp)]
-        return self._precompile(keys, warm)
+        return self._precompile(keys, warm, filters=sampling_filters)
 
     def precompile_admissions(self, admissions: Iterable[Sequence[int]], *, warm: bool = False,
-                              max_new_tokens: Optional[int] = None, pipelined: bool = True) -> float:
+                              max_new_tokens: Optional[int] = None, pipelined: bool = True,
+                              sampling_filters: bool = False) -> float:
         """`precompile` for given admissions, each the prompt lengths of its requests (in queue order): the chunk
         programs and exactly the admission programs these admissions run, one per group of max_admit_rows
         (`precompile` builds every program of their buckets). max_new_tokens: the most tokens any of these requests
         may emit, if known: requests too short to outlive a chunk never run the fixed-trip chunk, which is then not
-        built (it would still compile on first use); nor is it with pipelined=False (only final steps will run)."""
+        built (it would still compile on first use); nor is it with pipelined=False (only final steps will run).
+        sampling_filters: also the chunk programs for requests with top-k / top-p (`precompile`)."""
         keys = []
         for lengths in admissions:
             if not 1 <= len(lengths) <= self.max_slots or not all(1 <= n <= self.max_len for n in lengths):
@@ -509,14 +520,17 @@ class Engine:
                      for i in range(0, len(lengths), a)]
         fixed = pipelined and (max_new_tokens is None or max_new_tokens > self.rounds_per_step * (self.spec.k + 1)) \
             or not self._timed  # (an "auto" engine times its budgets' fixed-trip chunks)
-        return self._precompile(keys, warm, fixed)
+        return self._precompile(keys, warm, fixed, sampling_filters)
 
-    def _precompile(self, keys: Sequence[tuple[int, int, Optional[int]]], warm: bool, fixed: bool = True) -> float:
-        """The chunk programs (the fixed-trip one if `fixed`) and the admission programs of `keys` ((rows, lp,
-        packed_len) buckets), compiled in threads, then (warm) each run once in order."""
+    def _precompile(self, keys: Sequence[tuple[int, int, Optional[int]]], warm: bool, fixed: bool = True,
+                    filters: bool = False) -> float:
+        """The chunk programs (the fixed-trip one if `fixed`; also those with the top-k / top-p truncation if
+        `filters`) and the admission programs of `keys` ((rows, lp, packed_len) buckets), compiled in threads, then
+        (warm) each run once in order."""
         before = self.compile_s
         keys = list(dict.fromkeys(keys))
-        chunks = [(f, k) for f in ((True, False) if fixed else (False,)) for k in self.budgets]
+        chunks = [(f, k, t) for f in ((True, False) if fixed else (False,)) for k in self.budgets
+                  for t in ((False, True) if filters else (False,))]
         jobs = [lambda chunk=chunk: self._chunk_program(*chunk) for chunk in chunks]
         jobs += [lambda key=key: self._admit_program(*key, self._admission_args([], [], *key[:2]))
                  for key in keys if key not in self._admit_exe]
@@ -524,8 +538,8 @@ class Engine:
             list(pool.map(lambda job: job(), jobs))
         if not self._timed and not self._slots:
             self._time_budgets()
-        for f, k in chunks if warm and not self._slots else ():
-            self._state = self._chunk_program(f, k)(*self._chunk_args(f, 1))[0]
+        for f, k, t in chunks if warm and not self._slots else ():
+            self._state = self._chunk_program(f, k, t)(*self._chunk_args(f, 1))[0]
         for key in keys if warm else ():
             args = self._admission_args([], [], *key[:2])
             self._state, self._sampling = self._admit_program(*key, args)(*args)[:2]
@@ -589,7 +603,7 @@ class Engine:
         slot = next((s for s, r in self._slots.items() if r.id == request_id), None)
         if slot is None:
             return
-        req = self._free(slot)
+        req = self._slots.pop(slot)
         s = self._state
         self._state = dataclasses.replace(s, done=s.done.at[slot].set(True), stop=s.stop.at[slot].set(STOP_HOST))
         if req.seq > self._host_seq:  # admitted after the last view read: nothing of it was read, none is reported
@@ -648,21 +662,6 @@ class Engine:
                 r.slot, r.t_admit, r.seq = slot, now, seq
                 self._slots[slot] = r
         return reqs
-
-    def _free(self, slot: int) -> _Request:
-        r = self._slots.pop(slot)
-        if r.params.top_k > 0 or r.params.top_p < 1:
-            self._unfilter.add(slot)
-        return r
-
-    def _clear_filters(self):
-        """Neutral top-k / top-p in freed slots: a round sorts the vocabulary for every row while any row asks for a
-        filter, done rows included."""
-        if self._unfilter:
-            idx = jnp.asarray(sorted(self._unfilter), jnp.int32)
-            s = self._sampling
-            self._sampling = dataclasses.replace(s, top_k=s.top_k.at[idx].set(0), top_p=s.top_p.at[idx].set(1.0))
-            self._unfilter.clear()
 
     def _push(self, view, k, rounds: int) -> int:
         """Queue a dispatched program's view for reading (its copy to the host starts when the program ends); k: a
@@ -739,7 +738,8 @@ class Engine:
         rounds = self._final_rounds if final else self.rounds_per_step
         if self.chooser is not None:
             self.budget = self.chooser.choose()
-        self._state, view = self._chunk_program(fixed, self.budget)(*self._chunk_args(fixed, rounds))
+        exe = self._chunk_program(fixed, self.budget, self._filters())
+        self._state, view = exe(*self._chunk_args(fixed, rounds))
         self.chunks += 1
         self._push(view, self.budget, self.rounds_per_step if fixed else 0)
 
@@ -757,7 +757,6 @@ class Engine:
         if not self._timed and not self._slots:
             self._time_budgets()
         t0 = time.perf_counter()
-        self._clear_filters()
         starved = self._admitted_last and self._slots  # a step after an admission runs a chunk
         admitted = self._admit(t0) if self._queue and len(self._slots) < self.max_running and not starved else []
         self._admitted_last = bool(admitted)
@@ -790,7 +789,7 @@ class Engine:
             new = h["out"][slot, r.sent:num].tolist()
             r.sent = num
             if h["done"][slot]:
-                self._free(slot)
+                self._slots.pop(slot)
                 events.append(self._finished(r, {k: h[k][slot] for k in self._host_fields}, now, new))
             elif new:
                 events.append(Event(r.id, new, False))

@@ -40,7 +40,9 @@ class EngineSpec:
     mask_token_id: the P-EAGLE mask token (target vocabulary id), 0 when unused.
     implementation: the kernel switch of every op the round runs ("xla" | "pallas" | "auto", `pjax.kernels`).
     sampling_filters: compile the top-k / top-p truncation (a vocabulary sort per position); it then runs only in
-      rounds where some row asks for it (runtime data: switching filters on does not recompile).
+      rounds where some row asks for it, a branch on the device (on a GPU XLA reads a branch's predicate back to
+      the host before it runs either side). False: rows' top-k / top-p are ignored; the engine runs such rounds
+      while no running request asks for a filter.
     acceptance: None (the speculative-sampling rule, `pjax.kernels.acceptance`), or a hashable function that
       replaces it, fn(logits [B, K+1, V], drafts [B, K], sampling, positions [B], num_drafts [B], spec) ->
       `AcceptResult`: the one extension point of a round (e.g. the benchmark's simulated acceptance).
