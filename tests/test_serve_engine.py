@@ -72,11 +72,12 @@ def test_sampled_output_does_not_depend_on_the_other_requests(models):
 
 
 def test_chunks_truncate_only_while_a_request_filters(models):
-    """The chunk programs with the top-k / top-p truncation (a vocabulary sort per position, behind a branch that on
-    a GPU stops the host every round) run only while a running request asks for it; the others have no branch."""
+    """The chunk programs with the top-k / top-p truncation (a vocabulary sort per position) run only while a running
+    sampled request asks for it, and no chunk program branches on the device (on a GPU a branch stops the host in
+    every round)."""
     eng = engine(models, max_slots=2)
     used, program = [], eng._chunk_program
-    eng._chunk_program = lambda fixed, k=None, filters=False: used.append(filters) or program(fixed, k, filters)
+    eng._chunk_program = lambda fixed, k=None: used.append(eng._needs() == "filtered") or program(fixed, k)
     eng.submit(PROMPTS[0], RequestParams(3, temperature=1.0, top_k=3, top_p=0.5))
     eng.submit(PROMPTS[1], RequestParams(40))
     while eng.num_running + eng.num_waiting == 2:
@@ -85,8 +86,12 @@ def test_chunks_truncate_only_while_a_request_filters(models):
     while eng.num_running:
         eng.step()
     assert n and all(used[:n]) and len(used) > n and not any(used[n:]), used
+    eng.submit(PROMPTS[2], RequestParams(20, temperature=0.0, top_k=3, top_p=0.5))  # greedy: its argmax either way
+    while eng.num_running + eng.num_waiting:
+        eng.step()
+    assert not any(used[n:]), used
     branches = {key[2]: "conditional(" in exe.as_text() for key, exe in eng._chunk_exe.items()}
-    assert branches == {True: True, False: False}
+    assert branches == {"filtered": False, "sampled": False}  # (chains: greedy rows take the "sampled" round)
 
 
 def test_simulated_acceptance_equals_generate(models):

@@ -285,6 +285,16 @@ def test_generate_with_a_tree_equals_plain_greedy(pair, heads, chain_run, drafti
     print(f"acceptance length: chain {chain_al:.3f}, trees {als}")
 
 
+def test_tree_chunks_do_not_branch_on_the_device(pair):
+    """An engine's tree rounds take the greedy or the sampled acceptance (with or without top-k / top-p) as the host
+    picks per chunk (`Engine._needs`), with no branch on the device: on a GPU a branch's predicate is read back to the
+    host every round."""
+    eng = pjax.decode.Engine(*pair, pjax.decode.EngineConfig(max_slots=2, max_len=64, num_speculative_tokens=DK,
+                                                             tree_budget=6, compiler_options=FAST))
+    for mode in ("greedy", "filtered"):
+        assert "conditional(" not in eng._chunk_program(True, None, mode).as_text()
+
+
 def test_tree_settings_errors(pair):
     target, drafter = pair
     gen = lambda **kw: pjax.generate(target, drafter, PROMPTS, max_new_tokens=4,  # noqa: E731

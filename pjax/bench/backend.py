@@ -214,7 +214,8 @@ class EngineBackend:
         `concurrency` requests for K + 2 new tokens (warm-up; K_max + 2 with "auto")."""
         eng = self.engine(settings)
         before = eng.compile_s
-        eng.precompile_admissions(self._admission_runs(eng, requests, settings), warm=True, pipelined=not self.static)
+        eng.precompile_admissions(self._admission_runs(eng, requests, settings), warm=True, pipelined=not self.static,
+                                  sampling=("greedy", "sampled") if settings.temperature > 0 else ("greedy",))
         self._serve(eng, requests[:settings.concurrency], settings, min(settings.max_new_tokens, eng.spec.k + 2))
         return eng.compile_s - before
 

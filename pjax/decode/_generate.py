@@ -80,8 +80,9 @@ class Generation:
         c = dataclasses.replace(c, max_slots=n, max_len=max(max_len, 2), max_admit_rows=None)
         self._engine = eng = Engine(target, drafter, c, acceptance=acceptance, mesh=mesh)
         self.n, self.spec, self._lengths = n, eng.spec, lengths
-        self._filters = bool(((tk > 0) | (tp < 1)).any())  # rows with top-k / top-p
-        eng.precompile_admissions([lengths], max_new_tokens=most, pipelined=False, sampling_filters=self._filters)
+        sampled = temp > 0  # the sampling modes these rows can need as they finish (`Engine._needs`)
+        self._modes = ("greedy", "sampled", "filtered")[:1 + sampled.any() + (sampled & ((tk > 0) | (tp < 1))).any()]
+        eng.precompile_admissions([lengths], max_new_tokens=most, pipelined=False, sampling=self._modes)
         self._most, self._streaming = most, False
         self._layout = I.prefill_buckets(lengths, eng.max_len, eng.prefill)
         self._ids = [eng.submit(r, RequestParams(int(m), float(t), int(a), float(p), int(s),
@@ -148,7 +149,7 @@ class Generation:
             self.close()
             raise StopIteration
         if not self._streaming:  # streaming runs the pipelined chunks that `result()` never needs: built now
-            self._engine.precompile_admissions([], max_new_tokens=self._most, sampling_filters=self._filters)
+            self._engine.precompile_admissions([], max_new_tokens=self._most, sampling=self._modes)
             self._streaming = True
         return self._step()
 

@@ -61,7 +61,7 @@ from pjax.decode import inputs as I
 from pjax.decode.budget import BudgetChooser, TreeBudget, candidates, label, tree_candidates
 from pjax.decode.compiled import COMPILE_THREADS, compiled, matmul_precision, register_program
 from pjax.decode.settings import DEFAULT_MAX_LEN, EngineConfig, make_spec
-from pjax.decode.state import STOP_HOST, STOP_NAMES, DecodeState, EngineSpec, Sampling
+from pjax.decode.state import SAMPLING_MODES, STOP_HOST, STOP_NAMES, DecodeState, EngineSpec, Sampling
 from pjax.decode.step import decode_loop, prefill, spec_round
 from pjax.dtypes import parse_dtype
 from pjax.models.drafter import consistent_drafter
@@ -345,7 +345,7 @@ class Engine:
         self._admitted_last = False  # the previous step admitted (the next one runs a chunk)
         self._ids = itertools.count()
         self._admit_exe: dict[tuple[int, int, Optional[int]], object] = {}
-        self._chunk_exe: dict[tuple, object] = {}  # (fixed, budget, filters) -> program
+        self._chunk_exe: dict[tuple, object] = {}  # (fixed, budget, sampling mode) -> program
         self._round_specs = {k: dataclasses.replace(spec, num_speculative_tokens=spec.k, tree_budget=k.nodes)
                              if isinstance(k, TreeBudget) else dataclasses.replace(spec, num_speculative_tokens=k)
                              for k in self.budgets}
@@ -430,28 +430,37 @@ class Engine:
         args = (self._target, self._drafter, self._state, self._sampling)
         return args if fixed else args + (np.int32(rounds),)
 
-    def _chunk_program(self, fixed: bool, k: Optional[int] = None, filters: bool = False):
+    def _chunk_program(self, fixed: bool, k: Optional[int] = None, sampling: Optional[str] = None):
         """The chunk program of budget k (None: the engine's K): a fixed trip count of rounds_per_step rounds
-        (pipelined), or ending early; filters: with the top-k / top-p truncation (`EngineSpec.sampling_filters`),
-        which runs only in chunks where some running request asks for it (`_filters`)."""
+        (pipelined), or ending early; sampling: its rounds' `EngineSpec.sampling` (None: what the running requests
+        need, `_needs`)."""
         k = self.spec.k if k is None else k
-        exe = self._chunk_exe.get((fixed, k, filters))
+        mode = self._mode(k, self._needs() if sampling is None else sampling)
+        exe = self._chunk_exe.get((fixed, k, mode))
         if exe is None:
-            spec = dataclasses.replace(self._round_specs[k], sampling_filters=filters)
+            spec = dataclasses.replace(self._round_specs[k], sampling=mode)
             name, statics = ("chunk", dict(spec=spec, rounds=self.rounds_per_step, mesh=self.mesh)) if fixed \
                 else ("chunk_ending", dict(spec=spec, mesh=self.mesh))
             exe, c = compiled(name, self._chunk_args(fixed), statics, self._options, self._precision)
             with self._compile_lock:
                 self.compile_s += c
-                self._chunk_exe[(fixed, k, filters)] = exe
+                self._chunk_exe[(fixed, k, mode)] = exe
         return exe
 
-    def _filters(self) -> bool:
-        """Whether a running request asks for top-k / top-p: the host picks the chunk program with the truncation
-        (a vocabulary sort per position) only then. A branch on this inside the round would stop the host in every
-        round on a GPU (XLA reads a conditional's predicate back before it runs a branch), so a chunk could not be
-        queued ahead of the device."""
-        return any(r.params.top_k > 0 or r.params.top_p < 1 for r in self._slots.values())
+    def _needs(self) -> str:
+        """The sampling mode the running requests need (`EngineSpec.sampling`): "filtered" while a sampled request
+        asks for top-k / top-p (a greedy row's argmax is its own under any filter), else "sampled" while one
+        samples, else "greedy". The host picks each chunk's program by it: a branch on it inside the round would
+        stop the host in every round on a GPU (XLA reads a conditional's predicate back before it runs a branch),
+        so a chunk could not be queued ahead of the device."""
+        sampled = [r.params for r in self._slots.values() if r.params.temperature > 0]
+        if any(p.top_k > 0 or p.top_p < 1 for p in sampled):
+            return "filtered"
+        return "sampled" if sampled else "greedy"
+
+    def _mode(self, k, mode: str) -> str:
+        """`mode` as budget k's rounds compile it: a chain round takes greedy rows without a branch ("sampled")."""
+        return "sampled" if mode == "greedy" and self._round_specs[k].tree_budget is None else mode
 
     def _time_budgets(self, chunks: int = 4):
         """Seconds per round of every budget's fixed-trip chunk, run on the empty state (a round computes every slot
@@ -484,13 +493,14 @@ class Engine:
                 "round_seconds": {label(k): self.chooser.round_seconds(k) for k in self.budgets}}
 
     def precompile(self, rows: Sequence[int], prompt_lengths: Sequence[int], *, warm: bool = False,
-                   sampling_filters: bool = True) -> float:
+                   sampling: Sequence[str] = SAMPLING_MODES) -> float:
         """Compile the chunk program and the admission programs of every admission in the buckets of n in `rows`
         requests whose longest prompt has a length in `prompt_lengths` (with a packing `prefill`, every packed row
         such an admission can take); returns the compile seconds this took (summed over programs, which compile in
         parallel threads). warm: also run each once (admissions of padding rows only and, when nothing runs, a chunk
-        of no rounds: no slot changes), so that a timed first use pays no first-run costs. sampling_filters: also
-        the chunk programs that run while a request asks for top-k / top-p (else they compile on first use)."""
+        of no rounds: no slot changes), so that a timed first use pays no first-run costs. sampling: the chunk
+        programs of these sampling modes (`_needs`: "greedy", "sampled", "filtered"; another compiles on first
+        use)."""
         keys = []
         for n, length in itertools.product(sorted(set(rows)), sorted(set(prompt_lengths))):
             if not 1 <= n <= self.max_slots or not 1 <= length <= self.max_len:
@@ -499,17 +509,17 @@ class Engine:
             for group in {min(n, self.max_admit_rows), n % self.max_admit_rows} - {0}:
                 b, lp = self._buckets(group, length)
                 keys += [(b, lp, packed_len) for packed_len in self._packed_options(b, lp)]
-        return self._precompile(keys, warm, filters=sampling_filters)
+        return self._precompile(keys, warm, sampling=sampling)
 
     def precompile_admissions(self, admissions: Iterable[Sequence[int]], *, warm: bool = False,
                               max_new_tokens: Optional[int] = None, pipelined: bool = True,
-                              sampling_filters: bool = False) -> float:
+                              sampling: Sequence[str] = ("greedy", "sampled")) -> float:
         """`precompile` for given admissions, each the prompt lengths of its requests (in queue order): the chunk
         programs and exactly the admission programs these admissions run, one per group of max_admit_rows
         (`precompile` builds every program of their buckets). max_new_tokens: the most tokens any of these requests
         may emit, if known: requests too short to outlive a chunk never run the fixed-trip chunk, which is then not
         built (it would still compile on first use); nor is it with pipelined=False (only final steps will run).
-        sampling_filters: also the chunk programs for requests with top-k / top-p (`precompile`)."""
+        sampling: the sampling modes whose chunk programs to build (`precompile`; by default not "filtered")."""
         keys = []
         for lengths in admissions:
             if not 1 <= len(lengths) <= self.max_slots or not all(1 <= n <= self.max_len for n in lengths):
@@ -520,17 +530,19 @@ class Engine:
                      for i in range(0, len(lengths), a)]
         fixed = pipelined and (max_new_tokens is None or max_new_tokens > self.rounds_per_step * (self.spec.k + 1)) \
             or not self._timed  # (an "auto" engine times its budgets' fixed-trip chunks)
-        return self._precompile(keys, warm, fixed, sampling_filters)
+        return self._precompile(keys, warm, fixed, sampling)
 
     def _precompile(self, keys: Sequence[tuple[int, int, Optional[int]]], warm: bool, fixed: bool = True,
-                    filters: bool = False) -> float:
-        """The chunk programs (the fixed-trip one if `fixed`; also those with the top-k / top-p truncation if
-        `filters`) and the admission programs of `keys` ((rows, lp, packed_len) buckets), compiled in threads, then
-        (warm) each run once in order."""
+                    sampling: Sequence[str] = SAMPLING_MODES) -> float:
+        """The chunk programs (the fixed-trip one if `fixed`) of the `sampling` modes and the admission programs of
+        `keys` ((rows, lp, packed_len) buckets), compiled in threads, then (warm) each run once in order."""
+        for mode in sampling:
+            if mode not in SAMPLING_MODES:
+                raise ValueError(f"precompile: sampling modes are {SAMPLING_MODES}, got {mode!r}")
         before = self.compile_s
         keys = list(dict.fromkeys(keys))
-        chunks = [(f, k, t) for f in ((True, False) if fixed else (False,)) for k in self.budgets
-                  for t in ((False, True) if filters else (False,))]
+        chunks = list(dict.fromkeys((f, k, self._mode(k, m)) for f in ((True, False) if fixed else (False,))
+                                    for k in self.budgets for m in sampling))
         jobs = [lambda chunk=chunk: self._chunk_program(*chunk) for chunk in chunks]
         jobs += [lambda key=key: self._admit_program(*key, self._admission_args([], [], *key[:2]))
                  for key in keys if key not in self._admit_exe]
@@ -538,8 +550,8 @@ class Engine:
             list(pool.map(lambda job: job(), jobs))
         if not self._timed and not self._slots:
             self._time_budgets()
-        for f, k, t in chunks if warm and not self._slots else ():
-            self._state = self._chunk_program(f, k, t)(*self._chunk_args(f, 1))[0]
+        for f, k, m in chunks if warm and not self._slots else ():
+            self._state = self._chunk_program(f, k, m)(*self._chunk_args(f, 1))[0]
         for key in keys if warm else ():
             args = self._admission_args([], [], *key[:2])
             self._state, self._sampling = self._admit_program(*key, args)(*args)[:2]
@@ -738,8 +750,7 @@ class Engine:
         rounds = self._final_rounds if final else self.rounds_per_step
         if self.chooser is not None:
             self.budget = self.chooser.choose()
-        exe = self._chunk_program(fixed, self.budget, self._filters())
-        self._state, view = exe(*self._chunk_args(fixed, rounds))
+        self._state, view = self._chunk_program(fixed, self.budget)(*self._chunk_args(fixed, rounds))
         self.chunks += 1
         self._push(view, self.budget, self.rounds_per_step if fixed else 0)
 

@@ -25,6 +25,9 @@ STOP_NAMES = {RUNNING: "running", STOP_EOS: "eos", STOP_LENGTH: "length", STOP_C
               STOP_NONFINITE: "nonfinite", STOP_HOST: "stop", STOP_INTERRUPTED: "interrupted"}
 
 
+SAMPLING_MODES = ("greedy", "sampled", "filtered")  # `EngineSpec.sampling` fixed at compile time
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineSpec:
     """Static engine settings (hashable: a static jit argument).
@@ -39,10 +42,12 @@ class EngineSpec:
     aux_layer_ids: target layers whose entering residual streams feed the drafter (() for "none").
     mask_token_id: the P-EAGLE mask token (target vocabulary id), 0 when unused.
     implementation: the kernel switch of every op the round runs ("xla" | "pallas" | "auto", `pjax.kernels`).
-    sampling_filters: compile the top-k / top-p truncation (a vocabulary sort per position); it then runs only in
-      rounds where some row asks for it, a branch on the device (on a GPU XLA reads a branch's predicate back to
-      the host before it runs either side). False: rows' top-k / top-p are ignored; the engine runs such rounds
-      while no running request asks for a filter.
+    sampling: what the rows' sampling asks of a round: None (decided on the device each round: the top-k / top-p
+      truncation, a vocabulary sort per position, runs only when some row asks for it, and a tree round takes
+      the greedy acceptance when no row samples; branches, which on a GPU make XLA read their predicate back to
+      the host, every round); or fixed when the round is compiled, with no branch: "greedy" (every row greedy),
+      "sampled" (no row filters), "filtered" (the truncation runs; a row with top-k 0 and top-p 1 is unchanged
+      by it). The engine picks per chunk from its running requests (`SAMPLING_MODES`).
     acceptance: None (the speculative-sampling rule, `pjax.kernels.acceptance`), or a hashable function that
       replaces it, fn(logits [B, K+1, V], drafts [B, K], sampling, positions [B], num_drafts [B], spec) ->
       `AcceptResult`: the one extension point of a round (e.g. the benchmark's simulated acceptance).
@@ -65,7 +70,7 @@ class EngineSpec:
     aux_layer_ids: tuple[int, ...] = ()
     mask_token_id: int = 0
     implementation: str = "auto"
-    sampling_filters: bool = True
+    sampling: Optional[str] = None
     acceptance: Optional[Callable] = None
     tree_budget: Optional[int] = None
     tree_score: str = "product"
@@ -74,6 +79,8 @@ class EngineSpec:
 
     def __post_init__(self):
         object.__setattr__(self, "drafting", Drafting.parse(self.drafting, "EngineSpec.drafting"))
+        if self.sampling is not None and self.sampling not in SAMPLING_MODES:
+            raise ValueError(f"EngineSpec.sampling must be None or one of {SAMPLING_MODES}, got {self.sampling!r}")
 
     @property
     def k(self) -> int:

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 from pjax.decode import draft as D
 from pjax.decode.drafting import Drafting
 from pjax.decode.packing import pack_prompts
-from pjax.decode.state import (RUNNING, STOP_CAPACITY, STOP_EOS, STOP_LENGTH, STOP_NONFINITE, DecodeState, EngineSpec,
-                               Sampling, add_batch_axis, drop_batch_axis)
+from pjax.decode.state import (RUNNING, SAMPLING_MODES, STOP_CAPACITY, STOP_EOS, STOP_LENGTH, STOP_NONFINITE,
+                               DecodeState, EngineSpec, Sampling, add_batch_axis, drop_batch_axis)
 from pjax.decode.tree import TreeAccept, accept_tree, accept_tree_greedy, commit_path
 from pjax.kernels.acceptance import AcceptResult, accept
 from pjax.kernels.cache_attention import TreeMask
@@ -34,28 +34,28 @@ def _accept(logits, drafts, q, sampling: Sampling, positions, num_drafts, spec: 
     def plain():
         return accept(logits, drafts, q, **kw)
 
-    if not spec.sampling_filters:
-        return plain()
-
     def filtered():
         return accept(logits, drafts, q, top_k=sampling.top_k.astype(jnp.int32),
                       top_p=sampling.top_p.astype(jnp.float32), **kw)
+    if spec.sampling is not None:
+        return filtered() if spec.sampling == "filtered" else plain()
     wanted = jnp.any((sampling.top_k > 0) | (sampling.top_p < 1))
     return jax.lax.cond(wanted, filtered, plain)
 
 
 def _accept_tree(logits, tree, sampling: Sampling, positions, num_nodes, spec: EngineSpec) -> TreeAccept:
-    """Tree acceptance: `accept_tree_greedy` when every row is greedy, else `accept_tree` (the top-k / top-p branch,
-    a vocabulary sort, compiled only with spec.sampling_filters and run only when some row asks for it)."""
+    """Tree acceptance: `accept_tree_greedy` when every row is greedy, else `accept_tree` (with the top-k / top-p
+    truncation, a vocabulary sort, when some row asks for it); chosen by spec.sampling, or on the device."""
     kw = dict(temperature=sampling.temperature.astype(jnp.float32), seeds=sampling.seed.astype(jnp.uint32),
               positions=positions.astype(jnp.int32), num_nodes=num_nodes)
     branches = [lambda: accept_tree_greedy(logits, tree, spec.k, num_nodes),
-                lambda: accept_tree(logits, tree, spec.k, **kw)]
+                lambda: accept_tree(logits, tree, spec.k, **kw),
+                lambda: accept_tree(logits, tree, spec.k, top_k=sampling.top_k.astype(jnp.int32),
+                                    top_p=sampling.top_p.astype(jnp.float32), **kw)]
+    if spec.sampling is not None:
+        return branches[SAMPLING_MODES.index(spec.sampling)]()
     index = jnp.any(sampling.temperature > 0).astype(jnp.int32)
-    if spec.sampling_filters:
-        branches.append(lambda: accept_tree(logits, tree, spec.k, top_k=sampling.top_k.astype(jnp.int32),
-                                            top_p=sampling.top_p.astype(jnp.float32), **kw))
-        index = index * (1 + jnp.any((sampling.top_k > 0) | (sampling.top_p < 1)).astype(jnp.int32))
+    index = index * (1 + jnp.any((sampling.top_k > 0) | (sampling.top_p < 1)).astype(jnp.int32))
     return jax.lax.switch(index, branches)
 
 
