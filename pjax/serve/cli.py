@@ -124,12 +124,14 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def _warm_up(engine, mode: str, longest_prompt: int) -> float:
-    """Compile and run once (no slot changes) the decode program and the admission programs (`Engine.admission_shapes`;
-    "minimal": one short single-request admission), logging progress; returns the compile seconds."""
+    """Compile and run once (no slot changes) the decode programs and the admission programs (`Engine.admission_shapes`;
+    "minimal": one short single-request admission, and no decode program for top-k / top-p), logging progress; returns
+    the compile seconds."""
     pairs = [(1, 1)] if mode == "minimal" else engine.admission_shapes(longest_prompt)
+    sampling = ("greedy", "sampled") if mode == "minimal" else ("greedy", "sampled", "filtered")
     seconds = 0.0
     for i, (n, length) in enumerate(pairs):
-        seconds += engine.precompile([n], [length], warm=True)
+        seconds += engine.precompile([n], [length], warm=True, sampling=sampling)
         if len(pairs) > 1:
             _log(f"compiled admissions of {n} request(s) of up to {length} prompt tokens ({i + 1}/{len(pairs)})")
     return seconds
