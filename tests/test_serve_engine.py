@@ -73,8 +73,8 @@ def test_sampled_output_does_not_depend_on_the_other_requests(models):
 
 def test_chunks_truncate_only_while_a_request_filters(models):
     """The chunk programs with the top-k / top-p truncation (a vocabulary sort per position) run only while a running
-    sampled request asks for it, and no chunk program branches on the device (on a GPU a branch stops the host in
-    every round)."""
+    sampled request asks for it, and no chunk or admission program branches on the device (on a GPU a branch stops
+    the host in every round)."""
     eng = engine(models, max_slots=2)
     used, program = [], eng._chunk_program
     eng._chunk_program = lambda fixed, k=None: used.append(eng._needs() == "filtered") or program(fixed, k)
@@ -92,6 +92,7 @@ def test_chunks_truncate_only_while_a_request_filters(models):
     assert not any(used[n:]), used
     branches = {key[2]: "conditional(" in exe.as_text() for key, exe in eng._chunk_exe.items()}
     assert branches == {"filtered": False, "sampled": False}  # (chains: greedy rows take the "sampled" round)
+    assert eng._admit_exe and not any("conditional(" in exe.as_text() for exe in eng._admit_exe.values())
 
 
 def test_simulated_acceptance_equals_generate(models):

@@ -418,7 +418,10 @@ class Engine:
         key = (rows, lp, packed_len)
         exe = self._admit_exe.get(key)
         if exe is None:
-            exe, c = compiled("admit", args, dict(spec=self.spec, capacity=self.max_len, cache_dtype=self._cache_dtype,
+            # the first token's top-k / top-p truncation always runs (one vocabulary sort per admitted row; exact for
+            # rows without filters): no branch, which would stop the host until the prefill is done
+            spec = dataclasses.replace(self.spec, sampling="filtered")
+            exe, c = compiled("admit", args, dict(spec=spec, capacity=self.max_len, cache_dtype=self._cache_dtype,
                                                   packed_len=packed_len, mesh=self.mesh), self._options,
                               self._precision)
             with self._compile_lock:
