@@ -2,7 +2,6 @@
 (greedy and sampled, every drafting mode, more requests than slots, staggered arrivals, stop ids), slots are reused,
 cancellation (running and queued, with keep), events concatenate to the output, statistics match generate's, a
 sweep of admissions compiles a bounded number of programs, and every bad value is refused naming its field."""
-import numpy as np
 import pytest
 
 import pjax
