@@ -19,6 +19,7 @@ from pjax.bench.simulate import SimulatedAcceptance
 from pjax.decode.engine import STOP_WIDTH, Engine, RequestParams
 from pjax.decode.inputs import bucket_capacity, prefill_buckets
 from pjax.decode.settings import EngineConfig
+from pjax.decode.state import sampling_modes
 
 __all__ = ["SCHEDULING", "Backend", "BatchBackend", "EngineBackend", "Request", "RequestResult", "RunResult",
            "RunSettings"]
@@ -215,7 +216,7 @@ class EngineBackend:
         eng = self.engine(settings)
         before = eng.compile_s
         eng.precompile_admissions(self._admission_runs(eng, requests, settings), warm=True, pipelined=not self.static,
-                                  sampling=("greedy", "sampled") if settings.temperature > 0 else ("greedy",))
+                                  sampling=sampling_modes([(settings.temperature, 0, 1.0)]))  # no top-k / top-p
         self._serve(eng, requests[:settings.concurrency], settings, min(settings.max_new_tokens, eng.spec.k + 2))
         return eng.compile_s - before
 

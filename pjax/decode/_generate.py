@@ -13,7 +13,7 @@ from pjax.decode import inputs as I
 from pjax.decode.compiled import compile_count
 from pjax.decode.engine import STOP_WIDTH, Engine, RequestParams, acceptance_stats
 from pjax.decode.settings import EngineConfig, configure, make_spec
-from pjax.decode.state import STOP_INTERRUPTED, STOP_NAMES
+from pjax.decode.state import STOP_INTERRUPTED, STOP_NAMES, sampling_modes
 from pjax.models.target import Target
 
 __all__ = ["Chunk", "GenerateResult", "Generation", "GenerationInterrupted", "compile_count", "generate"]
@@ -80,8 +80,7 @@ class Generation:
         c = dataclasses.replace(c, max_slots=n, max_len=max(max_len, 2), max_admit_rows=None)
         self._engine = eng = Engine(target, drafter, c, acceptance=acceptance, mesh=mesh)
         self.n, self.spec, self._lengths = n, eng.spec, lengths
-        sampled = temp > 0  # the sampling modes these rows can need as they finish (`Engine._needs`)
-        self._modes = ("greedy", "sampled", "filtered")[:1 + sampled.any() + (sampled & ((tk > 0) | (tp < 1))).any()]
+        self._modes = sampling_modes(zip(temp, tk, tp))
         eng.precompile_admissions([lengths], max_new_tokens=most, pipelined=False, sampling=self._modes)
         self._most, self._streaming = most, False
         self._layout = I.prefill_buckets(lengths, eng.max_len, eng.prefill)

@@ -35,15 +35,17 @@ def draft_law(logits, sampling: Sampling, spec: EngineSpec):
     (their q is replaced by a one-hot)."""
     temp = sampling.temperature.astype(jnp.float32)[:, None, None]
     x = logits.astype(jnp.float32) / jnp.where(temp <= 0, 1.0, temp)
+    if spec.sampling not in (None, "filtered"):
+        return jax.nn.softmax(x, axis=-1)
+
     def filtered():
         return truncation_threshold(x, sampling.top_k.astype(jnp.int32), sampling.top_p.astype(jnp.float32))
-    if spec.sampling is None:  # decided on the device
+    if spec.sampling == "filtered":
+        thr = filtered()
+    else:  # decided on the device
         wanted = jnp.any((sampling.top_k > 0) | (sampling.top_p < 1))
         thr = jax.lax.cond(wanted, filtered, lambda: jnp.full(x.shape[:2], -jnp.inf, jnp.float32))
-        x = jnp.where(x >= thr[..., None], x, -jnp.inf)
-    elif spec.sampling == "filtered":
-        x = jnp.where(x >= filtered()[..., None], x, -jnp.inf)
-    return jax.nn.softmax(x, axis=-1)
+    return jax.nn.softmax(jnp.where(x >= thr[..., None], x, -jnp.inf), axis=-1)
 
 
 def select_drafts(drafter, logits, sampling: Sampling, positions, spec: EngineSpec):

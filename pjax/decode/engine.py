@@ -61,7 +61,7 @@ from pjax.decode import inputs as I
 from pjax.decode.budget import BudgetChooser, TreeBudget, candidates, label, tree_candidates
 from pjax.decode.compiled import COMPILE_THREADS, compiled, matmul_precision, register_program
 from pjax.decode.settings import DEFAULT_MAX_LEN, EngineConfig, make_spec
-from pjax.decode.state import SAMPLING_MODES, STOP_HOST, STOP_NAMES, DecodeState, EngineSpec, Sampling
+from pjax.decode.state import SAMPLING_MODES, STOP_HOST, STOP_NAMES, DecodeState, EngineSpec, Sampling, sampling_need
 from pjax.decode.step import decode_loop, prefill, spec_round
 from pjax.dtypes import parse_dtype
 from pjax.models.drafter import consistent_drafter
@@ -451,15 +451,10 @@ class Engine:
         return exe
 
     def _needs(self) -> str:
-        """The sampling mode the running requests need (`EngineSpec.sampling`): "filtered" while a sampled request
-        asks for top-k / top-p (a greedy row's argmax is its own under any filter), else "sampled" while one
-        samples, else "greedy". The host picks each chunk's program by it: a branch on it inside the round would
-        stop the host in every round on a GPU (XLA reads a conditional's predicate back before it runs a branch),
-        so a chunk could not be queued ahead of the device."""
-        sampled = [r.params for r in self._slots.values() if r.params.temperature > 0]
-        if any(p.top_k > 0 or p.top_p < 1 for p in sampled):
-            return "filtered"
-        return "sampled" if sampled else "greedy"
+        """The sampling mode the running requests need (`sampling_need`). The host picks each chunk's program by it:
+        a branch on it inside the round would stop the host in every round on a GPU (XLA reads a conditional's
+        predicate back before it runs a branch), so a chunk could not be queued ahead of the device."""
+        return sampling_need((r.params.temperature, r.params.top_k, r.params.top_p) for r in self._slots.values())
 
     def _mode(self, k, mode: str) -> str:
         """`mode` as budget k's rounds compile it: a chain round takes greedy rows without a branch ("sampled")."""

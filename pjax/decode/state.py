@@ -28,6 +28,21 @@ STOP_NAMES = {RUNNING: "running", STOP_EOS: "eos", STOP_LENGTH: "length", STOP_C
 SAMPLING_MODES = ("greedy", "sampled", "filtered")  # `EngineSpec.sampling` fixed at compile time
 
 
+def sampling_need(rows) -> str:
+    """The `SAMPLING_MODES` entry that rows of (temperature, top_k, top_p) need: "filtered" when a sampled row asks
+    for top-k / top-p (a greedy row's argmax is its own under any filter), else "sampled" when one samples, else
+    "greedy". A batch whose rows finish needs this mode or an earlier one."""
+    sampled = [(k, p) for t, k, p in rows if t > 0]
+    if any(k > 0 or p < 1 for k, p in sampled):
+        return "filtered"
+    return "sampled" if sampled else "greedy"
+
+
+def sampling_modes(rows) -> tuple[str, ...]:
+    """The modes a batch of these rows can need as its rows finish: `sampling_need`'s and the earlier ones."""
+    return SAMPLING_MODES[:SAMPLING_MODES.index(sampling_need(rows)) + 1]
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineSpec:
     """Static engine settings (hashable: a static jit argument).
