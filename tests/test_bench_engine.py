@@ -87,6 +87,26 @@ def test_continuous_equals_static_per_request(models, drafting, k, concurrency, 
     assert cont.engine(settings) is eng  # one engine per configuration, reused by run
 
 
+def test_a_run_within_its_slots_compiles_only_its_first_admission(models):
+    """With no more requests than slots every request is admitted at the first step: `prepare` builds exactly that
+    admission's programs (one per group of max_admit_rows), not every run of consecutive requests, and the run
+    compiles nothing more."""
+    target, _ = models
+    requests = [Request(str(i), tuple(p), seed=i) for i, p in enumerate(PROMPTS)]
+    settings = RunSettings(drafting="none", k=0, concurrency=len(PROMPTS), max_new_tokens=6,
+                           max_positions=max(map(len, PROMPTS)) + 6 + 2)
+    cont = EngineBackend(target, {}, EngineConfig(rounds_per_step=2, max_admit_rows=2))
+    cont.prepare(requests, settings)
+    eng = cont.engine(settings)
+    groups = [[len(p) for p in PROMPTS[i:i + 2]] for i in range(0, len(PROMPTS), 2)]
+    first = {prefill_buckets(g, eng.max_len, eng.prefill) for g in groups}
+    assert set(eng._admit_exe) == first
+    assert len(EngineBackend.admissions(requests, 2, eng.max_len, eng.prefill)) > len(first)
+    got = cont.run(requests, settings)
+    assert got.compile_s == 0.0 and set(eng._admit_exe) == first
+    assert all(len(r.tokens) == 6 for r in got.requests)
+
+
 def test_draft_sampling_reaches_the_engine(models):
     """At temperature 1, `draft_sampling="sample"` reaches both backends' engines: static and continuous give the same
     per-request results (seeded draws), and they differ from argmax drafts' (another random stream, another law)."""
