@@ -9,11 +9,13 @@
    every request decodes --max-new-tokens tokens) into DIR/bench and reads its output tokens/s per concurrency.
 2. Builds the same prompts (`pjax.bench.runner.build_prompt_set`: the dataset's first prompts, random ids of
    --prompt-len for a random target, else the tokenizer's rendering), then per concurrency c an engine of c slots as
-   the bench's (same KV capacity, rounds per step, simulated acceptance), compiles its admissions, and serves it on
-   127.0.0.1 (`pjax.serve.cli.make_server`). A client process keeps c streaming /v1/completions requests in flight
-   (the prompts as token ids, ignore_eos, temperature 0; vLLM's --max-concurrency c) after one untimed request, and
-   times from the first request to the last token.
-3. Prints, per c, both tokens/s and their ratio (the server's HTTP, detokenization and event-loop cost; goal >= 0.95);
+   the bench's (same KV capacity, rounds per step, simulated acceptance), compiles its admissions of 1 to c
+   requests, and serves it on 127.0.0.1 (`pjax.serve.cli.make_server`). Client processes (--client-processes, the c
+   streams split between them) keep c streaming /v1/completions requests in flight (the prompts as token ids,
+   ignore_eos, temperature 0; vLLM's --max-concurrency c) after one untimed request each, and time from the first
+   request to the last token.
+3. Prints, per c, both tokens/s and their ratio (the server's HTTP, detokenization and event-loop cost; goal >= 0.95)
+   and the busiest client process's CPU share (near 100%: more client processes are needed to load the server);
    writes DIR/bench_serve.json.
 
 A random target's server detokenizes with a word-level tokenizer covering the vocabulary (built in memory: one
@@ -54,6 +56,8 @@ def parse_args(argv=None):
     ap.add_argument("--prompt-len", type=int, default=128, help="random targets: random prompts of this length")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--rounds-per-step", type=int, default=8)
+    ap.add_argument("--client-processes", type=int, default=max(1, (os.cpu_count() or 2) // 4),
+                    help="client processes sharing the c streams (default: a quarter of the CPU cores; at most c)")
     ap.add_argument("--compilation-cache", metavar="DIR", default=None,
                     help="JAX's persistent compilation cache for both runs: the server's engines load the programs "
                          "the bench compiled (default: pjax-bench-serve-cache in the temporary directory)")
@@ -132,8 +136,8 @@ def serve_and_load(args, target, head, tokenizer, prompts, c: int, max_positions
     engine = Engine(target, head, EngineConfig(max_slots=c, max_len=max_len, num_speculative_tokens=k,
                                                drafting="parallel", rounds_per_step=args.rounds_per_step),
                     acceptance=None if sim is None else SimulatedAcceptance(sim))
-    rows = sorted({bucket_batch(i) for i in range(1, min(c, 8) + 1)})
-    compile_s = engine.precompile(rows, sorted({len(p) for p in prompts}), warm=True)
+    rows = sorted({bucket_batch(i) for i in range(1, c + 1)})  # as many requests as arrive between two chunks
+    compile_s = engine.precompile(rows, sorted({len(p) for p in prompts}), warm=True, sampling=("greedy",))
     model = ServedModel(name="bench", tokenizer=tokenizer, vocab_size=target.config.vocab_size, max_len=max_len,
                         slack=engine.slack, drafting="parallel", num_speculative_tokens=engine.spec.k)
     bridge = AsyncEngine(engine)
@@ -143,23 +147,52 @@ def serve_and_load(args, target, head, tokenizer, prompts, c: int, max_positions
     thread.start()
     while not server.started:
         time.sleep(0.01)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions"
     try:
-        with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
-            json.dump({"url": f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions", "prompts": prompts,
-                       "max_tokens": args.max_new_tokens, "concurrency": c}, f)
-            f.flush()
-            r = subprocess.run([sys.executable, __file__, "--out", "-", "--client", f.name], capture_output=True,
-                               text=True, check=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+        load = run_clients(url, prompts, args.max_new_tokens, c, args.client_processes)
     finally:
         server.should_exit = True
         thread.join(60)
         bridge.close()
         sock.close()
-    return dict(json.loads(r.stdout.strip().splitlines()[-1]), compile_s=compile_s)
+    return dict(load, compile_s=compile_s)
+
+
+def run_clients(url: str, prompts, max_tokens: int, c: int, processes: int) -> dict:
+    """c streaming requests in flight from `processes` client processes (c split between them, the prompts dealt
+    round-robin; one Python process streams only so many tokens a second), all starting at one moment after each
+    sent one untimed request: output tokens, wall s from the first request sent to the last token, and each process's
+    CPU seconds over that wall (near 1: the client, not the server, may bound the row)."""
+    n = max(1, min(processes, c))
+    start_at = time.time() + 3.0 + 0.1 * n  # every process has imported httpx and sent its untimed request by then
+    procs, files = [], []
+    for i in range(n):
+        f = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
+        json.dump({"url": url, "prompts": prompts[i::n], "max_tokens": max_tokens, "start_at": start_at,
+                   "concurrency": c // n + (i < c % n)}, f)
+        f.close()
+        files.append(f.name)
+        procs.append(subprocess.Popen([sys.executable, __file__, "--out", "-", "--client", f.name],
+                                      stdout=subprocess.PIPE, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu")))
+    try:
+        parts = []
+        for p in procs:
+            out, _ = p.communicate()
+            if p.returncode:
+                raise RuntimeError(f"a client process failed (exit status {p.returncode})")
+            parts.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for name in files:
+            os.unlink(name)
+    tokens = sum(p["output_tokens"] for p in parts)
+    wall = max(p["t_end"] for p in parts) - min(p["t_start"] for p in parts)
+    return {"output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall, "client_processes": n,
+            "client_cpu_share": max(p["cpu_s"] / (p["t_end"] - p["t_start"]) for p in parts)}
 
 
 def client(job_file: str) -> dict:
-    """The load: `concurrency` streaming requests in flight over the prompts (after one untimed request)."""
+    """One client process: `concurrency` streaming requests in flight over its prompts from `start_at` (after one
+    untimed request)."""
     import httpx
 
     job = json.loads(Path(job_file).read_text())
@@ -184,11 +217,12 @@ def client(job_file: str) -> dict:
             async def gated(prompt):
                 async with gate:
                     return await one(http, prompt)
-            t0 = time.perf_counter()
+            await asyncio.sleep(max(0.0, job["start_at"] - time.time()))
+            t0, cpu0 = time.time(), time.process_time()
             tokens = await asyncio.gather(*(gated(p) for p in job["prompts"]))
-            return sum(tokens), time.perf_counter() - t0
-    tokens, wall = asyncio.run(run())
-    return {"output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall}
+            return sum(tokens), t0, time.time(), time.process_time() - cpu0
+    tokens, t0, t1, cpu = asyncio.run(run())
+    return {"output_tokens": tokens, "t_start": t0, "t_end": t1, "cpu_s": cpu}
 
 
 def main(argv=None):
@@ -218,15 +252,18 @@ def main(argv=None):
                      "server_over_bench": s["output_tokens_per_s"] / bench[c], "server": s})
         assert s["output_tokens"] == n * args.max_new_tokens, s
         print(f"c={c}: bench {bench[c]:.1f} tok/s, server {s['output_tokens_per_s']:.1f} tok/s "
-              f"({s['output_tokens_per_s'] / bench[c]:.3f}x)", flush=True)
+              f"({s['output_tokens_per_s'] / bench[c]:.3f}x; {s['client_processes']} client process(es), the busiest "
+              f"at {s['client_cpu_share']:.0%} CPU)", flush=True)
     print(f"\n# bench_serve: {args.target}, head {args.head}, {jax.devices()[0].device_kind}, jax {jax.__version__}, "
           f"P-EAGLE K = {args.k}, simulated acceptance {args.simulate_acceptance}, {args.max_new_tokens} new "
           f"tokens per request\n")
-    print("| concurrency | prompts | pjax bench (continuous) tok/s | server (HTTP) tok/s | server / bench |")
-    print("| ---: | ---: | ---: | ---: | ---: |")
+    print("| concurrency | prompts | pjax bench (continuous) tok/s | server (HTTP) tok/s | server / bench | "
+          "client processes | busiest client's CPU |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         print(f"| {r['concurrency']} | {r['prompts']} | {r['bench_output_tokens_per_s']:.1f} | "
-              f"{r['server_output_tokens_per_s']:.1f} | {r['server_over_bench']:.3f} |")
+              f"{r['server_output_tokens_per_s']:.1f} | {r['server_over_bench']:.3f} | "
+              f"{r['server']['client_processes']} | {r['server']['client_cpu_share']:.0%} |")
     (out / "bench_serve.json").write_text(json.dumps({
         "target": args.target, "head": args.head, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
         "k": args.k, "simulate_acceptance": args.simulate_acceptance, "max_new_tokens": args.max_new_tokens,
