@@ -15,6 +15,7 @@ Every random draw is keyed on (seed, absolute position), so sample i of this scr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import sys
 from pathlib import Path
@@ -46,6 +47,8 @@ def sample_many(target, drafter, prompt, *, samples, temperature, k, new_tokens,
     batched DecodeState (leading axis = sample)."""
     spec = make_spec(target, drafter, EngineConfig(num_speculative_tokens=k, drafting=drafting),
                      max_new_tokens=new_tokens)
+    # every row samples without top-k / top-p: fixed, the round neither branches nor (under vmap) sorts the vocabulary
+    spec = dataclasses.replace(spec, sampling="sampled" if temperature > 0 else "greedy")
     capacity = len(prompt) + new_tokens + 2 * k
     init = jax.jit(jax.vmap(functools.partial(prefill_single, spec=spec, capacity=capacity),
                             in_axes=(None, None, None, None, 0)))
