@@ -220,14 +220,15 @@ def test_one_round_per_call_equals_chunks(models):
     assert host.tokens == dev.tokens and host.stats["rounds"] == dev.stats["rounds"]
 
 
-@pytest.mark.parametrize("tree_budget", [None, 6])
-def test_vmap_single_round_equals_batched_engine(models, tree_budget):
+@pytest.mark.parametrize("tree_budget, sampling", [(None, None), (6, None), (None, "sampled")])
+def test_vmap_single_round_equals_batched_engine(models, tree_budget, sampling):
     """The research API: vmap the single-sequence prefill / round over sequences with their own seeds (a chain, or a
-    tree of 6 nodes)."""
+    tree of 6 nodes; the rows' sampling decided per round, or fixed in the spec)."""
     target, drafter = models
     batched = gen(target, drafter, PROMPTS, seed=[11, 12, 13], tree_budget=tree_budget, **SAMPLED)
     spec = make_spec(target, drafter, EngineConfig(num_speculative_tokens=3, drafting="parallel",
                                                    tree_budget=tree_budget), max_new_tokens=12)
+    spec = dataclasses.replace(spec, sampling=sampling)
     b = len(PROMPTS)
     pad = np.zeros((b, 16), np.int32)
     for i, p in enumerate(PROMPTS):
