@@ -15,8 +15,9 @@
    ignore_eos, temperature 0; vLLM's --max-concurrency c) after one untimed request each, and time from the first
    request to the last token.
 3. Prints, per c, both tokens/s and their ratio (the server's HTTP, detokenization and event-loop cost; goal >= 0.95)
-   and the busiest client process's CPU share (near 100%: more client processes are needed to load the server);
-   writes DIR/bench_serve.json.
+   and the CPU share of the busiest client process, of the server's event loop and of its engine thread over the
+   timed load (near 100%: that one bounds the row; a client: give more --client-processes); writes
+   DIR/bench_serve.json.
 
 A random target's server detokenizes with a word-level tokenizer covering the vocabulary (built in memory: one
 DecodeStream step per token, as with a real tokenizer).
@@ -140,7 +141,8 @@ def serve_and_load(args, target, head, tokenizer, prompts, c: int, max_positions
     compile_s = engine.precompile(rows, sorted({len(p) for p in prompts}), warm=True, sampling=("greedy",))
     model = ServedModel(name="bench", tokenizer=tokenizer, vocab_size=target.config.vocab_size, max_len=max_len,
                         slack=engine.slack, drafting="parallel", num_speculative_tokens=engine.spec.k)
-    bridge = AsyncEngine(engine)
+    bridge = AsyncEngine(engine, name="bench-serve-engine")
+    engine_thread = next(t for t in threading.enumerate() if t.name == "bench-serve-engine")
     server = make_server(create_app(bridge, model), log_level="warning")
     sock = socket.create_server(("127.0.0.1", 0))
     thread = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)
@@ -149,7 +151,8 @@ def serve_and_load(args, target, head, tokenizer, prompts, c: int, max_positions
         time.sleep(0.01)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions"
     try:
-        load = run_clients(url, prompts, args.max_new_tokens, c, args.client_processes)
+        load = run_clients(url, prompts, args.max_new_tokens, c, args.client_processes,
+                           {"event loop": thread.native_id, "engine": engine_thread.native_id})
     finally:
         server.should_exit = True
         thread.join(60)
@@ -158,11 +161,12 @@ def serve_and_load(args, target, head, tokenizer, prompts, c: int, max_positions
     return dict(load, compile_s=compile_s)
 
 
-def run_clients(url: str, prompts, max_tokens: int, c: int, processes: int) -> dict:
+def run_clients(url: str, prompts, max_tokens: int, c: int, processes: int, threads: dict) -> dict:
     """c streaming requests in flight from `processes` client processes (c split between them, the prompts dealt
     round-robin; one Python process streams only so many tokens a second), all starting at one moment after each
-    sent one untimed request: output tokens, wall s from the first request sent to the last token, and each process's
-    CPU seconds over that wall (near 1: the client, not the server, may bound the row)."""
+    sent one untimed request: output tokens, wall s from the first request sent to the last token, the busiest client
+    process's CPU seconds over its wall, and over the same time those of this process's `threads` ({name: native
+    thread id}): a share near 1 names what bounds the row (a client, the server's event loop, the engine thread)."""
     n = max(1, min(processes, c))
     start_at = time.time() + 3.0 + 0.1 * n  # every process has imported httpx and sent its untimed request by then
     procs, files = [], []
@@ -175,19 +179,34 @@ def run_clients(url: str, prompts, max_tokens: int, c: int, processes: int) -> d
         procs.append(subprocess.Popen([sys.executable, __file__, "--out", "-", "--client", f.name],
                                       stdout=subprocess.PIPE, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu")))
     try:
+        time.sleep(max(0.0, start_at - time.time()))
+        cpu0, t0 = {k: thread_cpu_s(t) for k, t in threads.items()}, time.time()
         parts = []
         for p in procs:
             out, _ = p.communicate()
             if p.returncode:
                 raise RuntimeError(f"a client process failed (exit status {p.returncode})")
             parts.append(json.loads(out.strip().splitlines()[-1]))
+        server_cpu = {k: (thread_cpu_s(t) - cpu0[k]) / (time.time() - t0) for k, t in threads.items()}
     finally:
+        for p in procs:
+            p.kill()  # (a no-op once it exited)
         for name in files:
             os.unlink(name)
     tokens = sum(p["output_tokens"] for p in parts)
     wall = max(p["t_end"] for p in parts) - min(p["t_start"] for p in parts)
     return {"output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall, "client_processes": n,
-            "client_cpu_share": max(p["cpu_s"] / (p["t_end"] - p["t_start"]) for p in parts)}
+            "client_cpu_share": max(p["cpu_s"] / (p["t_end"] - p["t_start"]) for p in parts),
+            "server_cpu_share": server_cpu}
+
+
+def thread_cpu_s(native_id: int) -> float:
+    """CPU seconds (user + system) a thread of this process has run (Linux: /proc; NaN elsewhere)."""
+    try:
+        fields = Path(f"/proc/self/task/{native_id}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def client(job_file: str) -> dict:
@@ -252,18 +271,20 @@ def main(argv=None):
                      "server_over_bench": s["output_tokens_per_s"] / bench[c], "server": s})
         assert s["output_tokens"] == n * args.max_new_tokens, s
         print(f"c={c}: bench {bench[c]:.1f} tok/s, server {s['output_tokens_per_s']:.1f} tok/s "
-              f"({s['output_tokens_per_s'] / bench[c]:.3f}x; {s['client_processes']} client process(es), the busiest "
-              f"at {s['client_cpu_share']:.0%} CPU)", flush=True)
+              f"({s['output_tokens_per_s'] / bench[c]:.3f}x); CPU: busiest of {s['client_processes']} client "
+              f"process(es) {s['client_cpu_share']:.0%}, event loop {s['server_cpu_share']['event loop']:.0%}, "
+              f"engine thread {s['server_cpu_share']['engine']:.0%}", flush=True)
     print(f"\n# bench_serve: {args.target}, head {args.head}, {jax.devices()[0].device_kind}, jax {jax.__version__}, "
           f"P-EAGLE K = {args.k}, simulated acceptance {args.simulate_acceptance}, {args.max_new_tokens} new "
           f"tokens per request\n")
     print("| concurrency | prompts | pjax bench (continuous) tok/s | server (HTTP) tok/s | server / bench | "
-          "client processes | busiest client's CPU |")
+          "client processes | CPU: busiest client / event loop / engine thread |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         print(f"| {r['concurrency']} | {r['prompts']} | {r['bench_output_tokens_per_s']:.1f} | "
               f"{r['server_output_tokens_per_s']:.1f} | {r['server_over_bench']:.3f} | "
-              f"{r['server']['client_processes']} | {r['server']['client_cpu_share']:.0%} |")
+              f"{r['server']['client_processes']} | {r['server']['client_cpu_share']:.0%} / "
+              f"{r['server']['server_cpu_share']['event loop']:.0%} / {r['server']['server_cpu_share']['engine']:.0%} |")
     (out / "bench_serve.json").write_text(json.dumps({
         "target": args.target, "head": args.head, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
         "k": args.k, "simulate_acceptance": args.simulate_acceptance, "max_new_tokens": args.max_new_tokens,
