@@ -105,6 +105,7 @@ def test_a_run_within_its_slots_compiles_only_its_first_admission(models):
     got = cont.run(requests, settings)
     assert got.compile_s == 0.0 and set(eng._admit_exe) == first
     assert all(len(r.tokens) == 6 for r in got.requests)
+    assert cont.prepare([], settings) == 0.0  # no requests: no admission, the chunk programs built already
 
 
 def test_draft_sampling_reaches_the_engine(models):

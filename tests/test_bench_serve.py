@@ -80,14 +80,16 @@ def test_client_processes_share_the_load():
         while not server.started:
             time.sleep(0.01)
         engine = next(t for t in threading.enumerate() if t.name == "stub-engine")
-        got = bs.run_clients(f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions", prompts, new, c, 2,
-                             {"event loop": thread.native_id, "engine": engine.native_id})
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions"
+        got = bs.run_clients(url, prompts, new, c, 3, {"event loop": thread.native_id, "engine": engine.native_id})
+        few = bs.run_clients(url, prompts[:2], new, c, 8, {})  # fewer prompts than streams and processes
     finally:
         server.should_exit = True
         thread.join(30)
         bridge.close()
         sock.close()
-    assert got["output_tokens"] == len(prompts) * new and got["client_processes"] == 2
+    assert got["output_tokens"] == len(prompts) * new and got["client_processes"] == 3
+    assert few["output_tokens"] == 2 * new and few["client_processes"] == 2 and few["server_cpu_share"] == {}
     assert got["wall_s"] > 0 and got["output_tokens_per_s"] == got["output_tokens"] / got["wall_s"]
     assert 0 < got["client_cpu_share"] < 2
     assert set(got["server_cpu_share"]) == {"event loop", "engine"}

@@ -6,6 +6,7 @@ import pytest
 
 import pjax
 from pjax.bench.simulate import SimulatedAcceptance
+from pjax.decode.state import SAMPLING_MODES, sampling_modes, sampling_need
 from pjax.serve import Engine, EngineConfig, RequestParams
 from tests.engine_utils import FAST
 from tests.serve_utils import (MAX_LEN, V, assert_free_rows_done, check_against_reference, drain, engine, reference,
@@ -68,6 +69,18 @@ def test_sampled_output_does_not_depend_on_the_other_requests(models):
     out = {}
     drain(other, out, {})
     assert out[oid] != together[ids[0]]
+
+
+def test_sampling_modes_are_the_modes_of_the_rows():
+    """The chunk programs a batch can need as its rows finish: each row's own need (any subset needs its strictest
+    row's); a greedy row's top-k / top-p do not count."""
+    greedy, sampled, filtered, greedy_filtered = (0.0, 0, 1.0), (0.8, 0, 1.0), (0.8, 5, 1.0), (0.0, 5, 0.9)
+    assert sampling_need([greedy, greedy_filtered]) == "greedy" and sampling_need([greedy, filtered]) == "filtered"
+    assert sampling_modes([greedy_filtered]) == ("greedy",)
+    assert sampling_modes([sampled, sampled]) == ("sampled",)  # no greedy program: never all rows greedy
+    assert sampling_modes([filtered, (0.7, 0, 0.9)]) == ("filtered",)
+    assert sampling_modes([filtered, greedy]) == ("greedy", "filtered")
+    assert sampling_modes(iter([sampled, greedy, filtered])) == SAMPLING_MODES
 
 
 def test_chunks_truncate_only_while_a_request_filters(models):
@@ -238,6 +251,9 @@ def test_precompile_compiles_every_admission_program(models):
     assert pjax.decode.compile_count() == before
     with pytest.raises(ValueError, match="precompile"):
         eng.precompile(rows=[5], prompt_lengths=[3])
+    assert eng.precompile([1], [5], sampling="greedy") == 0.0  # one mode as a string; built above already
+    with pytest.raises(ValueError, match="sampling needs one of"):
+        eng.precompile([1], [5], sampling=())
 
 
 # the default run keeps "auto" (padded and packed admissions); precompiling padded admissions is

@@ -12,8 +12,8 @@
    the bench's (same KV capacity, rounds per step, simulated acceptance), compiles its admissions of 1 to c
    requests, and serves it on 127.0.0.1 (`pjax.serve.cli.make_server`). Client processes (--client-processes, the c
    streams split between them) keep c streaming /v1/completions requests in flight (the prompts as token ids,
-   ignore_eos, temperature 0; vLLM's --max-concurrency c) after one untimed request each, and time from the first
-   request to the last token.
+   ignore_eos, temperature 0; vLLM's --max-concurrency c) after one untimed request each, all starting together,
+   and time from the first request to the last token.
 3. Prints, per c, both tokens/s and their ratio (the server's HTTP, detokenization and event-loop cost; goal >= 0.95)
    and the CPU share of the busiest client process, of the server's event loop and of its engine thread over the
    timed load (near 100%: that one bounds the row; a client: give more --client-processes); writes
@@ -57,7 +57,7 @@ def parse_args(argv=None):
     ap.add_argument("--prompt-len", type=int, default=128, help="random targets: random prompts of this length")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--rounds-per-step", type=int, default=8)
-    ap.add_argument("--client-processes", type=int, default=max(1, (os.cpu_count() or 2) // 4),
+    ap.add_argument("--client-processes", type=int, default=max(1, len(os.sched_getaffinity(0)) // 4),
                     help="client processes sharing the c streams (default: a quarter of the CPU cores; at most c)")
     ap.add_argument("--compilation-cache", metavar="DIR", default=None,
                     help="JAX's persistent compilation cache for both runs: the server's engines load the programs "
@@ -141,8 +141,9 @@ def serve_and_load(args, target, head, tokenizer, prompts, c: int, max_positions
     compile_s = engine.precompile(rows, sorted({len(p) for p in prompts}), warm=True, sampling=("greedy",))
     model = ServedModel(name="bench", tokenizer=tokenizer, vocab_size=target.config.vocab_size, max_len=max_len,
                         slack=engine.slack, drafting="parallel", num_speculative_tokens=engine.spec.k)
-    bridge = AsyncEngine(engine, name="bench-serve-engine")
-    engine_thread = next(t for t in threading.enumerate() if t.name == "bench-serve-engine")
+    name = f"bench-serve-engine-{c}-{time.monotonic_ns()}"
+    bridge = AsyncEngine(engine, name=name)
+    engine_thread = next(t for t in threading.enumerate() if t.name == name)
     server = make_server(create_app(bridge, model), log_level="warning")
     sock = socket.create_server(("127.0.0.1", 0))
     thread = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)
@@ -151,8 +152,10 @@ def serve_and_load(args, target, head, tokenizer, prompts, c: int, max_positions
         time.sleep(0.01)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions"
     try:
+        before = engine.compile_s
         load = run_clients(url, prompts, args.max_new_tokens, c, args.client_processes,
                            {"event loop": thread.native_id, "engine": engine_thread.native_id})
+        load["compile_s_during_load"] = engine.compile_s - before  # 0 unless a program was missing
     finally:
         server.should_exit = True
         thread.join(60)
@@ -162,25 +165,33 @@ def serve_and_load(args, target, head, tokenizer, prompts, c: int, max_positions
 
 
 def run_clients(url: str, prompts, max_tokens: int, c: int, processes: int, threads: dict) -> dict:
-    """c streaming requests in flight from `processes` client processes (c split between them, the prompts dealt
-    round-robin; one Python process streams only so many tokens a second), all starting at one moment after each
-    sent one untimed request: output tokens, wall s from the first request sent to the last token, the busiest client
-    process's CPU seconds over its wall, and over the same time those of this process's `threads` ({name: native
-    thread id}): a share near 1 names what bounds the row (a client, the server's event loop, the engine thread)."""
+    """c streaming requests in flight from `processes` client processes (the c streams split between them, prompt j
+    sent by the process owning stream j mod c; one Python process streams only so many tokens a second): each sends
+    one untimed request, then all start together: output tokens, wall s from the first request sent to the last
+    token, the busiest client process's CPU seconds over its wall, and over the same time those of this process's
+    `threads` ({name: native thread id}): a share near 1 names what bounds the row (a client, the server's event
+    loop, the engine thread)."""
+    c = min(c, len(prompts))
     n = max(1, min(processes, c))
-    start_at = time.time() + 3.0 + 0.1 * n  # every process has imported httpx and sent its untimed request by then
+    owner = [i for i in range(n) for _ in range(c // n + (i < c % n))]  # stream -> process
     procs, files = [], []
     for i in range(n):
+        mine = [p for j, p in enumerate(prompts) if owner[j % c] == i]
         f = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
-        json.dump({"url": url, "prompts": prompts[i::n], "max_tokens": max_tokens, "start_at": start_at,
-                   "concurrency": c // n + (i < c % n)}, f)
+        json.dump({"url": url, "prompts": mine, "max_tokens": max_tokens, "concurrency": owner.count(i)}, f)
         f.close()
         files.append(f.name)
-        procs.append(subprocess.Popen([sys.executable, __file__, "--out", "-", "--client", f.name],
-                                      stdout=subprocess.PIPE, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu")))
+        procs.append(subprocess.Popen([sys.executable, __file__, "--out", "-", "--client", f.name], text=True,
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      env=dict(os.environ, JAX_PLATFORMS="cpu")))
     try:
-        time.sleep(max(0.0, start_at - time.time()))
+        for p in procs:  # a barrier: every process has finished its untimed request
+            if p.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"a client process failed before its load (exit status {p.wait()})")
         cpu0, t0 = {k: thread_cpu_s(t) for k, t in threads.items()}, time.time()
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
         parts = []
         for p in procs:
             out, _ = p.communicate()
@@ -210,8 +221,8 @@ def thread_cpu_s(native_id: int) -> float:
 
 
 def client(job_file: str) -> dict:
-    """One client process: `concurrency` streaming requests in flight over its prompts from `start_at` (after one
-    untimed request)."""
+    """One client process: one untimed request, "ready" on stdout, then on a line from stdin `concurrency` streaming
+    requests in flight over its prompts."""
     import httpx
 
     job = json.loads(Path(job_file).read_text())
@@ -236,7 +247,8 @@ def client(job_file: str) -> dict:
             async def gated(prompt):
                 async with gate:
                     return await one(http, prompt)
-            await asyncio.sleep(max(0.0, job["start_at"] - time.time()))
+            print("ready", flush=True)
+            await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
             t0, cpu0 = time.time(), time.process_time()
             tokens = await asyncio.gather(*(gated(p) for p in job["prompts"]))
             return sum(tokens), t0, time.time(), time.process_time() - cpu0
@@ -274,6 +286,8 @@ def main(argv=None):
               f"({s['output_tokens_per_s'] / bench[c]:.3f}x); CPU: busiest of {s['client_processes']} client "
               f"process(es) {s['client_cpu_share']:.0%}, event loop {s['server_cpu_share']['event loop']:.0%}, "
               f"engine thread {s['server_cpu_share']['engine']:.0%}", flush=True)
+        if s["compile_s_during_load"]:
+            print(f"  warning: {s['compile_s_during_load']:.1f} s of compilation during the load", flush=True)
     print(f"\n# bench_serve: {args.target}, head {args.head}, {jax.devices()[0].device_kind}, jax {jax.__version__}, "
           f"P-EAGLE K = {args.k}, simulated acceptance {args.simulate_acceptance}, {args.max_new_tokens} new "
           f"tokens per request\n")

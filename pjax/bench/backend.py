@@ -177,7 +177,7 @@ class EngineBackend:
         """The prompt lengths of admissions that use every admission program the run can use: with no more requests
         than slots, the one admission of them all at the start (run as groups of max_admit_rows); otherwise any run
         of consecutive requests, as earlier ones finish."""
-        if len(requests) <= settings.concurrency:
+        if 0 < len(requests) <= settings.concurrency:
             return [tuple(len(r.tokens) for r in requests)]
         return self.admissions(requests, min(settings.concurrency, eng.max_admit_rows), eng.max_len,
                                eng.prefill).values()

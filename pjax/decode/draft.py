@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from pjax.decode.packing import pack_prompts
-from pjax.decode.state import EngineSpec, Sampling
+from pjax.decode.state import EngineSpec, Sampling, any_filter
 from pjax.decode.tree import beam_width, build_tree, grow_tree
 from pjax.kernels import rng
 from pjax.kernels.acceptance.reference import truncation_threshold
@@ -43,8 +43,7 @@ def draft_law(logits, sampling: Sampling, spec: EngineSpec):
     if spec.sampling == "filtered":
         thr = filtered()
     else:  # decided on the device
-        wanted = jnp.any((sampling.top_k > 0) | (sampling.top_p < 1))
-        thr = jax.lax.cond(wanted, filtered, lambda: jnp.full(x.shape[:2], -jnp.inf, jnp.float32))
+        thr = jax.lax.cond(any_filter(sampling), filtered, lambda: jnp.full(x.shape[:2], -jnp.inf, jnp.float32))
     return jax.nn.softmax(jnp.where(x >= thr[..., None], x, -jnp.inf), axis=-1)
 
 

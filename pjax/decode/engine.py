@@ -33,12 +33,14 @@ Cost model. Every round computes all max_slots rows (target verify of K + 1 posi
 running or not, so a round costs what a batch of max_slots costs whatever the occupancy; an admission costs a
 prefill of its rows bucket times its prompt bucket (or of its packed row) plus the scatter (the K/V are written in
 place into the slots' rows, so an admission of every slot needs no second cache); a waiting step costs one host round
-trip (dispatch, view), a pipelined one none. Programs: the two chunk programs (a fixed trip count; ending early),
-plus one admission program per (rows bucket up to
-max_admit_rows, prompt-length bucket, packed row bucket) used; with num_speculative_tokens "auto", the two chunk
-programs of every candidate budget, one of which each chunk runs (`pjax.decode.budget`: the chooser reads each
-view's acceptance counters and the chunks' times; no recompilation); sampling values, stop ids (a fixed-width table) and
-per-request limits are runtime data and never recompile. Every random draw is keyed on (seed, position), so a
+trip (dispatch, view), a pipelined one none. Programs: two chunk programs (a fixed trip count; ending early) per
+sampling mode the running requests need ("greedy", "sampled", "filtered": `EngineSpec.sampling`, chosen on the host
+per chunk, so a request's temperature / top-k / top-p can build a program on its first use unless precompiled), plus
+one admission program per (rows bucket up to max_admit_rows, prompt-length bucket, packed row bucket) used; with
+num_speculative_tokens "auto", those chunk programs for every candidate budget, one of which each chunk runs
+(`pjax.decode.budget`: the chooser reads each view's acceptance counters and the chunks' times; no recompilation).
+Sampling values within a mode, stop ids (a fixed-width table) and per-request limits are runtime data and never
+recompile. Every random draw is keyed on (seed, position), so a
 request's output does not depend on which slot it took or on the other requests.
 """
 from __future__ import annotations
@@ -418,8 +420,9 @@ class Engine:
         key = (rows, lp, packed_len)
         exe = self._admit_exe.get(key)
         if exe is None:
-            # the first token's top-k / top-p truncation always runs (one vocabulary sort per admitted row; exact for
-            # rows without filters): no branch, which would stop the host until the prefill is done
+            # the first token's top-k / top-p truncation always runs (a vocabulary sort per row of the bucket, and per
+            # first-draft position with draft_sampling="sample"; exact for rows without filters): no branch, which
+            # would stop the host until the prefill is done
             spec = dataclasses.replace(self.spec, sampling="filtered")
             exe, c = compiled("admit", args, dict(spec=spec, capacity=self.max_len, cache_dtype=self._cache_dtype,
                                                   packed_len=packed_len, mesh=self.mesh), self._options,
@@ -460,14 +463,15 @@ class Engine:
         """`mode` as budget k's rounds compile it: a chain round takes greedy rows without a branch ("sampled")."""
         return "sampled" if mode == "greedy" and self._round_specs[k].tree_budget is None else mode
 
-    def _time_budgets(self, chunks: int = 4):
-        """Seconds per round of every budget's fixed-trip chunk, run on the empty state (a round computes every slot
-        whatever the occupancy, so this is its cost at max_slots; attention over longer contexts costs more, which
-        the chooser learns from the chunks it sees): after one untimed chunk, `chunks` chunks dispatched back to
-        back, as the pipelined steps run them, from the first one's dispatch to the last one's end."""
+    def _time_budgets(self, mode: str, chunks: int = 4):
+        """Seconds per round of every budget's fixed-trip chunk in sampling `mode`, run on the empty state (a round
+        computes every slot whatever the occupancy, so this is its cost at max_slots; attention over longer contexts
+        costs more, which the chooser learns from the chunks it sees): after one untimed chunk, `chunks` chunks
+        dispatched back to back, as the pipelined steps run them, from the first one's dispatch to the last one's
+        end."""
         times = {}
         for k in self.budgets:
-            exe = self._chunk_program(True, k)
+            exe = self._chunk_program(True, k, mode)
             self._state, view = exe(*self._chunk_args(True))
             jax.block_until_ready(view)
             t0 = time.perf_counter()
@@ -492,7 +496,7 @@ class Engine:
 
     def precompile(self, rows: Sequence[int], prompt_lengths: Sequence[int], *, warm: bool = False,
                    sampling: Sequence[str] = SAMPLING_MODES) -> float:
-        """Compile the chunk program and the admission programs of every admission in the buckets of n in `rows`
+        """Compile the chunk programs and the admission programs of every admission in the buckets of n in `rows`
         requests whose longest prompt has a length in `prompt_lengths` (with a packing `prefill`, every packed row
         such an admission can take); returns the compile seconds this took (summed over programs, which compile in
         parallel threads). warm: also run each once (admissions of padding rows only and, when nothing runs, a chunk
@@ -534,6 +538,9 @@ class Engine:
                     sampling: Sequence[str] = SAMPLING_MODES) -> float:
         """The chunk programs (the fixed-trip one if `fixed`) of the `sampling` modes and the admission programs of
         `keys` ((rows, lp, packed_len) buckets), compiled in threads, then (warm) each run once in order."""
+        sampling = (sampling,) if isinstance(sampling, str) else tuple(sampling)
+        if not sampling:
+            raise ValueError(f"precompile: sampling needs one of {SAMPLING_MODES} at least")
         for mode in sampling:
             if mode not in SAMPLING_MODES:
                 raise ValueError(f"precompile: sampling modes are {SAMPLING_MODES}, got {mode!r}")
@@ -546,8 +553,8 @@ class Engine:
                  for key in keys if key not in self._admit_exe]
         with ThreadPoolExecutor(max_workers=min(len(jobs), COMPILE_THREADS)) as pool:
             list(pool.map(lambda job: job(), jobs))
-        if not self._timed and not self._slots:
-            self._time_budgets()
+        if not self._timed and not self._slots:  # in the mode most requests of the precompiled ones run
+            self._time_budgets("sampled" if "sampled" in sampling else sampling[0])
         for f, k, m in chunks if warm and not self._slots else ():
             self._state = self._chunk_program(f, k, m)(*self._chunk_args(f, 1))[0]
         for key in keys if warm else ():
@@ -763,8 +770,9 @@ class Engine:
         step waits for its own chunk, which ends once every row is done (a step that admits then runs no chunk: its
         first tokens come back at once). final: no request will be submitted before the running ones finish (a
         static batch): the step waits for its own chunk, of about FINAL_CHUNK_S of device time."""
-        if not self._timed and not self._slots:
-            self._time_budgets()
+        if not self._timed and not self._slots:  # in the mode the queued requests need
+            self._time_budgets(sampling_need((r.params.temperature, r.params.top_k, r.params.top_p)
+                                             for r in self._queue.values()))
         t0 = time.perf_counter()
         starved = self._admitted_last and self._slots  # a step after an admission runs a chunk
         admitted = self._admit(t0) if self._queue and len(self._slots) < self.max_running and not starved else []

@@ -39,8 +39,15 @@ def sampling_need(rows) -> str:
 
 
 def sampling_modes(rows) -> tuple[str, ...]:
-    """The modes a batch of these rows can need as its rows finish: `sampling_need`'s and the earlier ones."""
-    return SAMPLING_MODES[:SAMPLING_MODES.index(sampling_need(rows)) + 1]
+    """The modes a batch of these rows can need as its rows finish (any subset of them needs what its strictest row
+    needs): each row's `sampling_need`, in `SAMPLING_MODES` order."""
+    needs = {sampling_need([r]) for r in rows}
+    return tuple(m for m in SAMPLING_MODES if m in needs)
+
+
+def any_filter(sampling) -> jax.Array:
+    """[] bool, on the device: does some row ask for top-k / top-p (`EngineSpec.sampling` None decides by it)."""
+    return jnp.any((sampling.top_k > 0) | (sampling.top_p < 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,8 +141,8 @@ class Sampling:
     temperature [B] f32 (0 => greedy), top_k [B] i32 (0 => off), top_p [B] f32 (1 => off), seed [B] u32
     (the counter-hash key: with positions it fixes every random draw, independent of batch composition),
     eos [B, E] i32 stop token ids (-1 = unused slot) or None, max_new [B] i32 new-token limit of each row
-    (<= EngineSpec.max_new_tokens) or None (= EngineSpec.max_new_tokens). All runtime data: changing them does
-    not recompile.
+    (<= EngineSpec.max_new_tokens) or None (= EngineSpec.max_new_tokens). All runtime data: a round compiled for
+    their `EngineSpec.sampling` mode (or None) takes any values of that mode without recompiling.
     """
     temperature: Any
     top_k: Any

@@ -15,7 +15,7 @@ from pjax.decode import draft as D
 from pjax.decode.drafting import Drafting
 from pjax.decode.packing import pack_prompts
 from pjax.decode.state import (RUNNING, SAMPLING_MODES, STOP_CAPACITY, STOP_EOS, STOP_LENGTH, STOP_NONFINITE,
-                               DecodeState, EngineSpec, Sampling, add_batch_axis, drop_batch_axis)
+                               DecodeState, EngineSpec, Sampling, add_batch_axis, any_filter, drop_batch_axis)
 from pjax.decode.tree import TreeAccept, accept_tree, accept_tree_greedy, commit_path
 from pjax.kernels.acceptance import AcceptResult, accept
 from pjax.kernels.cache_attention import TreeMask
@@ -26,7 +26,8 @@ from pjax.models.target import forward, logits_from_hidden
 
 
 def _accept(logits, drafts, q, sampling: Sampling, positions, num_drafts, spec: EngineSpec) -> AcceptResult:
-    """Chain acceptance; the top-k / top-p branch (a vocabulary sort) runs only when some row asks for it."""
+    """Chain acceptance, with the top-k / top-p truncation (a vocabulary sort) when spec.sampling is "filtered"
+    (spec.sampling None: a device branch on whether some row asks for it)."""
     kw = dict(temperature=sampling.temperature.astype(jnp.float32), seeds=sampling.seed.astype(jnp.uint32),
               positions=positions.astype(jnp.int32), num_drafts=num_drafts.astype(jnp.int32),
               implementation=spec.implementation)
@@ -39,8 +40,7 @@ def _accept(logits, drafts, q, sampling: Sampling, positions, num_drafts, spec: 
                       top_p=sampling.top_p.astype(jnp.float32), **kw)
     if spec.sampling is not None:
         return filtered() if spec.sampling == "filtered" else plain()
-    wanted = jnp.any((sampling.top_k > 0) | (sampling.top_p < 1))
-    return jax.lax.cond(wanted, filtered, plain)
+    return jax.lax.cond(any_filter(sampling), filtered, plain)
 
 
 def _accept_tree(logits, tree, sampling: Sampling, positions, num_nodes, spec: EngineSpec) -> TreeAccept:
@@ -48,15 +48,14 @@ def _accept_tree(logits, tree, sampling: Sampling, positions, num_nodes, spec: E
     truncation, a vocabulary sort, when some row asks for it); chosen by spec.sampling, or on the device."""
     kw = dict(temperature=sampling.temperature.astype(jnp.float32), seeds=sampling.seed.astype(jnp.uint32),
               positions=positions.astype(jnp.int32), num_nodes=num_nodes)
-    branches = [lambda: accept_tree_greedy(logits, tree, spec.k, num_nodes),
-                lambda: accept_tree(logits, tree, spec.k, **kw),
-                lambda: accept_tree(logits, tree, spec.k, top_k=sampling.top_k.astype(jnp.int32),
-                                    top_p=sampling.top_p.astype(jnp.float32), **kw)]
+    branches = {"greedy": lambda: accept_tree_greedy(logits, tree, spec.k, num_nodes),
+                "sampled": lambda: accept_tree(logits, tree, spec.k, **kw),
+                "filtered": lambda: accept_tree(logits, tree, spec.k, top_k=sampling.top_k.astype(jnp.int32),
+                                                top_p=sampling.top_p.astype(jnp.float32), **kw)}
     if spec.sampling is not None:
-        return branches[SAMPLING_MODES.index(spec.sampling)]()
-    index = jnp.any(sampling.temperature > 0).astype(jnp.int32)
-    index = index * (1 + jnp.any((sampling.top_k > 0) | (sampling.top_p < 1)).astype(jnp.int32))
-    return jax.lax.switch(index, branches)
+        return branches[spec.sampling]()
+    index = jnp.any(sampling.temperature > 0).astype(jnp.int32) * (1 + any_filter(sampling).astype(jnp.int32))
+    return jax.lax.switch(index, [branches[m] for m in SAMPLING_MODES])
 
 
 def _finite_rows(logits, num_valid):
