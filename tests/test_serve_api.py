@@ -476,18 +476,21 @@ def test_help_and_bad_input(capsys):
             f"error: --host 127.0.0.1 --port {port}: cannot listen there (Address already in use)"])
     assert serve("--target", ROOT, "--k", 3) == (2, ["error: --k needs drafting: give --head DIR (and not "
                                                      "--drafting none)"])
+    assert serve("--target", ROOT, "--compilation-cache", ROOT / "README.md") == (2, [
+        f"error: --compilation-cache {ROOT / 'README.md'}: exists and is not a directory"])
 
 
 # the default run keeps SIGINT (exit 130); the command's SIGTERM (exit 0) is also checked by test_serve_robust's
 # shutdown under load
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), pytest.param(signal.SIGTERM, 0, marks=pytest.mark.full)])
-def test_command_serves_then_stops(dirs, gen, sig, code):
-    """The command loads, compiles, logs its URL, answers a chat request (text equal to pjax.text's), and exits
-    cleanly on SIGINT (130) / SIGTERM (0)."""
+def test_command_serves_then_stops(dirs, gen, sig, code, tmp_path):
+    """The command loads, compiles (into its --compilation-cache), logs its URL, answers a chat request (text equal
+    to pjax.text's), and exits cleanly on SIGINT (130) / SIGTERM (0)."""
     target, head = dirs
+    cache = tmp_path / "programs"
     p = run_serve("--target", target, "--head", head, "--k", K, "--dtype", "float32", "--max-len", MAX_LEN,
                   "--max-slots", 2, "--max-admit-rows", 1, "--port", 0, "--served-model-name", NAME,
-                  "--warmup", "minimal", "--rounds-per-step", 1)  # test_serve_robust's command: programs cached
+                  "--warmup", "minimal", "--rounds-per-step", 1, "--compilation-cache", cache)
     try:
         lines = []
         for line in p.stderr:
@@ -508,6 +511,7 @@ def test_command_serves_then_stops(dirs, gen, sig, code):
     assert p.returncode == code, err
     assert "Traceback" not in err and err.strip().splitlines()[-1] == ("interrupted" if code else
                                                                        "pjax serve: stopped (SIGTERM)")
+    assert any(cache.iterdir())  # the programs it compiled, for the next start
 
 
 def _warm_up_then_bursts(engine, bridge, url, longest, bursts):
