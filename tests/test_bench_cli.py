@@ -229,6 +229,7 @@ def _no_output(path: Path):
     ("no-head", ["--drafting", "parallel"], "--drafting parallel needs --head"),
     ("num-prompts", ["--num-prompts", "81"], "--num-prompts 81: mt-bench has only 80 prompts"),
     ("dtype", ["--dtype", "int8"], "--dtype=int8 is not supported"),
+    ("cache", ["--compilation-cache", __file__], "test_bench_cli.py: exists and is not a directory"),
 ])
 def test_bad_input(ckpt, tmp_path, capsys, case, args, needle):
     target_dir, _, _ = ckpt

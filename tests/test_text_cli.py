@@ -130,6 +130,8 @@ def test_bad_input_in_process(dirs, tmp_path, capsys):
     usage(*base, "--prompt", "a", "--temperature", "hot", match=r"argument --temperature: expected a number")
     fails("--prompt", "a", "--drafting", "parallel", match=r"--drafting parallel needs --head DIR")
     fails("--prompt", "a", "--k", "3", match=r"--k needs drafting")
+    fails("--prompt", "a", "--compilation-cache", target / "config.json",
+          match=r"--compilation-cache .*config.json: exists and is not a directory")
     fails("--file", tmp_path / "none.jsonl", match=r"--file .*none.jsonl: no such file")
     bad = tmp_path / "bad.jsonl"
     for text, match in [('{"prompt": "a"}\n{"prompt": ', r"bad.jsonl line 2: not valid JSON"),

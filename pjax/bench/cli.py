@@ -63,13 +63,12 @@ from pjax.bench.runner import BenchSettings, build_prompt_set, environment, run_
 from pjax.checkpoint.errors import CheckpointError
 from pjax.checkpoint.heads import load_drafter
 from pjax.checkpoint.target import load_target
-from pjax.command import run_command
+from pjax.command import add_compilation_cache_flag, run_command, use_compilation_cache_flag
 from pjax.config import ConfigError
 from pjax.bench.simulate import SimulatedAcceptance
 from pjax.decode import EngineConfig, make_spec
 from pjax.decode.drafting import resolve
 from pjax.decode.settings import add_flags, add_mesh_flag, config_from_flags, mesh_from_flags
-from pjax.decode.compiled import use_compilation_cache
 from pjax.models.families import config_from_hf
 from pjax.dtypes import parse_dtype
 from pjax.decode.engine import STOP_WIDTH, mesh_config
@@ -157,9 +156,7 @@ def build_parser(prog: str = "python -m pjax bench") -> argparse.ArgumentParser:
     s.add_argument("--simulate-acceptance", type=_floats, default=None, metavar="P1,...,PK",
                    help="simulated verdicts for timing random weights: draft i accepted with probability p_i (the "
                         "chain stops at the first rejection); at least max(--k) values, the first K used at K")
-    s.add_argument("--compilation-cache", default=None, metavar="DIR",
-                   help="keep compiled programs in DIR (JAX's persistent cache): a later run with the same models, "
-                        "shapes and settings loads them instead of compiling")
+    add_compilation_cache_flag(s)
     s.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
                    help="start a configuration only while the time since start plus the longest configuration "
                         "so far fits in SECONDS (the rest are listed as not run)")
@@ -330,8 +327,7 @@ def run(args, argv) -> int:
     cache_dtype = _dtype(args.cache_dtype, "--cache-dtype")
     if args.prompt_len is not None and args.prompt_len < 1:
         raise BenchError(f"--prompt-len {args.prompt_len}: must be >= 1")
-    if args.compilation_cache is not None:
-        use_compilation_cache(args.compilation_cache)
+    use_compilation_cache_flag(args.compilation_cache, BenchError)
     shape = parse_random(args.target, "--target")
     if shape is not None and geometry(shape) not in RANDOM_SHAPES:
         raise BenchError(f"--target {args.target}: unknown shape (expected one of "

@@ -19,13 +19,13 @@ import contextlib
 import importlib
 import logging
 import math
-import os
 import signal
 import socket
 import sys
 import time
 
-from pjax.command import dtype_flag, run_command
+from pjax.command import (add_compilation_cache_flag, dtype_flag, run_command,
+                          use_compilation_cache_flag)
 from pjax.decode.settings import (DEFAULT_MAX_LEN, add_flags, add_mesh_flag, config_from_flags, mesh_from_flags,
                                   number_flag)
 from pjax.dtypes import parse_dtype
@@ -86,10 +86,7 @@ def build_parser(prog: str = "python -m pjax serve") -> argparse.ArgumentParser:
     p.add_argument("--warmup", choices=("full", "minimal"), default="full",
                    help="full (default): compile every program traffic can need before listening; minimal: the "
                         "decode program and a one-request short-prompt admission (others compile on first use)")
-    p.add_argument("--compilation-cache", metavar="DIR",
-                   help="keep compiled programs in DIR (JAX's persistent cache, created if missing): a later start "
-                        "with the same models and settings loads them instead of compiling (a MoE target's full "
-                        "warm-up compiles for minutes)")
+    add_compilation_cache_flag(p, " (a MoE target's full warm-up compiles for minutes)")
     limits = ServerLimits()
     p.add_argument("--shutdown-grace", type=_seconds, default=SHUTDOWN_GRACE_S, metavar="S",
                    help=f"after Ctrl-C / SIGTERM, seconds requests in flight get to finish before the rest are aborted "
@@ -160,11 +157,7 @@ def run(args) -> int:
         raise InputError(f"python -m pjax serve needs the `serve` extra ({e.name} is missing): "
                          "pip install 'pjax[serve]'") from None
 
-    if args.compilation_cache is not None:
-        if os.path.exists(args.compilation_cache) and not os.path.isdir(args.compilation_cache):
-            raise InputError(f"--compilation-cache {args.compilation_cache}: exists and is not a directory")
-        from pjax.decode.compiled import use_compilation_cache
-        use_compilation_cache(args.compilation_cache)
+    use_compilation_cache_flag(args.compilation_cache, InputError)
     with contextlib.closing(_bind(args.host, args.port)) as sock:
         engine, model = _load(args)
         seconds = _warm_up(engine, args.warmup, model.max_len - model.slack - 1)

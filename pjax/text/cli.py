@@ -17,7 +17,7 @@ from pathlib import Path
 
 from pjax.checkpoint import load_drafter, load_target
 from pjax.checkpoint.hf import read_target_config
-from pjax.command import dtype_flag, run_command
+from pjax.command import add_compilation_cache_flag, dtype_flag, run_command, use_compilation_cache_flag
 from pjax.decode.inputs import SEED_LIMIT
 from pjax.decode.settings import add_flags, config_from_flags, number_flag
 from pjax.dtypes import parse_dtype
@@ -58,6 +58,7 @@ def build_parser(prog: str = "python -m pjax generate") -> argparse.ArgumentPars
                    help="stop strings: the text ends before the first one (bash: --stop $'\\n\\n' for newlines)")
     p.add_argument("--stream", action="store_true", help="print the text as it is generated")
     add_flags(p, "prefill", "implementation", "cache_dtype")
+    add_compilation_cache_flag(p)
     p.add_argument("--batch-size", type=number_flag(int, low=1), default=8, metavar="N",
                    help="--file prompts decoded together (default 8)")
     return p
@@ -207,6 +208,7 @@ def run(args) -> int:
         raise InputError(f"--drafting {args.drafting} needs --head DIR (or use --drafting none)")
     if args.num_speculative_tokens is not None and (args.head is None or args.drafting == "none"):
         raise InputError("--k needs drafting: give --head DIR (and not --drafting none)")
+    use_compilation_cache_flag(args.compilation_cache, InputError)
     tokenizer = (_checked("--target", load_tokenizer, args.target) if args.tokenizer is None
                  else _checked("--tokenizer", load_tokenizer, args.tokenizer))
     prompts = _render(tokenizer, args)
