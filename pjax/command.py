@@ -3,14 +3,12 @@ traceback."""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Callable
 
 from pjax.dtypes import parse_dtype
 
-__all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "add_compilation_cache_flag", "dtype_flag",
-           "one_line", "run_command", "use_compilation_cache_flag"]
+__all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "dtype_flag", "one_line", "run_command"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -41,20 +39,3 @@ def dtype_flag(text: str) -> str:
         return parse_dtype(text, what="--dtype").name
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e).removeprefix("--dtype=")) from None
-
-
-def add_compilation_cache_flag(p: argparse.ArgumentParser, why: str = "") -> None:
-    """`--compilation-cache DIR` (JAX's persistent compilation cache); why: a sentence appended to its help."""
-    p.add_argument("--compilation-cache", metavar="DIR",
-                   help="keep compiled programs in DIR (JAX's persistent cache, created if missing): a later run with "
-                        "the same models, shapes and settings loads them instead of compiling" + why)
-
-
-def use_compilation_cache_flag(path, error=ValueError) -> None:
-    """Apply `--compilation-cache` (None: nothing); a path that is not a directory raises `error` naming the flag."""
-    if path is None:
-        return
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise error(f"--compilation-cache {path}: exists and is not a directory")
-    from pjax.decode.compiled import use_compilation_cache
-    use_compilation_cache(path)

@@ -63,12 +63,13 @@ from pjax.bench.runner import BenchSettings, build_prompt_set, environment, run_
 from pjax.checkpoint.errors import CheckpointError
 from pjax.checkpoint.heads import load_drafter
 from pjax.checkpoint.target import load_target
-from pjax.command import add_compilation_cache_flag, run_command, use_compilation_cache_flag
+from pjax.command import run_command
 from pjax.config import ConfigError
 from pjax.bench.simulate import SimulatedAcceptance
 from pjax.decode import EngineConfig, make_spec
 from pjax.decode.drafting import resolve
-from pjax.decode.settings import add_flags, add_mesh_flag, config_from_flags, mesh_from_flags
+from pjax.decode.settings import (add_compilation_cache_flag, add_flags, add_mesh_flag, config_from_flags,
+                                  mesh_from_flags, use_compilation_cache_flag)
 from pjax.models.families import config_from_hf
 from pjax.dtypes import parse_dtype
 from pjax.decode.engine import STOP_WIDTH, mesh_config

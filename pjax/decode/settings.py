@@ -6,18 +6,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from typing import Callable, Optional, Union
 
 from pjax.decode import inputs as I
 from pjax.decode.budget import TREE_CANDIDATES, is_auto
+from pjax.decode.compiled import use_compilation_cache
 from pjax.decode.drafting import Drafting, resolve
 from pjax.decode.state import DRAFT_SAMPLING, EngineSpec
 from pjax.decode.tree import SCORES, beam_width, candidate_count, path_count
 from pjax.kernels import IMPLEMENTATIONS
 from pjax.models.target import Target
 
-__all__ = ["DEFAULT_MAX_LEN", "FLAGS", "EngineConfig", "add_flags", "add_mesh_flag", "check_tree",
-           "config_from_flags", "configure", "make_spec", "mesh_from_flags", "number_flag"]
+__all__ = ["DEFAULT_MAX_LEN", "FLAGS", "EngineConfig", "add_compilation_cache_flag", "add_flags", "add_mesh_flag",
+           "check_tree", "config_from_flags", "configure", "make_spec", "mesh_from_flags", "number_flag",
+           "use_compilation_cache_flag"]
 
 DEFAULT_MAX_LEN = 2048
 
@@ -265,6 +268,23 @@ def add_mesh_flag(parser):
                         help="split the target over the first N devices (tensor parallel: attention by heads, MLP by "
                              "the intermediate dimension, MoE by experts, embedding and LM head by vocabulary; the "
                              "head replicated; default 1)")
+
+
+def add_compilation_cache_flag(parser, why: str = ""):
+    """Add --compilation-cache DIR (JAX's persistent compilation cache; `use_compilation_cache_flag`); why: a
+    sentence appended to its help."""
+    parser.add_argument("--compilation-cache", metavar="DIR",
+                        help="keep compiled programs in DIR (JAX's persistent cache, created if missing): a later run "
+                             "with the same models, shapes and settings loads them instead of compiling" + why)
+
+
+def use_compilation_cache_flag(path, error=ValueError):
+    """Apply --compilation-cache (None: nothing): a path that is not a directory raises `error` naming the flag."""
+    if path is None:
+        return
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise error(f"--compilation-cache {path}: exists and is not a directory")
+    use_compilation_cache(path)
 
 
 def mesh_from_flags(args):

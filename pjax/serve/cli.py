@@ -24,10 +24,9 @@ import socket
 import sys
 import time
 
-from pjax.command import (add_compilation_cache_flag, dtype_flag, run_command,
-                          use_compilation_cache_flag)
-from pjax.decode.settings import (DEFAULT_MAX_LEN, add_flags, add_mesh_flag, config_from_flags, mesh_from_flags,
-                                  number_flag)
+from pjax.command import dtype_flag, run_command
+from pjax.decode.settings import (DEFAULT_MAX_LEN, add_compilation_cache_flag, add_flags, add_mesh_flag,
+                                  config_from_flags, mesh_from_flags, number_flag, use_compilation_cache_flag)
 from pjax.dtypes import parse_dtype
 from pjax.serve.limits import ServerLimits
 

@@ -17,9 +17,10 @@ from pathlib import Path
 
 from pjax.checkpoint import load_drafter, load_target
 from pjax.checkpoint.hf import read_target_config
-from pjax.command import add_compilation_cache_flag, dtype_flag, run_command, use_compilation_cache_flag
+from pjax.command import dtype_flag, run_command
 from pjax.decode.inputs import SEED_LIMIT
-from pjax.decode.settings import add_flags, config_from_flags, number_flag
+from pjax.decode.settings import (add_compilation_cache_flag, add_flags, config_from_flags, number_flag,
+                                  use_compilation_cache_flag)
 from pjax.dtypes import parse_dtype
 from pjax.text.generate import TextGenerationInterrupted, TextGenerator, TextOutput
 from pjax.text.tokenizer import check_messages, load_tokenizer
