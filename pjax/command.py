@@ -8,9 +8,23 @@ from typing import Callable
 
 from pjax.dtypes import parse_dtype
 
-__all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "dtype_flag", "one_line", "run_command"]
+__all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "InputError", "checked", "dtype_flag",
+           "one_line", "run_command"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+class InputError(ValueError):
+    """Bad input to a command (a flag's value, a file or directory, the address); the message names it."""
+
+
+def checked(what: str, fn, *args, **kwargs):
+    """fn(*args, **kwargs), a loading or checking step whose ValueError / TypeError (each naming what is wrong)
+    becomes an InputError led by `what` (the flag)."""
+    try:
+        return fn(*args, **kwargs)
+    except (ValueError, TypeError) as e:
+        raise InputError(f"{what}: {e}" if what else str(e)) from e
 
 
 def one_line(e: BaseException) -> str:

@@ -24,7 +24,7 @@ import socket
 import sys
 import time
 
-from pjax.command import dtype_flag, run_command
+from pjax.command import InputError, checked, dtype_flag, run_command
 from pjax.decode.settings import (DEFAULT_MAX_LEN, add_compilation_cache_flag, add_flags, add_mesh_flag,
                                   config_from_flags, mesh_from_flags, number_flag, use_compilation_cache_flag)
 from pjax.dtypes import parse_dtype
@@ -35,10 +35,6 @@ __all__ = ["build_parser", "main", "make_server"]
 SHUTDOWN_GRACE_S = 5.0  # default seconds requests in flight get to finish after Ctrl-C / SIGTERM
 ABORT_WAIT_S = 10.0  # then at most this long for the aborted requests to end (one engine step) before their handlers
 # are cancelled (each still answers cleanly)
-
-
-class InputError(ValueError):
-    """Bad input to the command (a flag's value, a directory, the address); the message names it."""
 
 
 class _Terminated(BaseException):
@@ -98,13 +94,6 @@ def build_parser(prog: str = "python -m pjax serve") -> argparse.ArgumentParser:
     p.add_argument("--keep-alive-timeout", type=_seconds, default=5.0, metavar="S",
                    help="seconds an idle keep-alive connection stays open (default 5)")
     return p
-
-
-def _checked(what: str, fn, *args, **kwargs):
-    try:
-        return fn(*args, **kwargs)
-    except (ValueError, TypeError) as e:
-        raise InputError(f"{what}: {e}" if what else str(e)) from e
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -187,25 +176,25 @@ def _load(args):
     from pjax.text.tokenizer import load_tokenizer
 
     t0 = time.perf_counter()
-    tokenizer = (_checked("--target", load_tokenizer, args.target) if args.tokenizer is None
-                 else _checked("--tokenizer", load_tokenizer, args.tokenizer))
+    tokenizer = (checked("--target", load_tokenizer, args.target) if args.tokenizer is None
+                 else checked("--tokenizer", load_tokenizer, args.tokenizer))
     dtype = parse_dtype(args.dtype)
     check = not args.no_finite_check
-    mesh = _checked("--tensor-parallel", mesh_from_flags, args)
-    target = _checked("--target", load_target, args.target, dtype=dtype, check_finite=check, mesh=mesh)
-    drafter = None if args.head is None else _checked("--head", load_drafter, args.head, dtype=dtype, target=target,
+    mesh = checked("--tensor-parallel", mesh_from_flags, args)
+    target = checked("--target", load_target, args.target, dtype=dtype, check_finite=check, mesh=mesh)
+    drafter = None if args.head is None else checked("--head", load_drafter, args.head, dtype=dtype, target=target,
                                                       check_finite=check, mesh=mesh)
     vocab = target.config.vocab_size
     if tokenizer.vocab_size > vocab:
         _log(f"warning: the tokenizer has {tokenizer.vocab_size} tokens but the target's vocabulary is {vocab}: "
              "prompts holding the extra tokens will be refused")
-    drafting, k = _checked("--drafting / --k", resolve, drafter, args.drafting, args.num_speculative_tokens)
+    drafting, k = checked("--drafting / --k", resolve, drafter, args.drafting, args.num_speculative_tokens)
     mpe = target.config.max_position_embeddings
     max_len = args.max_len or (min(DEFAULT_MAX_LEN, mpe) if mpe else DEFAULT_MAX_LEN)
     auto = "auto" in (args.num_speculative_tokens, args.tree_budget)
     config = config_from_flags(args, drafting=drafting, num_speculative_tokens="auto" if auto else k or None,
                                max_len=max_len)
-    engine = _checked("", Engine, target, drafter if drafting.speculative else None, config, mesh=mesh)
+    engine = checked("", Engine, target, drafter if drafting.speculative else None, config, mesh=mesh)
     slack = engine.slack
     if max_len - slack < 2:
         raise InputError(f"--max-len {max_len}: leaves no room for a prompt and a new token beside the {slack} "

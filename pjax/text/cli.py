@@ -17,7 +17,7 @@ from pathlib import Path
 
 from pjax.checkpoint import load_drafter, load_target
 from pjax.checkpoint.hf import read_target_config
-from pjax.command import dtype_flag, run_command
+from pjax.command import InputError, checked, dtype_flag, run_command
 from pjax.decode.inputs import SEED_LIMIT
 from pjax.decode.settings import (add_compilation_cache_flag, add_flags, config_from_flags, number_flag,
                                   use_compilation_cache_flag)
@@ -28,10 +28,6 @@ from pjax.text.tokenizer import check_messages, load_tokenizer
 __all__ = ["build_parser", "main", "read_jsonl"]
 
 DEFAULT_NEW_TOKENS = 256
-
-
-class InputError(ValueError):
-    """Bad input to the command (a file, a flag's value); the message names it."""
 
 
 def build_parser(prog: str = "python -m pjax generate") -> argparse.ArgumentParser:
@@ -91,7 +87,7 @@ def read_jsonl(path) -> list[tuple[int, object]]:
                 raise InputError(f'{where}: "prompt" must be a string')
             rows.append((n, row["prompt"]))
         else:
-            rows.append((n, _checked(where, check_messages, row["messages"], where='"messages"')))
+            rows.append((n, checked(where, check_messages, row["messages"], where='"messages"')))
     if not rows:
         raise InputError(f"--file {path}: no prompts (empty file)")
     return rows
@@ -149,7 +145,7 @@ class _Printer:
 
 
 def _run_batch(gen, prompts, offset: int, blocks: bool, args, kw) -> list[TextOutput]:
-    stream = _checked("", gen.stream, prompts, **kw)
+    stream = checked("", gen.stream, prompts, **kw)
     printer = _Printer(offset, len(prompts), blocks)
     try:
         if args.stream:
@@ -165,15 +161,6 @@ def _run_batch(gen, prompts, offset: int, blocks: bool, args, kw) -> list[TextOu
     return outputs
 
 
-def _checked(what: str, fn, *args, **kwargs):
-    """Run a loading / checking step; its ValueError / TypeError (checkpoint, tokenizer, engine checks, each
-    naming what is wrong) becomes an InputError led by `what`."""
-    try:
-        return fn(*args, **kwargs)
-    except (ValueError, TypeError) as e:
-        raise InputError(f"{what}: {e}" if what else str(e)) from e
-
-
 def _render(tokenizer, args) -> list[list[int]]:
     """Prompt ids, every prompt checked before the models load; errors name the flag or the file line."""
     if args.file is None:
@@ -183,7 +170,7 @@ def _render(tokenizer, args) -> list[list[int]]:
         rows = [(f"{args.file} line {n}", p, None) for n, p in read_jsonl(args.file)]
     ids = []
     for where, prompt, chat in rows:
-        p = _checked(where, tokenizer.render, prompt, chat=chat)
+        p = checked(where, tokenizer.render, prompt, chat=chat)
         if not p:
             raise InputError(f"{where}: the prompt renders to no tokens")
         ids.append(p)
@@ -210,14 +197,14 @@ def run(args) -> int:
     if args.num_speculative_tokens is not None and (args.head is None or args.drafting == "none"):
         raise InputError("--k needs drafting: give --head DIR (and not --drafting none)")
     use_compilation_cache_flag(args.compilation_cache, InputError)
-    tokenizer = (_checked("--target", load_tokenizer, args.target) if args.tokenizer is None
-                 else _checked("--tokenizer", load_tokenizer, args.tokenizer))
+    tokenizer = (checked("--target", load_tokenizer, args.target) if args.tokenizer is None
+                 else checked("--tokenizer", load_tokenizer, args.tokenizer))
     prompts = _render(tokenizer, args)
-    max_new = _max_new_tokens(args, _checked("--target", read_target_config, args.target)[1], prompts)
+    max_new = _max_new_tokens(args, checked("--target", read_target_config, args.target)[1], prompts)
     dtype = parse_dtype(args.dtype)
     check = not args.no_finite_check
-    target = _checked("--target", load_target, args.target, dtype=dtype, check_finite=check)
-    drafter = None if args.head is None else _checked("--head", load_drafter, args.head, dtype=dtype, target=target,
+    target = checked("--target", load_target, args.target, dtype=dtype, check_finite=check)
+    drafter = None if args.head is None else checked("--head", load_drafter, args.head, dtype=dtype, target=target,
                                                       check_finite=check)
     gen = TextGenerator(target, drafter, tokenizer, config=config_from_flags(args))
     kw = dict(max_new_tokens=max_new, drafting=args.drafting, k=args.num_speculative_tokens,
