@@ -40,8 +40,8 @@ one admission program per (rows bucket up to max_admit_rows, prompt-length bucke
 num_speculative_tokens "auto", those chunk programs for every candidate budget, one of which each chunk runs
 (`pjax.decode.budget`: the chooser reads each view's acceptance counters and the chunks' times; no recompilation).
 Sampling values within a mode, stop ids (a fixed-width table) and per-request limits are runtime data and never
-recompile. Every random draw is keyed on (seed, position), so a
-request's output does not depend on which slot it took or on the other requests.
+recompile. Every random draw is keyed on (seed, position), so a request's output does not depend on which slot it
+took or on the other requests.
 """
 from __future__ import annotations
 
