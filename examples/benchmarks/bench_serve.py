@@ -125,7 +125,7 @@ def load(args):
 def serve_and_load(args, target, head, tokenizer, prompts, c: int, max_positions: int) -> dict:
     """Serve an engine of c slots (as the bench's: KV capacity for max_positions, the whole prompt set's longest
     request) and drive it with c clients in flight: output tokens, wall s."""
-    from pjax.decode.inputs import bucket_batch, bucket_capacity
+    from pjax.decode.inputs import bucket_capacity
     from pjax.bench.simulate import SimulatedAcceptance
     from pjax.serve import AsyncEngine, Engine, EngineConfig
     from pjax.serve.cli import make_server
@@ -137,8 +137,8 @@ def serve_and_load(args, target, head, tokenizer, prompts, c: int, max_positions
     engine = Engine(target, head, EngineConfig(max_slots=c, max_len=max_len, num_speculative_tokens=k,
                                                drafting="parallel", rounds_per_step=args.rounds_per_step),
                     acceptance=None if sim is None else SimulatedAcceptance(sim))
-    rows = sorted({bucket_batch(i) for i in range(1, c + 1)})  # as many requests as arrive between two chunks
-    compile_s = engine.precompile(rows, sorted({len(p) for p in prompts}), warm=True, sampling=("greedy",))
+    # admissions of 1 to c requests: as many as arrive between two chunks
+    compile_s = engine.precompile(range(1, c + 1), {len(p) for p in prompts}, warm=True, sampling="greedy")
     model = ServedModel(name="bench", tokenizer=tokenizer, vocab_size=target.config.vocab_size, max_len=max_len,
                         slack=engine.slack, drafting="parallel", num_speculative_tokens=engine.spec.k)
     name = f"bench-serve-engine-{c}-{time.monotonic_ns()}"

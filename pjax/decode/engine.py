@@ -453,11 +453,12 @@ class Engine:
                 self._chunk_exe[(fixed, k, mode)] = exe
         return exe
 
-    def _needs(self) -> str:
-        """The sampling mode the running requests need (`sampling_need`). The host picks each chunk's program by it:
-        a branch on it inside the round would stop the host in every round on a GPU (XLA reads a conditional's
-        predicate back before it runs a branch), so a chunk could not be queued ahead of the device."""
-        return sampling_need((r.params.temperature, r.params.top_k, r.params.top_p) for r in self._slots.values())
+    def _needs(self, requests=None) -> str:
+        """The sampling mode `requests` (default: the running ones) need (`sampling_need`). The host picks each chunk's
+        program by it: a branch on it inside the round would stop the host in every round on a GPU (XLA reads a
+        conditional's predicate back before it runs a branch), so a chunk could not be queued ahead of the device."""
+        requests = self._slots.values() if requests is None else requests
+        return sampling_need((r.params.temperature, r.params.top_k, r.params.top_p) for r in requests)
 
     def _mode(self, k, mode: str) -> str:
         """`mode` as budget k's rounds compile it: a chain round takes greedy rows without a branch ("sampled")."""
@@ -771,8 +772,7 @@ class Engine:
         first tokens come back at once). final: no request will be submitted before the running ones finish (a
         static batch): the step waits for its own chunk, of about FINAL_CHUNK_S of device time."""
         if not self._timed and not self._slots:  # in the mode the queued requests need
-            self._time_budgets(sampling_need((r.params.temperature, r.params.top_k, r.params.top_p)
-                                             for r in self._queue.values()))
+            self._time_budgets(self._needs(self._queue.values()))
         t0 = time.perf_counter()
         starved = self._admitted_last and self._slots  # a step after an admission runs a chunk
         admitted = self._admit(t0) if self._queue and len(self._slots) < self.max_running and not starved else []

@@ -27,6 +27,7 @@ import time
 from pjax.command import InputError, checked, dtype_flag, run_command
 from pjax.decode.settings import (DEFAULT_MAX_LEN, add_compilation_cache_flag, add_flags, add_mesh_flag,
                                   config_from_flags, mesh_from_flags, number_flag, use_compilation_cache_flag)
+from pjax.decode.state import SAMPLING_MODES
 from pjax.dtypes import parse_dtype
 from pjax.serve.limits import ServerLimits
 
@@ -118,7 +119,7 @@ def _warm_up(engine, mode: str, longest_prompt: int) -> float:
     "minimal": one short single-request admission, and no decode program for top-k / top-p), logging progress; returns
     the compile seconds."""
     pairs = [(1, 1)] if mode == "minimal" else engine.admission_shapes(longest_prompt)
-    sampling = ("greedy", "sampled") if mode == "minimal" else ("greedy", "sampled", "filtered")
+    sampling = SAMPLING_MODES[:2] if mode == "minimal" else SAMPLING_MODES  # minimal: no top-k / top-p program
     seconds = 0.0
     for i, (n, length) in enumerate(pairs):
         seconds += engine.precompile([n], [length], warm=True, sampling=sampling)
@@ -183,7 +184,7 @@ def _load(args):
     mesh = checked("--tensor-parallel", mesh_from_flags, args)
     target = checked("--target", load_target, args.target, dtype=dtype, check_finite=check, mesh=mesh)
     drafter = None if args.head is None else checked("--head", load_drafter, args.head, dtype=dtype, target=target,
-                                                      check_finite=check, mesh=mesh)
+                                                     check_finite=check, mesh=mesh)
     vocab = target.config.vocab_size
     if tokenizer.vocab_size > vocab:
         _log(f"warning: the tokenizer has {tokenizer.vocab_size} tokens but the target's vocabulary is {vocab}: "

@@ -205,7 +205,7 @@ def run(args) -> int:
     check = not args.no_finite_check
     target = checked("--target", load_target, args.target, dtype=dtype, check_finite=check)
     drafter = None if args.head is None else checked("--head", load_drafter, args.head, dtype=dtype, target=target,
-                                                      check_finite=check)
+                                                     check_finite=check)
     gen = TextGenerator(target, drafter, tokenizer, config=config_from_flags(args))
     kw = dict(max_new_tokens=max_new, drafting=args.drafting, k=args.num_speculative_tokens,
               temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop)
