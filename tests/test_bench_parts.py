@@ -239,6 +239,17 @@ def test_auto_budget_rows():
     assert only.ks == () and only.auto
 
 
+def test_plots_of_auto_budget_only(tmp_path):
+    """`--k auto` as the only budget: the plots shade its line (no fixed K to scale by)."""
+    pytest.importorskip("matplotlib")
+    from pjax.bench.report import write_plots
+    s = BenchSettings(drafting=("parallel", "none"), ks=(), auto=True, concurrency=(1, 2), max_new_tokens=4)
+    res = run_bench(AutoStandIn(), [prompt_set()], s, meta={}, progress=False)
+    assert [(r["drafting"], r["k"]) for r in res.rows][:2] == [("none", 0), ("parallel", "auto")]
+    plots = write_plots(res.rows, tmp_path)
+    assert plots and all((tmp_path / name).is_file() for names in plots.values() for name in names)
+
+
 def test_exactness_off_for_sampling_and_without_reference():
     s = BenchSettings(drafting=("parallel",), ks=(1,), concurrency=(1,), max_new_tokens=4)
     (row,) = run_bench(StandIn(), [prompt_set()], s, meta={}, progress=False).rows

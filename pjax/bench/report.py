@@ -56,7 +56,7 @@ def _mode(r: dict) -> str:
 
 def _shade(r: dict, rows: Sequence[dict]) -> float:
     """A line's opacity: larger K darker ("auto" as the largest)."""
-    top = max([x["k"] for x in rows if x["k"] != "auto"] or [1])
+    top = max([x["k"] for x in rows if x["k"] != "auto" and x["k"]] or [1])
     return 0.35 + 0.65 * min(1.0, (top if r["k"] == "auto" else r["k"]) / top)
 
 
