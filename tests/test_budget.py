@@ -161,23 +161,28 @@ def test_engine_switches_budgets_without_compiling(models, reference, monkeypatc
     assert compile_count() == before
 
 
-def test_budget_timing_runs_distinct_tokens_per_slot(models):
+@pytest.mark.parametrize("tree", [False, True])
+def test_budget_timing_runs_distinct_tokens_per_slot(models, tree):
     """The warm-up timing of every budget runs its chunks on free slots holding distinct tokens (a MoE layer's cost
     is the experts its tokens choose: slots of one token would time one token's experts at any K)."""
     target, _ = models
-    config = EngineConfig(num_speculative_tokens="auto", max_slots=4, max_len=32, rounds_per_step=1,
-                          compiler_options=FAST)
-    eng = Engine(target, make_drafter(target, num_depths=1), config)
+    config = EngineConfig(num_speculative_tokens=None if tree else "auto", tree_budget="auto" if tree else None,
+                          max_slots=4, max_len=32, rounds_per_step=1, compiler_options=FAST)
+    drafter = make_drafter(target, num_depths=2, draft_vocab_size=3) if tree else make_drafter(target, num_depths=1)
+    chooser = BudgetChooser((1, TreeBudget(8))) if tree else None  # two of the tree candidates: fewer programs
+    eng = Engine(target, drafter, config, chooser=chooser)
     seen, program = [], eng._chunk_program
 
     def recording(*a, **kw):
         exe = program(*a, **kw)
-        return lambda *args: (seen.append((np.asarray(args[2].last), np.asarray(args[2].drafts))), exe(*args))[1]
+        return lambda *args: (seen.append(args[2]), exe(*args))[1]
     eng._chunk_program = recording
     eng._time_budgets("sampled", chunks=1)
-    assert len(seen) == 2 * len(eng.budgets) and eng.budgets == (0, 1)
-    for last, drafts in seen:
-        assert len(set(last.tolist())) == 4 and len(set(drafts[:, 0].tolist())) > 1
+    assert len(seen) == 2 * len(eng.budgets) and eng.budgets == ((1, TreeBudget(8)) if tree else (0, 1))
+    for state in seen:
+        assert len(set(np.asarray(state.last).tolist())) == 4
+        nodes = np.asarray(state.tree.tokens if tree else state.drafts)
+        assert len(set(nodes[:, 0].tolist())) > 1
 
 
 def test_chooser_scores_trees_by_measured_tokens():

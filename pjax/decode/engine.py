@@ -469,13 +469,14 @@ class Engine:
         computes every slot whatever the occupancy, so this is its cost at max_slots; attention over longer contexts
         costs more, which the chooser learns from the chunks it sees): after one untimed chunk, `chunks` chunks
         dispatched back to back, as the pipelined steps run them, from the first one's dispatch to the last one's
-        end. The free slots hold distinct random tokens while timed: a MoE layer reads the experts its tokens choose,
-        and slots of one token would all choose the same few (a K = 7 verify at 8 slots timed ~the cost of one
-        token's experts, not the ~8 x 8 tokens' of live requests); admission overwrites a slot's tokens."""
+        end. The free slots hold distinct random tokens (last, drafts, tree nodes) while timed: a MoE layer reads the
+        experts its tokens choose, and slots of one token would all choose the same few (a K = 7 verify at 8 slots
+        timed ~one token's experts, not the ~8 x 8 tokens' of live requests); admission overwrites a slot's tokens."""
         rng = np.random.default_rng(0)
         distinct = lambda x: jax.device_put(rng.integers(0, self._vocab, x.shape, np.int32), x.sharding)  # noqa: E731
-        self._state = dataclasses.replace(self._state, last=distinct(self._state.last),
-                                          drafts=distinct(self._state.drafts))
+        s = self._state
+        tree = None if s.tree is None else dataclasses.replace(s.tree, tokens=distinct(s.tree.tokens))
+        self._state = dataclasses.replace(s, last=distinct(s.last), drafts=distinct(s.drafts), tree=tree)
         times = {}
         for k in self.budgets:
             exe = self._chunk_program(True, k, mode)
