@@ -164,7 +164,8 @@ def test_engine_switches_budgets_without_compiling(models, reference, monkeypatc
 @pytest.mark.parametrize("tree", [False, True])
 def test_budget_timing_runs_distinct_tokens_per_slot(models, tree):
     """The warm-up timing of every budget runs its chunks on free slots holding distinct tokens (a MoE layer's cost
-    is the experts its tokens choose: slots of one token would time one token's experts at any K)."""
+    is the experts its tokens choose: slots of one token would time one token's experts at any K), then puts the
+    empty state's tokens back."""
     target, _ = models
     config = EngineConfig(num_speculative_tokens=None if tree else "auto", tree_budget="auto" if tree else None,
                           max_slots=4, max_len=32, rounds_per_step=1, compiler_options=FAST)
@@ -183,6 +184,8 @@ def test_budget_timing_runs_distinct_tokens_per_slot(models, tree):
         assert len(set(np.asarray(state.last).tolist())) == 4
         nodes = np.asarray(state.tree.tokens if tree else state.drafts)
         assert len(set(nodes[:, 0].tolist())) > 1
+    s = eng._state  # the free slots hold the empty state's tokens again
+    assert not np.asarray(s.last).any() and not np.asarray(s.tree.tokens if tree else s.drafts).any()
 
 
 def test_chooser_scores_trees_by_measured_tokens():

@@ -471,12 +471,11 @@ class Engine:
         dispatched back to back, as the pipelined steps run them, from the first one's dispatch to the last one's
         end. The free slots hold distinct random tokens (last, drafts, tree nodes) while timed: a MoE layer reads the
         experts its tokens choose, and slots of one token would all choose the same few (a K = 7 verify at 8 slots
-        timed ~one token's experts, not the ~8 x 8 tokens' of live requests); admission overwrites a slot's tokens."""
+        timed ~one token's experts, not the ~8 x 8 tokens' of live requests); then the empty state's zeros again (a
+        free slot's tokens are computed every round: one token's experts are what a never-used slot costs)."""
         rng = np.random.default_rng(0)
-        distinct = lambda x: jax.device_put(rng.integers(0, self._vocab, x.shape, np.int32), x.sharding)  # noqa: E731
-        s = self._state
-        tree = None if s.tree is None else dataclasses.replace(s.tree, tokens=distinct(s.tree.tokens))
-        self._state = dataclasses.replace(s, last=distinct(s.last), drafts=distinct(s.drafts), tree=tree)
+        random = lambda x: rng.integers(0, self._vocab, x.shape, np.int32)  # noqa: E731
+        self._state = self._with_tokens(random)
         times = {}
         for k in self.budgets:
             exe = self._chunk_program(True, k, mode)
@@ -488,7 +487,16 @@ class Engine:
             jax.block_until_ready(view)
             times[k] = (time.perf_counter() - t0) / (chunks * self.rounds_per_step)
         self.chooser.set_warm_times(times)
+        self._state = self._with_tokens(lambda x: np.zeros(x.shape, np.int32))
         self._timed = True
+
+    def _with_tokens(self, values) -> DecodeState:
+        """The state with every slot's tokens (last, drafts, tree nodes) replaced by values(array) (host arrays placed
+        as the state's)."""
+        s = self._state
+        put = lambda x: jax.device_put(values(x), x.sharding)  # noqa: E731
+        tree = None if s.tree is None else dataclasses.replace(s.tree, tokens=put(s.tree.tokens))
+        return dataclasses.replace(s, last=put(s.last), drafts=put(s.drafts), tree=tree)
 
     def budget_stats(self) -> dict:
         """budget (the K of the last chunk), budgets (the candidates), chunks_by_budget {K: chunks run}; with "auto"
