@@ -243,6 +243,13 @@ def prefill(target, drafter, prompts, lengths, sampling: Sampling, *, spec: Engi
                                                         packed_len=packed_len, cache=drafter_cache, rows=rows))
 
 
+def _origin(pos, active):
+    """pos [B] where `active`, else 0: a round computes every slot, and a free slot's queries at its last request's
+    positions would read that request's whole context from the cache (its outputs are unused and it writes no K/V);
+    at 0 they read a tile."""
+    return jnp.where(active, pos, 0)
+
+
 def verify(target, state: DecodeState, num_drafts, active, spec: EngineSpec):
     """Target pass over [last, d_1..d_K] at positions pos..pos+K (rows beyond num_drafts or inactive
     write no KV; the state's first K drafts, of K_max with spec.state_k). Returns (logits [B, K+1, V] f32, aux
@@ -250,7 +257,7 @@ def verify(target, state: DecodeState, num_drafts, active, spec: EngineSpec):
     k = spec.k
     tokens = jnp.concatenate([state.last[:, None], state.drafts[:, :k]], axis=1)
     idx = jnp.arange(k + 1, dtype=jnp.int32)[None]
-    positions = state.pos[:, None] + idx
+    positions = _origin(state.pos, active)[:, None] + idx
     valid = active[:, None] & (idx <= num_drafts[:, None])
     out = forward(target, tokens, positions, state.target_cache, valid=valid, aux_layer_ids=spec.aux_layer_ids,
                   implementation=spec.implementation)
@@ -266,8 +273,9 @@ def verify_tree(target, state: DecodeState, tree, num_nodes, active, spec: Engin
     idx = jnp.arange(tree.size + 1, dtype=jnp.int32)[None]
     depth = jnp.concatenate([jnp.zeros_like(tree.depth[:, :1]), tree.depth], axis=1)
     valid = active[:, None] & (idx <= num_nodes[:, None])
-    out = forward(target, tokens, state.pos[:, None] + depth, state.target_cache, valid=valid,
-                  slots=state.pos[:, None] + idx, tree=TreeMask(state.pos, tree.visible),
+    pos = _origin(state.pos, active)
+    out = forward(target, tokens, pos[:, None] + depth, state.target_cache, valid=valid,
+                  slots=pos[:, None] + idx, tree=TreeMask(pos, tree.visible),
                   aux_layer_ids=spec.aux_layer_ids, implementation=spec.implementation)
     return logits_from_hidden(target, out.hidden), out.aux, out.cache, tokens
 
@@ -336,11 +344,12 @@ def spec_round(target, drafter, state: DecodeState, sampling: Sampling, *, spec:
         return new
     comb = combine(drafter, aux)
     keep = active & ~done
+    origin = _origin(state.pos, keep)  # a row not drafting (its drafts are dropped) reads no context
     if k == 0:  # no drafts: the drafter only takes the new token (one slot), so that drafting resumes exactly
-        dcache = D.catch_up(drafter, state.drafter_cache, comb, res.next_token, state.pos, keep, spec)
+        dcache = D.catch_up(drafter, state.drafter_cache, comb, res.next_token, origin, keep, spec)
         return dataclasses.replace(new, drafter_cache=dcache, ready=jnp.where(keep, 0, state.ready))
     drafts, q, tree, dcache = D.draft_round(drafter, state.drafter_cache, comb, vtokens, n, res.next_token,
-                                            state.pos, keep, sampling, spec)
+                                            origin, keep, sampling, spec)
     if k < k_max:  # the state's drafts k.. stay as they are
         drafts = state.drafts.at[:, :k].set(drafts)
         q = None if q is None else state.draft_probs.at[:, :k].set(q)
