@@ -3,6 +3,8 @@
     PYTHONPATH=. python3 examples/benchmarks/bench_scheduling.py                 # GPU: the code pair's geometry
     PYTHONPATH=. python3 examples/benchmarks/bench_scheduling.py --shape tiny --concurrency 8 --prompts 16 \\
         --new-tokens 32 --prompt-len 16 --repeats 1                             # CPU smoke run
+    PYTHONPATH=. python3 examples/benchmarks/bench_scheduling.py --only free --shape llama3.1-8b --concurrency 8 \\
+        --slots 64 --fill-new 1536                                              # what free slots cost
 
 ratio: `--prompts` random prompts of `--prompt-len` tokens, `--new-tokens` each (no EOS), at concurrency c, as
 `pjax bench` runs them: static batches (`pjax.bench.BatchBackend`, `pjax.generate`'s path) and continuous batching
@@ -13,6 +15,8 @@ gap: the engine's fixed-trip chunk program (plain decoding, c rows; 8 rounds) ca
 the previous chunk's outputs and then working X ms after each call, as a pipelined step does: were the device a
 chunk ahead of the host, the ms per chunk would not grow with X. Both programs: without the top-k / top-p truncation
 (what the engine runs while no request asks for it) and with it (a vocabulary sort in every round).
+free: c requests (plain decoding) in an engine of c slots, and in one of `--slots` slots every one of which has served
+a request of `--fill-new` tokens first (a server at low load; a round computes every slot): output tok/s, medians.
 Prints markdown; writes JSON to $OUT/bench_scheduling.json when $OUT is set.
 """
 from __future__ import annotations
@@ -34,6 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from pjax.bench.backend import BatchBackend, EngineBackend, Request, RunSettings  # noqa: E402
 from pjax.bench.models import random_head, random_target  # noqa: E402
 from pjax.decode import EngineConfig  # noqa: E402
+from pjax.decode.engine import Engine, RequestParams  # noqa: E402
+from pjax.decode.inputs import bucket_capacity  # noqa: E402
 
 SIMULATED = (0.82, 0.780, 0.828)  # the code pair's conditional acceptance per draft position (K = 3)
 
@@ -89,7 +95,29 @@ def gap(target, requests, a) -> list[dict]:
     return rows
 
 
-def main():
+def free(target, requests, a) -> list[dict]:
+    """c requests in flight (plain decoding) in an engine of c slots and in one of --slots slots, each slot having
+    served a request of --fill-new tokens first: output tok/s, the median of --repeats runs after a warm one."""
+    def serve(eng, reqs, new) -> float:
+        for r in reqs:
+            eng.submit(list(r.tokens), RequestParams(new))
+        t0, out = time.perf_counter(), 0
+        while eng.has_work:
+            out += sum(len(ev.new_tokens) for ev in eng.step())
+        return out / (time.perf_counter() - t0)
+    c, rows = a.concurrency, []
+    for slots in (c, a.slots):
+        capacity = bucket_capacity(a.prompt_len + max(a.new_tokens, a.fill_new) + 16)
+        eng = Engine(target, None, EngineConfig(drafting="none", max_slots=slots, max_len=capacity))
+        serve(eng, [requests[i % len(requests)] for i in range(slots)], a.fill_new)  # every slot serves a request
+        serve(eng, requests[:c], a.new_tokens)  # warm: the c-request admission
+        runs = [serve(eng, requests[:c], a.new_tokens) for _ in range(a.repeats)]
+        rows.append({"concurrency": c, "slots": slots, "tok_s": statistics.median(runs), "runs": runs})
+        del eng
+    return rows
+
+
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="code-pair", help="a random target (pjax.bench.models), default code-pair")
     ap.add_argument("--concurrency", type=int, default=64)
@@ -97,28 +125,40 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--only", choices=("ratio", "gap"), default=None, help="one of the two measurements")
-    a = ap.parse_args()
+    ap.add_argument("--slots", type=int, default=64, help="free: the larger engine's slots")
+    ap.add_argument("--fill-new", type=int, default=1024, help="free: tokens of the request each slot serves first")
+    ap.add_argument("--only", choices=("ratio", "gap", "free"), default=None, help="one of the measurements")
+    a = ap.parse_args(argv)
     target = random_target(a.shape, jnp.bfloat16)
     head = random_head(target, "4", parallel=True, dtype=jnp.bfloat16, shape=a.shape)
     rng = np.random.default_rng(0)
     requests = [Request(str(i), tuple(int(t) for t in rng.integers(0, target.config.vocab_size, a.prompt_len)), i)
                 for i in range(a.prompts)]
+    run = lambda name: a.only in (None, name)  # noqa: E731
     out = {"device": jax.devices()[0].device_kind, "args": vars(a),
-           "ratio": ratio(target, head, requests, a) if a.only != "gap" else [],
-           "gap": gap(target, requests, a) if a.only != "ratio" else []}
+           "ratio": ratio(target, head, requests, a) if run("ratio") else [],
+           "gap": gap(target, requests, a) if run("gap") else [],
+           "free": free(target, requests, a) if run("free") else []}
     print(f"## {a.shape}, c = {a.concurrency}, {a.prompts} prompts of {a.prompt_len} tokens, {a.new_tokens} new "
           f"tokens ({out['device']})\n")
-    print("| drafting | static tok/s | continuous tok/s | continuous / static |\n|---|---|---|---|")
+    if out["ratio"]:
+        print("| drafting | static tok/s | continuous tok/s | continuous / static |\n|---|---|---|---|")
     for r in out["ratio"]:
         print(f"| {r['drafting']} (K = {r['k']}) | {r['static_tok_s']:,.1f} | {r['continuous_tok_s']:,.1f} | "
               f"{r['continuous_over_static']:.3f} |")
-    print("\n| round | host work between calls (ms) | ms per chunk | ms per call |\n|---|---|---|---|")
+    if out["gap"]:
+        print("\n| round | host work between calls (ms) | ms per chunk | ms per call |\n|---|---|---|---|")
     for r in out["gap"]:
         print(f"| {'with' if r['filters'] else 'without'} top-k / top-p | {r['host_ms']} | {r['chunk_ms']:.2f} | "
               f"{r['call_ms']:.2f} |")
+    if out["free"]:
+        print(f"\n| requests in flight | slots (each served {a.fill_new} tokens first) | tok/s | vs c slots |\n"
+              "|---|---|---|---|")
+    for r in out["free"]:
+        print(f"| {r['concurrency']} | {r['slots']} | {r['tok_s']:,.1f} | {r['tok_s'] / out['free'][0]['tok_s']:.3f} |")
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "bench_scheduling.json").write_text(json.dumps(out, indent=1))
+    return out
 
 
 if __name__ == "__main__":
