@@ -469,10 +469,8 @@ class Engine:
         computes every slot whatever the occupancy, so this is its cost at max_slots; attention over longer contexts
         costs more, which the chooser learns from the chunks it sees): after one untimed chunk, `chunks` chunks
         dispatched back to back, as the pipelined steps run them, from the first one's dispatch to the last one's
-        end. The free slots hold distinct random tokens (last, drafts, tree nodes) while timed: a MoE layer reads the
-        experts its tokens choose, and slots of one token would all choose the same few (a K = 7 verify at 8 slots
-        timed ~one token's experts, not the ~8 x 8 tokens' of live requests); then the empty state's zeros again (a
-        free slot's tokens are computed every round: one token's experts are what a never-used slot costs)."""
+        end. The slots hold distinct random tokens while timed (a MoE layer reads the experts its tokens choose:
+        slots of one token would choose the same few at any K), the empty state's zeros again after."""
         rng = np.random.default_rng(0)
         random = lambda x: rng.integers(0, self._vocab, x.shape, np.int32)  # noqa: E731
         self._state = self._with_tokens(random)
